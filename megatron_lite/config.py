@@ -1,0 +1,302 @@
+"""Run configuration: dataclasses that are the single source of truth for every flag.
+
+Each field has a type, a default and a one-line docstring under it; `arguments.py` turns them
+into argparse flags (names follow Megatron-LM; `metadata={"flag": ...}` overrides the name).
+Local invariants are checked in `__post_init__`; cross-field checks that need the world size
+live in `validate()`, which runs before any process group or tensor is created.
+
+Glossary: tp/pp/dp = tensor/pipeline/data parallel; "stage" = pp rank; "chunk" = virtual stage;
+"axis" = a parallel axis, "dim" = a tensor dimension; batch sizes are in samples, tokens in tokens.
+This module imports nothing from megatron_lite (stdlib only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the flag(s) and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width h."""
+    ffn_hidden_size: int | None = None
+    """SwiGLU inner width; default 8h/3 rounded up to a multiple of 64 (Llama's sizing)."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; default = num_attention_heads (plain MHA)."""
+    seq_length: int = 64
+    """Training sequence length in tokens."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the RoPE tables cover; default = seq_length."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary size (before padding); taken from the tokenizer when one is given."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init; output projections use std / sqrt(2 * num_layers)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Use a separate output layer instead of reusing the input embedding."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency theta."""
+    triton_kernels: str = field(default="auto", metadata={"choices": ["auto", "on", "off"]})
+    """Fused Triton kernels: auto = on with CUDA, off on CPU; on = also on CPU (interpreter)."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "vocab_size", "ffn_hidden_size", "num_query_groups"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_dash(name)} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Vocab rounded up so each TP rank holds an equal, aligned slice."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return multiple * math.ceil(self.vocab_size / multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out: world = pp x dp x tp, tp innermost."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size t (ranks that split each layer's matrices)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size p (ranks that split the layer stack)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per virtual chunk for the interleaved schedule; None = plain 1F1B."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline stage when it should differ from the even split."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline stage when it should differ from the even split."""
+    sequence_parallel: bool = False
+    """Split activations outside the TP regions along the sequence (needs t > 1 to matter)."""
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: shard fp32 master weights and Adam state over data-parallel ranks."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's reduction as soon as its gradients are ready."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    ddp_bucket_size: int = 40_000_000
+    """Gradient bucket size in elements."""
+    grad_reduce_in_bf16: bool = False
+    """Reduce gradients in bf16 instead of fp32 (halves DP traffic, loses precision)."""
+    distributed_backend: str = field(default="auto", metadata={"choices": ["auto", "nccl", "gloo"]})
+    """Collective backend; auto = nccl with CUDA, gloo on CPU."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout for every collective before the job fails instead of hanging."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up from 0 to --lr."""
+    lr_decay_iters: int | None = None
+    """Iterations over which the LR decays to --min-lr; default = --train-iters."""
+    lr_decay_style: str = field(
+        default="cosine", metadata={"choices": ["cosine", "linear", "constant", "wsd"]}
+    )
+    """Shape of the decay after warm-up."""
+    lr_wsd_decay_iters: int | None = None
+    """For --lr-decay-style wsd: length of the final decay phase (default 10% of decay iters)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay, applied to weights with >= 2 dims only (not norms)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch hierarchy, iterations, precision and evaluation."""
+
+    micro_batch_size: int = 2
+    """Samples per forward/backward on one rank."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all DP ranks; default = micro x dp (no accumulation)."""
+    train_iters: int = 20
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed for weights, data order and mock data."""
+    bf16: bool = False
+    """bf16 weights and activations with fp32 master weights and fp32 gradient reduction."""
+    eval_interval: int = 1000
+    """Evaluate on the validation split every this many iterations (and at the end)."""
+    eval_iters: int = 10
+    """Micro-batch rounds per evaluation."""
+    compile: bool = False
+    """torch.compile each layer stack (graph breaks only at communication points)."""
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from."""
+
+    mock_data: bool = False
+    """Synthetic learnable token sequences, a deterministic function of --seed and sample index."""
+    data_path: list[str] = field(default_factory=list)
+    """Shard prefixes or manifests, optionally weighted: `0.7 pathA 0.3 pathB`."""
+    split: str = "969,30,1"
+    """Train,valid,test proportions of the documents."""
+    tokenizer_model: str | None = None
+    """sentencepiece .model file; sets the vocab size and EOD id."""
+    data_sharding: str = field(default="global", metadata={"choices": ["global", "node-local"]})
+    """global = shared storage, global shuffle; node-local = each DP rank reads its own shards."""
+    num_workers: int = 1
+    """Background processes preparing batches."""
+    data_cache_path: str | None = None
+    """Directory for cached sample/shuffle indices (default: next to the data)."""
+    eod_mask_loss: bool = False
+    """Do not train on predicting the token after an end-of-document token."""
+
+
+@dataclass
+class LoggingConfig:
+    """What is printed and recorded."""
+
+    log_interval: int = 1
+    """Print a log line every this many iterations."""
+    log_jsonl: str | None = None
+    """Write one JSON object per logged iteration and per evaluation to this file."""
+    peak_tflops: float | None = None
+    """Device peak TFLOP/s for MFU; default from the GPU name, or measured on CPU."""
+    wandb_project: str | None = None
+    """Log to this wandb project (offline when no API key is set)."""
+    wandb_exp_name: str | None = None
+    """wandb run name."""
+    wandb_save_dir: str | None = None
+    """Directory for wandb files."""
+    wandb_mode: str | None = field(
+        default=None, metadata={"choices": ["online", "offline", "disabled"]}
+    )
+    """Force a wandb mode; default online with an API key, offline without."""
+
+
+@dataclass
+class Config:
+    """Everything one run needs; frozen in spirit once validated (treat as read-only)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {
+    f.name: globals()[f.type] if isinstance(f.type, str) else f.type
+    for f in dataclasses.fields(Config)
+}
+"""Section name -> dataclass, in flag-group order."""
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def num_microbatches(cfg: Config, world_size: int) -> int:
+    """Gradient-accumulation steps = global batch / (micro batch x dp)."""
+    dp = data_parallel_size(cfg, world_size)
+    gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
+    return gbs // (cfg.train.micro_batch_size * dp)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Cross-field checks, run before anything is allocated. Raises ConfigError."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    errors: list[str] = []
+    if world_size % (tp * pp):
+        errors.append(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
+            "processes or change the parallel sizes"
+        )
+    if m.hidden_size % m.num_attention_heads:
+        errors.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{m.num_attention_heads}; pick heads that divide the width"
+        )
+    elif m.head_dim % 2:
+        errors.append(f"head dim {m.head_dim} (= --hidden-size / --num-attention-heads) must be "
+                      "even for rotary embeddings")
+    if m.num_attention_heads % m.num_query_groups:
+        errors.append(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {m.num_query_groups}; each KV head must serve whole query heads"
+        )
+    for name, value in (("num-attention-heads", m.num_attention_heads),
+                        ("num-query-groups", m.num_query_groups),
+                        ("ffn-hidden-size", m.ffn_hidden_size)):
+        if value % tp:
+            errors.append(
+                f"--{name} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"use a multiple of {tp} or a smaller tensor-parallel size"
+            )
+    if p.sequence_parallel and m.seq_length % tp:
+        errors.append(
+            f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
+            f"--tensor-model-parallel-size ({tp}); use seq length {tp * math.ceil(m.seq_length / tp)}"
+        )
+    if m.seq_length > m.max_position_embeddings:
+        errors.append(
+            f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+            f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten sequences"
+        )
+    if not world_size % (tp * pp):
+        dp = world_size // (tp * pp)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        if gbs % (t.micro_batch_size * dp):
+            errors.append(
+                f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; "
+                f"use a multiple of {t.micro_batch_size * dp}"
+            )
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
