@@ -1,0 +1,73 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer"), rotate-half convention.
+
+The rotate-half layout is the one Hugging Face Llama uses: dim i pairs with dim i + d/2, and
+    y = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[d/2:], x[:d/2])
+with cos/sin tables of shape [s, d] whose two halves repeat the same d/2 frequencies
+theta_j = base^(-2j/d). Backward is the rotation by minus the angle:
+    dx = g * cos - rotate_half(g) * sin.
+Layout is sequence-first: q [s, b, n_q, d], k [s, b, n_kv, d].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_tables(
+    seq_len: int,
+    head_dim: int,
+    base: float,
+    device: torch.device | str | None,
+    dtype: torch.dtype = torch.float32,
+    offset: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape [seq_len, head_dim] for positions offset .. offset + seq_len - 1.
+
+    `offset` serves chunked or sequence-parallel sequences whose first token is not position 0.
+    Angles are formed in fp64 so long positions keep their precision before the cast to `dtype`.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim} (check --hidden-size / "
+                         "--num-attention-heads)")
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    positions = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _check_rotary_shapes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rotary wants q, k as [s, b, heads, d], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    s, b, _, d = q.shape
+    if k.shape[0] != s or k.shape[1] != b or k.shape[3] != d or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on s, b or an even d")
+    if cos.shape != (s, d) or sin.shape != (s, d):
+        raise ValueError(f"cos/sin must be [{s}, {d}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
+def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain-PyTorch RoPE in fp32, cast back to the input dtype; autograd gives the backward."""
+    _check_rotary_shapes(q, k, cos, sin)
+    cos4 = cos.float()[:, None, None, :]
+    sin4 = sin.float()[:, None, None, :]
+    return _rotate_reference(q, cos4, sin4), _rotate_reference(k, cos4, sin4)
+
+
+def apply_rotary(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, d]."""
+    if use_triton:
+        raise NotImplementedError("Triton RoPE lands next; use --triton-kernels off")
+    return apply_rotary_reference(q, k, cos, sin)
