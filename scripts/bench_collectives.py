@@ -186,6 +186,10 @@ def run(args: argparse.Namespace) -> None:
     unknown = set(ops) - set(OPS)
     if unknown:
         raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from {OPS}")
+    if n < 2 and "send_recv" in ops:
+        ops.remove("send_recv")  # a ring of one would send to itself
+        if rank == 0:
+            print("# send_recv skipped: it needs at least 2 ranks", flush=True)
     rows = []
     header = f"{'op':<15}{'size':>10}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"
     header += f"{'copy GB/s':>11}{'bus/copy':>10}"
