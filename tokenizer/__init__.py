@@ -1,0 +1,5 @@
+"""sentencepiece tokenizer: training (`python -m tokenizer.train`) and loading. No torch."""
+
+from tokenizer.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer"]
