@@ -41,7 +41,7 @@ def open_binary(path: Path) -> io.BufferedIOBase:
     """Raw bytes of a file, decompressing `.gz`."""
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    return open(path, "rb")
 
 
 def iter_texts(path: Path, json_key: str = "text") -> Iterator[str]:

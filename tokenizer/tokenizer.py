@@ -57,7 +57,7 @@ class Tokenizer:
     def encode(self, text: list[str], num_threads: int = ...) -> list[list[int]]: ...
 
     def encode(self, text, num_threads: int = 1):
-        """Ids of one text, or of each text of a list (batch, `num_threads` sentencepiece threads)."""
+        """Ids of one text, or of each text of a list (batch: `num_threads` spm threads)."""
         return self.sp.encode(text, num_threads=num_threads)
 
     def decode(self, ids: list[int] | list[list[int]]) -> str | list[str]:

@@ -63,7 +63,7 @@ def reservoir_sample(lines: Iterable[str], k: int, seed: int) -> tuple[list[str]
     rng = random.Random(seed)
     sample: list[str] = []
     seen = 0
-    for seen, line in enumerate(lines, 1):  # noqa: B007 - `seen` is the count afterwards
+    for seen, line in enumerate(lines, 1):
         if len(sample) < k:
             sample.append(line)
         else:
