@@ -298,5 +298,68 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; "
                 f"use a multiple of {t.micro_batch_size * dp}"
             )
+    if not world_size % (tp * pp):
+        errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:
+    """Layer split and micro-batch count rules of pipeline/partition.py and pipeline/schedule.py.
+
+    Kept here (stdlib only) so a bad run fails before any process group exists; the pipeline
+    modules raise the same errors when used directly, and a test checks the two agree.
+    """
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, lpv = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    errors: list[str] = []
+    if pp == 1:
+        if lpv is not None or first is not None or last is not None:
+            errors.append(
+                "--num-layers-per-virtual-pipeline-stage / --decoder-first-pipeline-num-layers / "
+                "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1; "
+                "drop them for a single stage"
+            )
+        return errors
+    fixed = [n for n in (first, last) if n is not None]
+    rest_stages, rest_layers = pp - len(fixed), layers - sum(fixed)
+    counts = fixed + [rest_layers // rest_stages] * rest_stages if rest_stages else fixed
+    if any(n < 1 for n in fixed):
+        errors.append(f"--decoder-first/last-pipeline-num-layers must be >= 1, got {fixed}")
+    elif rest_stages == 0 and rest_layers != 0:
+        errors.append(
+            f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers "
+            f"{last} must equal --num-layers {layers} with --pipeline-model-parallel-size {pp}"
+        )
+    elif rest_stages and (rest_layers < rest_stages or rest_layers % rest_stages):
+        errors.append(
+            f"{rest_layers} layers (--num-layers {layers} minus uneven first/last stages) cannot "
+            f"be split evenly over {rest_stages} pipeline stages (--pipeline-model-parallel-size "
+            f"{pp}); use a multiple of {rest_stages} or change the uneven stage sizes"
+        )
+    elif lpv is not None:
+        if lpv < 1 or layers % (pp * lpv):
+            errors.append(
+                f"--num-layers {layers} must be divisible by --pipeline-model-parallel-size {pp} "
+                f"x --num-layers-per-virtual-pipeline-stage {lpv} = {pp * max(lpv, 1)}"
+            )
+        elif any(n % (layers // (pp * lpv)) for n in counts):
+            errors.append(
+                f"stage layer counts {counts} must each divide into the {layers // (pp * lpv)} "
+                "virtual chunks per stage (--num-layers / (--pipeline-model-parallel-size x "
+                "--num-layers-per-virtual-pipeline-stage)); adjust the uneven stage sizes"
+            )
+    if microbatches < pp:
+        errors.append(
+            f"{microbatches} micro-batches per step (--global-batch-size / (--micro-batch-size x "
+            f"data-parallel size)) is fewer than --pipeline-model-parallel-size {pp}; the "
+            f"pipeline would idle most of the step, raise --global-batch-size"
+        )
+    elif lpv is not None and microbatches % pp:
+        errors.append(
+            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage {lpv}) needs the "
+            f"{microbatches} micro-batches per step to be a multiple of "
+            f"--pipeline-model-parallel-size {pp}; adjust --global-batch-size"
+        )
+    return errors

@@ -1,0 +1,132 @@
+"""Which transformer layers live on which pipeline stage and virtual chunk (pure Python).
+
+With p stages and v chunks per stage the layer stack is cut into p*v consecutive pieces,
+dealt round-robin: piece k goes to stage k % p as its chunk k // p. So with an even split of
+L layers into pieces of n = L / (p*v), chunk c of stage s holds layers [(c*p + s)*n, ...+n),
+which is Megatron's interleaving: a micro-batch visits stage 0, 1, ..., p-1, then stage 0
+again for chunk 1, and so on.
+
+Uneven first/last stages (`--decoder-first-pipeline-num-layers`,
+`--decoder-last-pipeline-num-layers`) fix those stages' layer counts; the remaining layers are
+shared evenly by the other stages. Each stage then splits its own count evenly over its v
+chunks, and virtual round c still visits stages in order, so layer order is preserved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Layer ids per (stage, chunk): `layers[stage][chunk]` is a tuple of global layer indices."""
+
+    layers: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.layers[0])
+
+    def layer_ids(self, stage: int, chunk: int) -> tuple[int, ...]:
+        return self.layers[stage][chunk]
+
+    def location(self, layer: int) -> tuple[int, int]:
+        """(stage, chunk) holding a global layer index."""
+        for stage, chunks in enumerate(self.layers):
+            for chunk, ids in enumerate(chunks):
+                if layer in ids:
+                    return stage, chunk
+        raise KeyError(f"layer {layer} is not in this partition")
+
+
+def stage_layer_counts(
+    num_layers: int,
+    pp_size: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[int]:
+    """Layers per stage; raises ConfigError naming the flags when the split is impossible."""
+    if pp_size == 1:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ConfigError(
+                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
+                "--pipeline-model-parallel-size > 1 (got 1); drop them or add pipeline stages"
+            )
+        return [num_layers]
+    fixed = {0: first_stage_layers, pp_size - 1: last_stage_layers}
+    fixed = {stage: n for stage, n in fixed.items() if n is not None}
+    for stage, n in fixed.items():
+        flag = "first" if stage == 0 else "last"
+        if n < 1:
+            raise ConfigError(f"--decoder-{flag}-pipeline-num-layers must be >= 1, got {n}")
+    rest_layers = num_layers - sum(fixed.values())
+    rest_stages = pp_size - len(fixed)
+    if rest_stages == 0:
+        if rest_layers != 0:
+            raise ConfigError(
+                f"--decoder-first-pipeline-num-layers {first_stage_layers} + "
+                f"--decoder-last-pipeline-num-layers {last_stage_layers} must equal --num-layers "
+                f"{num_layers} with --pipeline-model-parallel-size {pp_size}"
+            )
+        return [fixed[0], fixed[pp_size - 1]]
+    if rest_layers < rest_stages or rest_layers % rest_stages:
+        what = (f"--num-layers {num_layers}" if not fixed else
+                f"the {rest_layers} layers left after the uneven first/last stages")
+        raise ConfigError(
+            f"{what} cannot be split evenly over {rest_stages} pipeline stages "
+            f"(--pipeline-model-parallel-size {pp_size}); use a multiple of {rest_stages} "
+            "or set --decoder-first/last-pipeline-num-layers"
+        )
+    return [fixed.get(stage, rest_layers // rest_stages) for stage in range(pp_size)]
+
+
+def num_virtual_chunks(num_layers: int, pp_size: int, layers_per_virtual_stage: int | None) -> int:
+    """v = num_layers / (p * layers per virtual stage); 1 when interleaving is off."""
+    if layers_per_virtual_stage is None:
+        return 1
+    if pp_size == 1:
+        raise ConfigError(
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1; "
+            "drop it for a single stage"
+        )
+    if layers_per_virtual_stage < 1 or num_layers % (pp_size * layers_per_virtual_stage):
+        raise ConfigError(
+            f"--num-layers {num_layers} must be divisible by --pipeline-model-parallel-size "
+            f"{pp_size} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} "
+            f"= {pp_size * layers_per_virtual_stage}"
+        )
+    return num_layers // (pp_size * layers_per_virtual_stage)
+
+
+def partition_layers(
+    num_layers: int,
+    pp_size: int,
+    layers_per_virtual_stage: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> Partition:
+    """Assign every layer to exactly one (stage, chunk); see the module docstring for the rule."""
+    counts = stage_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
+    v = num_virtual_chunks(num_layers, pp_size, layers_per_virtual_stage)
+    for stage, count in enumerate(counts):
+        if count % v:
+            raise ConfigError(
+                f"pipeline stage {stage} has {count} layers, not divisible by the {v} virtual "
+                f"chunks per stage (--num-layers {num_layers} / (--pipeline-model-parallel-size "
+                f"{pp_size} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}))"
+                "; adjust the uneven first/last stage sizes or the virtual stage size"
+            )
+    per_chunk = [count // v for count in counts]
+    layers: list[list[tuple[int, ...]]] = [[] for _ in range(pp_size)]
+    start = 0
+    for _chunk in range(v):
+        for stage in range(pp_size):
+            layers[stage].append(tuple(range(start, start + per_chunk[stage])))
+            start += per_chunk[stage]
+    return Partition(tuple(tuple(chunks) for chunks in layers))
