@@ -12,6 +12,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import types
 import typing
 from functools import cache
@@ -35,7 +36,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
+    for prev, node in itertools.pairwise(body):
         if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
                 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)):

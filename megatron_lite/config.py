@@ -282,7 +282,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sequence_parallel and m.seq_length % tp:
         errors.append(
             f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
-            f"--tensor-model-parallel-size ({tp}); use seq length {tp * math.ceil(m.seq_length / tp)}"
+            f"--tensor-model-parallel-size ({tp}); use --seq-length "
+            f"{tp * math.ceil(m.seq_length / tp)}"
         )
     if m.seq_length > m.max_position_embeddings:
         errors.append(

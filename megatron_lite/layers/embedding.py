@@ -1,0 +1,103 @@
+"""Vocab-parallel input embedding and the matching output projection + loss.
+
+The (padded) vocabulary is split into t contiguous slices. Each rank looks up only the ids
+in its slice, zeroes the rest, and the partial embeddings are summed over TP (or
+reduce-scattered to sequence slices under SP). The output side multiplies by the same kind of
+slice and hands per-rank logits to a cross-entropy that never gathers the full vocabulary.
+
+Padded rows start at zero and their logits are masked inside the loss, so they never win and
+never receive gradient: a padded vocab is numerically invisible, whatever the TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.layers.init import normal_full
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+
+
+def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
+                      *, std: float, seed: int, name: str, dtype: torch.dtype) -> nn.Parameter:
+    """This rank's [padded/t, h] slice of a weight whose real rows are N(0, std), pad rows 0."""
+    full = torch.zeros(padded_size, hidden)
+    full[:vocab_size] = normal_full((vocab_size, hidden), std, seed, name)
+    per_rank = padded_size // pstate.tp_size
+    local = full[pstate.tp_rank * per_rank:(pstate.tp_rank + 1) * per_rank]
+    param = nn.Parameter(local.to(device=pstate.device, dtype=dtype))
+    param.tp_split = ("vocab", (padded_size,))
+    return param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """tokens [b, s] -> hidden [s, b, h] (or [s/t, b, h] with sequence parallelism)."""
+
+    def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
+                 *, sequence_parallel: bool, std: float, seed: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp_group = pstate.tp_group
+        self.tp_size = pstate.tp_size
+        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
+        self.per_rank = padded_size // pstate.tp_size
+        self.vocab_start = pstate.tp_rank * self.per_rank
+        self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
+                                        seed=seed, name="embedding.weight", dtype=dtype)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        tokens = tokens.t()  # [s, b]: sequence-first from here on
+        if self.tp_size == 1:
+            out = F.embedding(tokens, self.weight)
+        else:
+            local = tokens - self.vocab_start
+            outside = (local < 0) | (local >= self.per_rank)
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comms.reduce_scatter_to_sequence_region(out, self.tp_group)
+        return comms.reduce_from_region(out, self.tp_group)
+
+
+class VocabParallelOutput(nn.Module):
+    """Final projection to per-rank vocab logits, then the token losses.
+
+    With tied embeddings the first stage's embedding weight is passed in as `weight`
+    (same stage) or a separate copy is created that starts equal (different stage; its
+    gradient is summed with the embedding's over the embedding group).
+    """
+
+    def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
+                 *, sequence_parallel: bool, std: float, seed: int, weight_name: str,
+                 dtype: torch.dtype = torch.float32, use_triton: bool = False,
+                 shared_weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.tp_group = pstate.tp_group
+        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
+        self.vocab_size = vocab_size
+        self.vocab_start = pstate.tp_rank * (padded_size // pstate.tp_size)
+        self.use_triton = use_triton
+        self.shared_weight = shared_weight
+        if shared_weight is None:
+            self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
+                                            seed=seed, name=weight_name, dtype=dtype)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [s(/t), b, h] -> this rank's logits [s, b, V/t]."""
+        weight = self.shared_weight if self.shared_weight is not None else self.weight
+        if self.sequence_parallel:
+            hidden = comms.gather_from_sequence_region(hidden, self.tp_group)
+        else:
+            hidden = comms.copy_to_region(hidden, self.tp_group)
+        return F.linear(hidden, weight)
+
+    def forward(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """Per-token loss [b, s] in fp32 (labels [b, s]; -100 = ignore)."""
+        logits = self.logits(hidden)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.vocab_start, self.vocab_size, self.tp_group,
+            use_triton=self.use_triton)
+        return loss.t()

@@ -1,0 +1,29 @@
+"""RMSNorm module (Zhang & Sennrich 2019) dispatching to the fused kernel or its reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.kernels.rmsnorm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w over the last dim.
+
+    Its weight is replicated over TP. Under sequence parallelism each TP rank sees a
+    different slice of the sequence, so the weight's gradient is partial and must be summed
+    over TP after backward: the `sequence_parallel` attribute marks it for that.
+    """
+
+    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool,
+                 device: torch.device, dtype: torch.dtype = torch.float32,
+                 use_triton: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.use_triton = use_triton
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps, use_triton=self.use_triton)

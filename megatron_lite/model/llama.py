@@ -1,0 +1,168 @@
+"""The Llama-style decoder: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, no biases.
+
+Shapes are sequence-first everywhere inside the stack: hidden states are [s, b, h], or
+[s/t, b, h] between TP regions under sequence parallelism (so the SP split is a contiguous
+dim-0 slice). Token ids and labels stay [b, s] at the edges.
+
+A `LlamaChunk` holds any contiguous run of layers, plus the embedding when it is the first
+piece of the model and the final norm + output layer + loss when it is the last. A whole model
+is one chunk; a pipeline stage holds one chunk (or v chunks when interleaved). Chunks know
+nothing about schedules: they map (tokens | hidden) to (hidden | per-token loss).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.kernels.rope import apply_rotary, rope_tables
+from megatron_lite.kernels.swiglu import swiglu
+from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
+from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.norm import RMSNorm
+from megatron_lite.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Construction choices shared by every module of one model (not part of its shape)."""
+
+    seed: int
+    sequence_parallel: bool = False
+    dtype: torch.dtype = torch.float32
+    use_triton: bool = False
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention; each TP rank owns heads/t query and groups/t KV heads."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
+                 opts: BuildOptions) -> None:
+        super().__init__()
+        t, d = pstate.tp_size, cfg.head_dim
+        self.heads, self.groups, self.head_dim = (cfg.num_attention_heads // t,
+                                                  cfg.num_query_groups // t, d)
+        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.num_query_groups * d],
+            pstate, std=cfg.init_method_std, name=f"layers.{layer}.attention.qkv", **common)
+        self.proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, pstate,
+            std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+            name=f"layers.{layer}.attention.proj", **common)
+        self.use_triton = opts.use_triton
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
+        s, b = qkv.shape[:2]
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        q, k = apply_rotary(q.view(s, b, self.heads, d), k.view(s, b, self.groups, d),
+                            cos[:s], sin[:s], use_triton=self.use_triton)
+        v = v.view(s, b, self.groups, d)
+        # SDPA wants [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.groups != self.heads)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up)), gate and up fused in one column layer."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
+                 opts: BuildOptions) -> None:
+        super().__init__()
+        ffn = cfg.ffn_hidden_size
+        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype)
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn], pstate,
+                                            std=cfg.init_method_std,
+                                            name=f"layers.{layer}.mlp.gate_up", **common)
+        self.down = RowParallelLinear(ffn, cfg.hidden_size, pstate,
+                                      std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                      name=f"layers.{layer}.mlp.down", **common)
+        self.use_triton = opts.use_triton
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(swiglu(gate, up, use_triton=self.use_triton))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
+                 opts: BuildOptions) -> None:
+        super().__init__()
+        self.layer_number = layer
+        norm = dict(sequence_parallel=opts.sequence_parallel and pstate.tp_size > 1,
+                    device=pstate.device, dtype=opts.dtype, use_triton=opts.use_triton)
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.attention = Attention(cfg, pstate, layer, opts)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.mlp = MLP(cfg, pstate, layer, opts)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaChunk(nn.Module):
+    """A contiguous run of layers, with the embedding and/or the head when at the ends."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer_ids: Sequence[int],
+                 *, pre_process: bool, post_process: bool, opts: BuildOptions) -> None:
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_ids = list(layer_ids)
+        padded = cfg.padded_vocab_size(pstate.tp_size)
+        sp = opts.sequence_parallel and pstate.tp_size > 1
+        tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(
+                cfg.vocab_size, padded, cfg.hidden_size, pstate, sequence_parallel=sp,
+                std=cfg.init_method_std, seed=opts.seed, dtype=opts.dtype)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, pstate, i, opts) for i in layer_ids)
+        if post_process:
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, sequence_parallel=sp,
+                                      device=pstate.device, dtype=opts.dtype,
+                                      use_triton=opts.use_triton)
+            shared = self.embedding.weight if (tied and pre_process) else None
+            self.output = VocabParallelOutput(
+                cfg.vocab_size, padded, cfg.hidden_size, pstate, sequence_parallel=sp,
+                std=cfg.init_method_std, seed=opts.seed, dtype=opts.dtype,
+                weight_name="embedding.weight" if tied else "output.weight",
+                use_triton=opts.use_triton, shared_weight=shared)
+            if tied and not pre_process:
+                # A second copy of the embedding on the last stage: it starts equal (same
+                # seed and name) and its gradient is summed with the first stage's.
+                self.output.weight.shared_embedding = True
+        if tied and pre_process and not post_process:
+            self.embedding.weight.shared_embedding = True
+        cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
+                               device=pstate.device)
+        self.register_buffer("rope_cos", cos.to(opts.dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(opts.dtype), persistent=False)
+
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+        """x: token ids [b, s] (first chunk) or hidden [s(/t), b, h].
+
+        Returns the hidden state, or per-token losses [b, s] (fp32) on the last chunk.
+        """
+        if self.pre_process:
+            x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if not self.post_process:
+            return x
+        x = self.final_norm(x)
+        if labels is None:
+            raise ValueError("the last model chunk needs labels to compute the loss")
+        return self.output(x, labels)

@@ -1,0 +1,172 @@
+"""Differentiable collectives for tensor and sequence parallelism.
+
+Each region is an autograd Function whose backward is the conjugate of its forward
+(copy <-> all-reduce, split <-> all-gather, all-gather <-> reduce-scatter), so a layer only
+states where its input and output live and the gradients follow. Every op takes the group
+explicitly and is a no-op for a group of one (or None), which is how one model file runs at
+TP=1 in a single process and at TP=8 on a node.
+
+Sequence-parallel ops split and gather along dim 0 (activations are sequence-first [s, b, h],
+so each rank's slice is contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: Tensor, group: Group) -> Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: Tensor, dim: int, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.size(dim) % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.size(dim)} into {n} equal parts")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
+    """Sum over the group, each rank keeping its dim-0 slice."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    if x.size(0) % n:
+        raise ValueError(f"cannot reduce-scatter dim 0 of size {x.size(0)} over {n} ranks")
+    x = x.contiguous()
+    out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, x, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather along the sequence; backward reduce-scatters (each rank used the full seq)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather(grad, 0, ctx.group), None
+
+
+def copy_to_region(x: Tensor, group: Group) -> Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: Tensor, group: Group) -> Tensor:
+    """Leave a TP region by summing partial outputs: all-reduce forward, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: Tensor, dim: int, group: Group) -> Tensor:
+    """Keep this rank's slice along `dim`; backward all-gathers."""
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_region(x: Tensor, dim: int, group: Group) -> Tensor:
+    """All-gather slices along `dim`; backward keeps this rank's slice of the gradient."""
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, dim, group)
+
+
+def gather_from_sequence_region(x: Tensor, group: Group) -> Tensor:
+    """SP -> TP region: all-gather dim 0 forward, reduce-scatter backward."""
+    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
+    """TP region -> SP: reduce-scatter dim 0 forward, all-gather backward."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+                ) -> Tensor:
+    """In-place, non-differentiable all-reduce (gradients, statistics); no-op for one rank."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x

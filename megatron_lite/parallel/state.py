@@ -1,0 +1,167 @@
+"""The one owner of process groups.
+
+`initialize()` builds every group from a rank grid `arange(world).reshape(pp, dp, tp)` (tp
+innermost, so a TP group stays inside a node) and returns a frozen `ParallelState` that the
+training code passes explicitly to whatever needs it. Nothing here is a module-level global.
+
+All `new_group` calls are made by every rank in the same order, as torch.distributed requires.
+A single process with no launcher gets a state without any process group (all groups None);
+the collectives in `comms.py` are no-ops for a group of one, so the same code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import Config, data_parallel_size
+from megatron_lite.parallel.launch import LaunchEnv, detect_launch_env
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's coordinates on the (pp, dp, tp) grid and the groups it belongs to."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    device: torch.device
+    backend: str | None
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    mp_group: dist.ProcessGroup | None = None
+    """tp x pp ranks sharing one dp rank: a whole model replica (used for global norms)."""
+    embedding_group: dist.ProcessGroup | None = None
+    """First and last pipeline stage of one (dp, tp) position: tied-embedding gradient sum."""
+    world_group: dist.ProcessGroup | None = None
+    """All ranks (None in a single process, where every collective is a no-op)."""
+    pp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline, indexed by stage."""
+    grid: tuple[tuple[tuple[int, ...], ...], ...] = (((0,),),)
+    """grid[pp][dp][tp] = global rank."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def next_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
+                f"device {self.device}")
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> list[list[list[int]]]:
+    """grid[p][d][t] = global rank, tp fastest-varying, then dp, then pp."""
+    dp = world_size // (tp * pp)
+    return [[[(p * dp + d) * tp + t for t in range(tp)] for d in range(dp)] for p in range(pp)]
+
+
+def format_grid(grid: list[list[list[int]]]) -> str:
+    """Human-readable rank grid for the start-up log."""
+    lines = []
+    for p, stage in enumerate(grid):
+        cells = "  ".join(f"dp{d}:tp{list(ranks)}" for d, ranks in enumerate(stage))
+        lines.append(f"  pp stage {p}: {cells}")
+    return "\n".join(lines)
+
+
+def _pick_backend(requested: str) -> tuple[str, bool]:
+    use_cuda = torch.cuda.is_available()
+    backend = requested if requested != "auto" else ("nccl" if use_cuda else "gloo")
+    return backend, use_cuda and backend == "nccl"
+
+
+def _new_groups(all_ranks: list[list[int]], my_rank: int, timeout: timedelta
+                ) -> dist.ProcessGroup | None:
+    """Create one group per rank list (collectively, same order everywhere); return mine."""
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks, timeout=timeout)
+        if my_rank in ranks:
+            mine = group
+    return mine
+
+
+def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | None = None
+               ) -> ParallelState:
+    """Start torch.distributed (when more than one process) and build all groups.
+
+    `init_method` lets tests use a file:// rendezvous; otherwise env:// with the launcher's
+    (or Slurm-derived) master address and port.
+    """
+    env = env or detect_launch_env()
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    world, rank = env.world_size, env.rank
+    dp = data_parallel_size(cfg, world)
+    grid = rank_grid(world, tp, pp)
+    p_idx, rem = divmod(rank, dp * tp)
+    d_idx, t_idx = divmod(rem, tp)
+    backend, use_cuda = _pick_backend(cfg.parallel.distributed_backend)
+    if use_cuda:
+        torch.cuda.set_device(env.local_rank)
+    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    common = dict(rank=rank, world_size=world, local_rank=env.local_rank, tp_size=tp,
+                  tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp, dp_rank=d_idx,
+                  device=device, pp_ranks=tuple(grid[s][d_idx][t_idx] for s in range(pp)),
+                  grid=tuple(tuple(tuple(r) for r in stage) for stage in grid))
+    if world == 1 and init_method is None:
+        return ParallelState(backend=None, **common)
+
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        init_method = "env://"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timeout,
+                            device_id=device if use_cuda else None)
+    tp_lists = [grid[p][d] for p in range(pp) for d in range(dp)]
+    dp_lists = [[grid[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_lists = [[grid[p][d][t] for p in range(pp)] for d in range(dp) for t in range(tp)]
+    mp_lists = [[grid[p][d][t] for p in range(pp) for t in range(tp)] for d in range(dp)]
+    emb_lists = [sorted({r[0], r[-1]}) for r in pp_lists]
+    return ParallelState(
+        backend=backend,
+        world_group=dist.group.WORLD,
+        tp_group=_new_groups(tp_lists, rank, timeout),
+        dp_group=_new_groups(dp_lists, rank, timeout),
+        pp_group=_new_groups(pp_lists, rank, timeout),
+        mp_group=_new_groups(mp_lists, rank, timeout),
+        embedding_group=_new_groups(emb_lists, rank, timeout),
+        **common,
+    )
+
+
+def destroy(state: ParallelState) -> None:
+    """Tear down torch.distributed (safe to call on a single-process state)."""
+    if state.distributed and dist.is_initialized():
+        dist.destroy_process_group()

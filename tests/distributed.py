@@ -1,0 +1,87 @@
+"""Multi-process test harness: run a function on N gloo ranks and collect the results.
+
+`run_ranks(fn, world_size, tmp_path, **kwargs)` spawns `world_size` processes, initialises
+torch.distributed through a file:// rendezvous in `tmp_path` (no ports, so xdist workers never
+race), builds the `ParallelState` for the given parallel sizes, calls
+`fn(pstate, **kwargs)` on every rank and returns the list of per-rank return values (which must
+be picklable; tensors are fine). A failure on any rank is re-raised here with the rank number
+and its traceback; a rank that does not finish within `timeout` seconds fails the test with
+its rank named instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.launch import LaunchEnv
+
+
+class RankError(RuntimeError):
+    """A spawned rank raised, timed out or died."""
+
+
+def _worker(rank: int, world_size: int, init_file: str, cfg: Config, fn: Callable,
+            kwargs: dict, results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("MEGATRON_LITE_TEST_RANK", str(rank))
+    env = LaunchEnv(rank=rank, local_rank=rank, world_size=world_size,
+                    local_world_size=world_size, master_addr="127.0.0.1", master_port=0,
+                    source="test", node_rank=0, num_nodes=1)
+    pstate = None
+    try:
+        pstate = parallel_state.initialize(cfg, env=env, init_method=f"file://{init_file}")
+        out = fn(pstate, **kwargs)
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if pstate is not None:
+            parallel_state.destroy(pstate)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *,
+              tp: int = 1, pp: int = 1, cfg: Config | None = None, timeout: float = 120.0,
+              **kwargs: Any) -> list[Any]:
+    """Run `fn(pstate, **kwargs)` on `world_size` gloo ranks; return results ordered by rank."""
+    if cfg is None:
+        cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             distributed_backend="gloo"))
+    cfg.parallel.distributed_backend = "gloo"
+    cfg.parallel.distributed_timeout_minutes = max(timeout / 60, 0.5)
+    init_file = str(Path(tmp_path) / f"rendezvous_{os.getpid()}_{id(fn)}")
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, cfg, fn, kwargs,
+                                               results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise RankError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+            if not ok:
+                raise RankError(f"rank {rank} failed:\n{payload}")
+            outputs[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [outputs[r] for r in range(world_size)]
