@@ -18,6 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_lite.kernels._launch import load_triton_module, row_block_and_warps
+
+_MAX_BLOCK = 8192
+"""Vocab columns per loop step of the Triton kernels: big enough to stream, small enough for
+registers; a 128k-vocab row is 16 steps."""
+
 
 def _tp_size(tp_group) -> int:
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
@@ -64,6 +70,41 @@ def _reference_forward(
     return loss, grad
 
 
+def _triton_forward(
+    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, tp_group,
+    ignore_index: int, grad_out: Tensor | None,
+) -> Tensor:
+    """Loss [N] for 2-D logits; writes the gradient into `grad_out` (may be `logits`) if given.
+
+    Pass 1 reads each row once for its local (max, sum-exp, target logit); the ranks then agree on
+    the global max, rescale their sums to it and add them; pass 2 writes softmax - onehot.
+    """
+    kernels = load_triton_module("cross_entropy", logits.device)
+    n_rows, n_cols = logits.shape
+    n_valid = max(0, min(n_cols, vocab_size - vocab_start))
+    block, num_warps = row_block_and_warps(min(n_cols, _MAX_BLOCK))
+    stats = torch.empty(3, n_rows, device=logits.device, dtype=torch.float32)
+    local_max, sum_exp, target_logit = stats
+    kernels._ce_row_stats_kernel[(n_rows,)](
+        logits, target, local_max, sum_exp, target_logit, logits.stride(0), n_cols, n_valid,
+        vocab_start, BLOCK_SIZE=block, num_warps=num_warps,
+    )
+    row_max = local_max
+    if _tp_size(tp_group) > 1:
+        row_max = local_max.clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        sums = torch.stack((sum_exp * torch.exp(local_max - row_max), target_logit))
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+        sum_exp, target_logit = sums
+    loss = (torch.log(sum_exp) + row_max - target_logit).masked_fill(target == ignore_index, 0.0)
+    if grad_out is not None:
+        kernels._ce_grad_kernel[(n_rows,)](
+            logits, grad_out, target, row_max, sum_exp, logits.stride(0), grad_out.stride(0),
+            n_cols, n_valid, vocab_start, ignore_index, BLOCK_SIZE=block, num_warps=num_warps,
+        )
+    return loss
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Loss forward that saves its own gradient; backward scales it by dL/dloss."""
 
@@ -72,14 +113,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 inplace_backward):
         shape = target.shape
         logits_2d = logits.reshape(-1, logits.shape[-1])
-        target_1d = target.reshape(-1)
+        if logits_2d.stride(-1) != 1:
+            logits_2d = logits_2d.contiguous()
+        target_1d = target.reshape(-1).contiguous()
+        need_grad = ctx.needs_input_grad[0]
         if use_triton:
-            raise NotImplementedError("Triton cross-entropy lands next; use --triton-kernels off")
-        loss, grad = _reference_forward(logits_2d, target_1d, vocab_start, vocab_size, tp_group,
-                                        ignore_index)
-        if not ctx.needs_input_grad[0]:
+            grad = None
+            if need_grad:
+                grad = logits_2d if inplace_backward else torch.empty_like(logits_2d)
+            loss = _triton_forward(logits_2d, target_1d, vocab_start, vocab_size, tp_group,
+                                   ignore_index, grad)
+        else:
+            loss, grad = _reference_forward(logits_2d, target_1d, vocab_start, vocab_size,
+                                            tp_group, ignore_index)
+            if need_grad:
+                grad = logits_2d.copy_(grad) if inplace_backward else grad.to(logits.dtype)
+        if not need_grad:
             return loss.view(shape)
-        grad = logits_2d.copy_(grad) if inplace_backward else grad.to(logits.dtype)
         ctx.save_for_backward(grad)
         ctx.logits_shape = logits.shape
         ctx.used = False
@@ -92,7 +142,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                "so its backward can run only once (no retain_graph re-use)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        grad.mul_(grad_loss.reshape(-1, 1).to(grad.dtype))
+        grad.mul_(grad_loss.reshape(-1, 1))
         return grad.view(ctx.logits_shape), None, None, None, None, None, None, None
 
 

@@ -14,6 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_lite.kernels._launch import (
+    load_triton_module,
+    num_persistent_programs,
+    row_block_and_warps,
+)
+
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Plain-PyTorch RMSNorm in fp32, cast back to x's dtype; autograd gives the backward."""
@@ -22,10 +28,79 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * inv_rms * weight.float()).to(x.dtype)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """2-D [rows, h] view with unit stride along h (copies only if the last dim is strided)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm_forward(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Launches the forward kernel on 2-D x; returns (y, x + residual or None, rstd [rows] fp32)."""
+    kernels = load_triton_module("rmsnorm", x.device)
+    n_rows, n_cols = x.shape
+    block, num_warps = row_block_and_warps(n_cols)
+    y = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    r = residual if residual is not None else x
+    s = total if total is not None else y
+    kernels._rms_norm_fwd_kernel[(n_rows,)](
+        x, r, weight, y, s, rstd, x.stride(0), r.stride(0), y.stride(0), s.stride(0), n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_SIZE=block, num_warps=num_warps,
+    )
+    return y, total, rstd
+
+
+def rms_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dsum: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Launches the backward kernel; returns (dx, dw). dw is reduced from per-program partials."""
+    kernels = load_triton_module("rmsnorm", x.device)
+    n_rows, n_cols = x.shape
+    block, num_warps = row_block_and_warps(n_cols)
+    n_programs = min(n_rows, num_persistent_programs(x.device))
+    rows_per_program = -(-n_rows // n_programs)
+    dx = torch.empty_like(x)
+    dw_partial = torch.empty(n_programs, n_cols, device=x.device, dtype=torch.float32)
+    ds = dsum if dsum is not None else dy
+    kernels._rms_norm_bwd_kernel[(n_programs,)](
+        dy, x, weight, rstd, ds, dx, dw_partial,
+        dy.stride(0), x.stride(0), ds.stride(0), dx.stride(0), n_rows, n_cols, rows_per_program,
+        HAS_DSUM=dsum is not None, BLOCK_SIZE=block, num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Triton RMSNorm with optional fused residual; saves the normed input and rstd only."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        shape = x.shape
+        x2 = _rows(x)
+        r2 = _rows(residual) if residual is not None else None
+        y, total, rstd = rms_norm_forward(x2, r2, weight.contiguous(), eps)
+        ctx.save_for_backward(total if total is not None else x2, weight, rstd)
+        ctx.has_residual = residual is not None
+        y = y.view(shape)
+        return (y, total.view(shape)) if total is not None else (y,)
+
+    @staticmethod
+    def backward(ctx, dy, dsum=None):
+        x, weight, rstd = ctx.saved_tensors
+        shape = dy.shape
+        ds = _rows(dsum) if dsum is not None else None
+        dx, dw = rms_norm_backward(_rows(dy), x, weight, rstd, ds)
+        dx = dx.view(shape)
+        return dx, (dx if ctx.has_residual else None), dw, None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, use_triton: bool = False) -> Tensor:
     """RMSNorm over the last dim of x (any leading shape)."""
     if use_triton:
-        raise NotImplementedError("Triton RMSNorm lands next; use --triton-kernels off")
+        return _RMSNormFunction.apply(x, None, weight, eps)[0]
     return rms_norm_reference(x, weight, eps)
 
 
@@ -38,6 +113,6 @@ def rms_norm_residual(
     normalized in the same pass instead of being written out and read back.
     """
     if use_triton:
-        raise NotImplementedError("Triton RMSNorm lands next; use --triton-kernels off")
+        return _RMSNormFunction.apply(x, residual, weight, eps)
     total = x + residual
     return rms_norm_reference(total, weight, eps), total

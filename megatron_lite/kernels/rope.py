@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_lite.kernels._launch import load_triton_module, next_power_of_2
+
 
 def rope_tables(
     seq_len: int,
@@ -64,10 +66,52 @@ def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tu
     return _rotate_reference(q, cos4, sin4), _rotate_reference(k, cos4, sin4)
 
 
+def _heads_view(t: Tensor) -> Tensor:
+    """q or k with unit stride along d (copies only if d itself is strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rope_launch(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool
+) -> tuple[Tensor, Tensor]:
+    """Launches the RoPE kernel over s * b programs; returns new contiguous outputs."""
+    kernels = load_triton_module("rope", q.device)
+    seq, batch, n_q, d = q.shape
+    n_kv = k.shape[2]
+    qo = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    ko = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    block_qh, block_kh = next_power_of_2(n_q), next_power_of_2(n_kv)
+    block_half = next_power_of_2(d // 2)
+    num_warps = 4 if (block_qh + block_kh) * block_half <= 4096 else 8
+    kernels._rope_kernel[(seq * batch,)](
+        q, k, qo, ko, cos, sin, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
+        *ko.stride()[:3], batch, n_q, n_kv, d // 2, BACKWARD=backward, BLOCK_QH=block_qh,
+        BLOCK_KH=block_kh, BLOCK_HALF=block_half, num_warps=num_warps,
+    )
+    return qo, ko
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """Triton RoPE on q and k together; saves only the tables (the map is linear in q, k)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return rope_launch(_heads_view(q), _heads_view(k), cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq, dk = rope_launch(_heads_view(dq), _heads_view(dk), cos, sin, backward=True)
+        return dq, dk, None, None
+
+
 def apply_rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, d]."""
     if use_triton:
-        raise NotImplementedError("Triton RoPE lands next; use --triton-kernels off")
+        _check_rotary_shapes(q, k, cos, sin)
+        return _RotaryFunction.apply(q, k, cos, sin)
     return apply_rotary_reference(q, k, cos, sin)

@@ -8,8 +8,14 @@ Megatron-LM's fused bias-SwiGLU makes: one elementwise recompute for one activat
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megatron_lite.kernels._launch import load_triton_module
+
+_BLOCK_SIZE = 1024
+"""Columns per program: 8 fp32 values per thread at 4 warps, enough in flight to hide latency."""
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
@@ -17,10 +23,59 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """2-D [rows, cols] view with unit column stride; a chunk of a fused [.., 2f] tensor stays a
+    view (its row stride is 2f), so splitting gate/up from one matmul output costs no copy."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu_forward(gate: Tensor, up: Tensor) -> Tensor:
+    """Launches the forward kernel on 2-D gate/up; returns a new contiguous output."""
+    kernels = load_triton_module("swiglu", gate.device)
+    n_rows, n_cols = gate.shape
+    y = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    grid = (n_rows, -(-n_cols // _BLOCK_SIZE))
+    kernels._swiglu_fwd_kernel[grid](
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n_cols, BLOCK_SIZE=_BLOCK_SIZE
+    )
+    return y
+
+
+def swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """Launches the backward kernel; returns (d_gate, d_up) as new contiguous tensors."""
+    kernels = load_triton_module("swiglu", gate.device)
+    n_rows, n_cols = gate.shape
+    dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    du = torch.empty(up.shape, device=up.device, dtype=up.dtype)
+    grid = (n_rows, -(-n_cols // _BLOCK_SIZE))
+    kernels._swiglu_bwd_kernel[grid](
+        dy, gate, up, dg, du, dy.stride(0), gate.stride(0), up.stride(0), dg.stride(0),
+        du.stride(0), n_cols, BLOCK_SIZE=_BLOCK_SIZE,
+    )
+    return dg, du
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """Triton SwiGLU; saves gate and up (its inputs), not silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate2, up2 = _rows(gate), _rows(up)
+        ctx.save_for_backward(gate2, up2)
+        return swiglu_forward(gate2, up2).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg, du = swiglu_backward(_rows(dy), gate, up)
+        return dg.view(dy.shape), du.view(dy.shape)
+
+
 def swiglu(gate: Tensor, up: Tensor, use_triton: bool = False) -> Tensor:
     """silu(gate) * up, elementwise; gate and up have the same shape."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if use_triton:
-        raise NotImplementedError("Triton SwiGLU lands next; use --triton-kernels off")
+        return _SwiGLUFunction.apply(gate, up)
     return swiglu_reference(gate, up)
