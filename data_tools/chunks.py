@@ -1,0 +1,90 @@
+"""Cut the inputs into ~1 MiB chunks of whole documents, in a fixed order.
+
+The parent process only reads bytes and finds cut points; parsing and tokenizing happen in the
+workers. Chunks depend on the inputs alone (never on the worker count), which is what makes the
+output byte-identical for any `--workers`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizer.corpus import is_jsonl, open_binary
+
+CHUNK_BYTES = 1 << 20
+_BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+
+
+@dataclass
+class Chunk:
+    """Work for one worker task. kind: "jsonl" | "docs" (each item one document) | "blank"."""
+
+    kind: str
+    items: list[tuple[str, int, bytes]]  # (file name, first line number, raw bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for _, _, b in self.items)
+
+
+def _jsonl_chunks(path: Path, size: int) -> Iterator[Chunk]:
+    line = 1
+    rest = b""
+    with open_binary(path) as f:
+        while block := f.read(size):
+            data = rest + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # one line longer than a block: keep reading
+                rest = data
+                continue
+            yield Chunk("jsonl", [(str(path), line, data[:cut])])
+            line += data.count(b"\n", 0, cut)
+            rest = data[cut:]
+    if rest:
+        yield Chunk("jsonl", [(str(path), line, rest)])
+
+
+def _blank_line_chunks(path: Path, size: int) -> Iterator[Chunk]:
+    """Plain text split into documents at blank lines; chunks end at a blank line."""
+    line = 1
+    rest = b""
+    with open_binary(path) as f:
+        while block := f.read(size):
+            data = rest + block
+            ends = [m.end() for m in _BLANK_LINE.finditer(data, max(0, len(rest) - 256))]
+            if not ends:
+                rest = data
+                continue
+            cut = ends[-1]
+            yield Chunk("blank", [(str(path), line, data[:cut])])
+            line += data.count(b"\n", 0, cut)
+            rest = data[cut:]
+    if rest:
+        yield Chunk("blank", [(str(path), line, rest)])
+
+
+def iter_chunks(files: list[Path], split_on_blank_lines: bool,
+                size: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """All chunks of all files, in file order. Whole-file documents are batched together."""
+    pending: list[tuple[str, int, bytes]] = []
+    pending_bytes = 0
+    for path in files:
+        if is_jsonl(path) or split_on_blank_lines:
+            if pending:
+                yield Chunk("docs", pending)
+                pending, pending_bytes = [], 0
+            yield from (_jsonl_chunks(path, size) if is_jsonl(path)
+                        else _blank_line_chunks(path, size))
+            continue
+        with open_binary(path) as f:
+            data = f.read()
+        pending.append((str(path), 1, data))
+        pending_bytes += len(data)
+        if pending_bytes >= size:
+            yield Chunk("docs", pending)
+            pending, pending_bytes = [], 0
+    if pending:
+        yield Chunk("docs", pending)

@@ -1,0 +1,185 @@
+"""Tokenize a corpus into Megatron .bin/.idx shards plus a manifest.
+
+    python -m data_tools.preprocess --input PATH [PATH ...] --output-prefix OUT \\
+        --tokenizer-model TOK.model [--json-keys text] [--workers N] [--num-shards K] [--append-eod]
+
+Inputs: JSONL (one JSON object per line), plain text (one document per file, or documents
+separated by blank lines with --split-on-blank-lines), directories of those, `.gz` of any.
+Outputs: `OUT_<i:05d>.bin/.idx` for i < K and `OUT.manifest.json` (the source of global counts);
+`--data-path OUT` in pretrain.py then means all K shards. Document i goes to shard i % K.
+
+Streaming with bounded memory: the parent reads ~1 MiB chunks, at most a few per worker are in
+flight, and results are written in input order, so the output is byte-identical for any
+--workers. Files get temporary names until the run completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data_tools.chunks import CHUNK_BYTES, iter_chunks
+from data_tools.encode import BadInputError, Options, Stats, encode_chunk, init_worker
+from megatron_lite.data.format import (
+    MANIFEST_SUFFIX,
+    ShardWriter,
+    optimal_dtype,
+    shard_name,
+    write_manifest,
+)
+from tokenizer.corpus import expand_inputs
+from tokenizer.tokenizer import Tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m data_tools.preprocess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="files or directories")
+    p.add_argument("--output-prefix", required=True, help="writes OUT_<i>.bin/.idx, OUT" +
+                   MANIFEST_SUFFIX)
+    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
+    p.add_argument("--json-keys", default="text", help="JSONL field holding the document text")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer processes (default: all cores)")
+    p.add_argument("--num-shards", type=int, default=1, help="number of output shards")
+    p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
+    p.add_argument("--split-on-blank-lines", action="store_true",
+                   help="plain text: a blank line ends a document (default: one per file)")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip and count malformed JSONL lines instead of stopping")
+    p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
+                   help="input bytes per worker task (tuning; does not change the output)")
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.num_shards < 1:
+        p.error("--workers and --num-shards must be >= 1")
+    return args
+
+
+class ShardSet:
+    """K writers; document number g goes to shard g % K (a function of the input only)."""
+
+    def __init__(self, prefix: str, k: int, dtype: np.dtype) -> None:
+        self.writers = [ShardWriter(shard_name(prefix, i), dtype) for i in range(k)]
+        self.next_doc = 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        k = len(self.writers)
+        if k == 1:
+            self.writers[0].add_documents(tokens, lengths)
+        else:
+            shard = (self.next_doc + np.arange(len(lengths))) % k
+            token_shard = np.repeat(shard, lengths)
+            for i, w in enumerate(self.writers):
+                if np.any(shard == i):
+                    w.add_documents(tokens[token_shard == i], lengths[shard == i])
+        self.next_doc += len(lengths)
+
+    def finalize(self) -> list[dict]:
+        return [w.finalize() for w in self.writers]
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.abort()
+
+
+def _run_pool(args: argparse.Namespace, opts: Options, shards: ShardSet, files: list[Path],
+              bar: tqdm) -> Stats:
+    """Ordered, bounded-memory map of encode_chunk over the chunks (at most 2N+2 in flight)."""
+    total = Stats()
+    t0 = time.time()
+    last_postfix = 0.0
+    ctx = mp.get_context("fork")
+    with ctx.Pool(args.workers, initializer=init_worker, initargs=(opts,)) as pool:
+        pending: collections.deque = collections.deque()
+        chunks = iter_chunks(files, args.split_on_blank_lines, args.chunk_bytes)
+        exhausted = False
+        while pending or not exhausted:
+            while not exhausted and len(pending) < 2 * args.workers + 2:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    exhausted = True
+                else:
+                    pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            if not pending:
+                break
+            tokens, lengths, stats = pending.popleft().get()
+            shards.add(tokens, lengths)
+            total.add(stats)
+            bar.update(stats.documents)
+            now = time.time()
+            if now - last_postfix > 0.5:
+                dt = max(now - t0, 1e-9)
+                bar.set_postfix_str(f"{total.text_bytes / dt / 1e6:.1f} MB/s, "
+                                    f"{total.tokens / dt / 1e6:.2f} Mtok/s", refresh=False)
+                last_postfix = now
+    return total
+
+
+def preprocess(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Run the whole pipeline; returns the manifest written."""
+    t0 = time.time()
+    files = expand_inputs(args.input)
+    tok = Tokenizer(args.tokenizer_model)
+    dtype = optimal_dtype(tok.vocab_size)
+    opts = Options(args.tokenizer_model, args.json_keys, args.append_eod, args.skip_bad_lines,
+                   dtype.str)
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    shards = ShardSet(args.output_prefix, args.num_shards, dtype)
+    bar = tqdm(unit="doc", unit_scale=True, desc="preprocess", disable=None, file=sys.stderr,
+               mininterval=float(os.environ.get("TQDM_MININTERVAL", 1.0)))
+    try:
+        stats = _run_pool(args, opts, shards, files, bar)
+        entries = shards.finalize()
+    except BaseException:
+        shards.abort()
+        raise
+    finally:
+        bar.close()
+    manifest = {
+        "format": "megatron_lite shard manifest", "version": 1,
+        "shards": entries, "num_shards": len(entries),
+        "total_documents": stats.documents, "total_tokens": stats.tokens,
+        "dtype": dtype.name, "append_eod": args.append_eod,
+        "tokenizer": {"model": str(Path(args.tokenizer_model).resolve()),
+                      "sha256": tok.sha256(), "vocab_size": tok.vocab_size,
+                      "eod_id": tok.eos_id, "bos_id": tok.bos_id, "pad_id": tok.pad_id},
+        "skipped": {"empty_documents": stats.empty, "bad_lines": stats.bad_lines,
+                    "invalid_utf8_documents_replaced": stats.invalid_utf8},
+        "command": "python -m data_tools.preprocess " + shlex.join(argv),
+    }
+    write_manifest(args.output_prefix + MANIFEST_SUFFIX, manifest)
+    _summary(stats, len(entries), args.output_prefix, time.time() - t0)
+    return manifest
+
+
+def _summary(s: Stats, num_shards: int, prefix: str, seconds: float) -> None:
+    mb = s.text_bytes / 1e6
+    print(f"preprocess done: {s.documents:,} docs, {s.tokens:,} tokens, {mb:.1f} MB, "
+          f"{num_shards} shards -> {prefix}{MANIFEST_SUFFIX} | skipped: {s.empty:,} empty docs, "
+          f"{s.bad_lines:,} bad lines | invalid UTF-8 replaced in {s.invalid_utf8:,} docs | "
+          f"{seconds:.2f}s, {s.documents / seconds:,.0f} docs/s, {mb / seconds:.1f} MB/s, "
+          f"{s.tokens / seconds / 1e6:.2f} Mtok/s")
+    for example in s.bad_examples:
+        print(f"  skipped bad line: {example}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        preprocess(args, argv)
+    except (BadInputError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
