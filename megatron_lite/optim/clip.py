@@ -1,0 +1,47 @@
+"""Global gradient norm over a model split across TP, PP (and DP shards), each weight once.
+
+A weight replicated over TP (norm weights) is counted on TP rank 0 only; the last stage's copy
+of a tied embedding is skipped (the first stage holds the same gradient). The squared sums are
+then added over the model-parallel group (tp x pp), or over every rank when each DP rank
+holds a different shard of the gradients (distributed optimizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+
+
+def counts_toward_norm(param: nn.Parameter, pstate: ParallelState) -> bool:
+    """True when this rank is the one that owns `param`'s contribution to the global norm."""
+    if getattr(param, "tp_split", None) is None and pstate.tp_rank != 0:
+        return False
+    return not (getattr(param, "shared_embedding", False) and not pstate.is_first_stage)
+
+
+def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_dp: bool
+                ) -> Tensor:
+    """L2 norm of the given (already de-duplicated) gradient pieces across all ranks.
+
+    Returns an fp32 scalar tensor; NaN/Inf anywhere propagates into it.
+    """
+    grads = list(grads)
+    device = grads[0].device if grads else pstate.device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    group = pstate.world_group if sharded_over_dp else pstate.mp_group
+    comms.all_reduce_(sq, group)
+    return sq.sqrt()
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """Scale factor (<= 1) that brings `norm` down to `max_norm`; 1 when clipping is off."""
+    if max_norm <= 0:
+        return torch.ones_like(norm)
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -1,0 +1,235 @@
+"""Composition root: builds everything from the Config, in order, and owns the training loop.
+
+Order: launch env -> validate (before any process group or tensor) -> process groups ->
+model chunks -> optimizer -> data -> loop. The loss of a step is the mean over every valid
+token of the global batch: each micro-batch contributes sum(token losses) / N, where N is the
+global-batch token count summed over micro-batches and DP ranks, so gradients are already
+normalised and the data-parallel reduction is a sum. The same loss comes out for any layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.config import Config, num_microbatches, validate
+from megatron_lite.data.builder import build_data_loaders
+from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
+from megatron_lite.metrics import MetricsLogger, detect_peak_tflops
+from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.optim.clip import counts_toward_norm
+from megatron_lite.optim.lr import lr_at
+from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.parallel import comms
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.launch import detect_launch_env
+from megatron_lite.parallel.state import ParallelState, format_grid
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports back (tests and scripts read it)."""
+
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    iteration: int = 0
+
+
+def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
+    """This rank's model chunks (one without pipelining)."""
+    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                        dtype=torch.bfloat16 if cfg.train.bf16 else torch.float32,
+                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device))
+    chunks = [LlamaChunk(cfg.model, pstate, range(cfg.model.num_layers), pre_process=True,
+                         post_process=True, opts=opts)]
+    if cfg.train.compile:
+        for chunk in chunks:
+            for layer in chunk.layers:
+                layer.compile()
+    return chunks
+
+
+def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) -> Tensor:
+    """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks."""
+    count = sum(b["loss_mask"].sum() for b in batches).to(pstate.device, torch.float32)
+    return comms.all_reduce_(count, pstate.dp_group)
+
+
+def forward_backward(chunks: list[LlamaChunk], batches: list[dict[str, Tensor]],
+                     pstate: ParallelState, num_tokens: Tensor, *, backward: bool = True
+                     ) -> Tensor:
+    """Gradient accumulation over this rank's micro-batches; returns sum of scaled losses."""
+    model = chunks[0]
+    total = torch.zeros((), device=pstate.device)
+    for batch in batches:
+        b = _to_device(batch, pstate.device)
+        token_losses = model(b["tokens"], b["labels"])
+        loss = (token_losses * b["loss_mask"]).sum() / num_tokens
+        if backward:
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
+    """Global-batch loss from the last stage's per-DP-rank partial sums, on every rank."""
+    owner = pstate.is_last_stage and pstate.tp_rank == 0
+    value = local.clone() if owner else torch.zeros_like(local)
+    return comms.all_reduce_(value, pstate.world_group).item()
+
+
+def train_step(chunks: list[LlamaChunk], optimizer: Optimizer, loader: MicroBatchLoader,
+               pstate: ParallelState, lr: float) -> tuple[float, float, bool]:
+    """One optimizer step: (loss, grad norm, skipped)."""
+    batches = loader.next_step()
+    num_tokens = global_token_count(batches, pstate)
+    optimizer.zero_grad()
+    local = forward_backward(chunks, batches, pstate, num_tokens)
+    optimizer.finalize_grads()
+    result = optimizer.step(lr)
+    return reduce_loss(local, pstate), result.grad_norm, result.skipped
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, chunks: list[LlamaChunk], loader: MicroBatchLoader,
+             pstate: ParallelState) -> float:
+    """Mean token loss over --eval-iters global batches of the validation split."""
+    for chunk in chunks:
+        chunk.eval()
+    loader.consumed_samples = 0  # the same held-out samples at every evaluation
+    total = 0.0
+    for _ in range(cfg.train.eval_iters):
+        batches = loader.next_step()
+        num_tokens = global_token_count(batches, pstate)
+        local = forward_backward(chunks, batches, pstate, num_tokens, backward=False)
+        total += reduce_loss(local, pstate)
+    for chunk in chunks:
+        chunk.train()
+    return total / cfg.train.eval_iters
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
+    """Parameters of the whole model (each counted once across TP and PP)."""
+    seen: set[int] = set()
+    local = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen and counts_toward_norm(p, pstate):
+                seen.add(id(p))
+                local += p.numel()
+    count = torch.tensor(float(local), dtype=torch.float64)
+    return int(comms.all_reduce_(count, pstate.mp_group if pstate.distributed else None).item())
+
+
+def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
+                peak: tuple[float, str], launch_source: str) -> None:
+    """Rank 0: the resolved config, layout, batch hierarchy, sizes and provenance."""
+    n_params = parameter_count(chunks, pstate)
+    if pstate.rank != 0:
+        return
+    t, m = cfg.train, cfg.model
+    nmb = num_microbatches(cfg, pstate.world_size)
+    gbs = t.micro_batch_size * pstate.dp_size * nmb
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    device = (torch.cuda.get_device_name(pstate.device) if pstate.device.type == "cuda"
+              else f"CPU ({platform.processor() or platform.machine()}, "
+                   f"{torch.get_num_threads()} threads)")
+    use_triton = resolve_use_triton(m.triton_kernels, pstate.device)
+    print("megatron_lite: resolved config\n" + json.dumps(cfg.to_dict(), indent=1), flush=True)
+    print(f"launch: {launch_source}, world size {pstate.world_size}, backend "
+          f"{pstate.backend or 'none (single process)'}; rank grid [pp][dp] -> tp ranks:\n"
+          f"{format_grid([[list(r) for r in stage] for stage in pstate.grid])}\n"
+          f"model: {n_params:,} parameters ({n_params / 1e6:.2f} M), vocab {m.vocab_size} padded "
+          f"to {m.padded_vocab_size(pstate.tp_size)}\n"
+          f"batch: micro {t.micro_batch_size} samples x {nmb} accumulation steps x dp "
+          f"{pstate.dp_size} = global {gbs} samples = {gbs * m.seq_length:,} tokens per step\n"
+          f"kernels: {'triton ' + ', '.join(KERNEL_NAMES) if use_triton else 'torch reference'}"
+          f"\nprovenance: git {_git_commit()}, torch {torch.__version__}, triton "
+          f"{triton_version}, python {platform.python_version()}, device {device}\n"
+          f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})", flush=True)
+
+
+def train_loop(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
+               optimizer: Optimizer, train_loader: MicroBatchLoader,
+               valid_loader: MicroBatchLoader | None, logger: MetricsLogger) -> TrainResult:
+    result = TrainResult()
+    t = cfg.train
+    tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
+    window: list[tuple[float, float, float]] = []  # (loss, grad norm, seconds)
+    skipped = 0
+    for iteration in range(1, t.train_iters + 1):
+        start = time.perf_counter()
+        lr = lr_at(iteration - 1, cfg.optim, t.train_iters)
+        loss, grad_norm, was_skipped = train_step(chunks, optimizer, train_loader, pstate, lr)
+        skipped += was_skipped
+        window.append((loss, grad_norm, time.perf_counter() - start))
+        result.losses.append(loss)
+        if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
+            n = len(window)
+            logger.log_train(iteration=iteration, consumed_samples=train_loader.consumed_samples,
+                             loss=sum(w[0] for w in window) / n, lr=lr,
+                             grad_norm=sum(w[1] for w in window) / n,
+                             iter_time_s=sum(w[2] for w in window) / n,
+                             tokens=tokens_per_step, skipped=skipped)
+            window.clear()
+        if valid_loader is not None and t.eval_iters > 0 and (
+                iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            eval_loss = evaluate(cfg, chunks, valid_loader, pstate)
+            result.eval_losses.append(eval_loss)
+            logger.log_eval(iteration, eval_loss)
+        result.iteration = iteration
+    return result
+
+
+def run(cfg: Config) -> TrainResult:
+    """Validate, build and train; tears the process groups down on the way out."""
+    env = detect_launch_env()
+    validate(cfg, env.world_size)
+    pstate = parallel_state.initialize(cfg, env)
+    try:
+        torch.manual_seed(cfg.train.seed)
+        chunks = build_model(cfg, pstate)
+        optimizer = Optimizer(cfg, chunks, pstate)
+        train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+        peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
+        log_startup(cfg, pstate, chunks, peak, env.source)
+        logger = MetricsLogger(cfg, enabled=pstate.rank == 0, world_size=pstate.world_size,
+                               peak_tflops=peak[0], device=pstate.device)
+        try:
+            result = train_loop(cfg, pstate, chunks, optimizer, train_loader, valid_loader,
+                                logger)
+        finally:
+            logger.close()
+        if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
+            print("warning: the final loss is not finite", flush=True)
+        return result
+    finally:
+        parallel_state.destroy(pstate)

@@ -1,0 +1,30 @@
+"""Pretrain a Llama-style decoder: the single entrypoint.
+
+    python pretrain.py --mock-data --train-iters 20                       # one CPU process
+    torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 ...
+    srun python pretrain.py ...                                             # one task per GPU
+
+`python pretrain.py --help` lists every flag (names follow Megatron-LM).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from megatron_lite.arguments import parse_config
+from megatron_lite.config import ConfigError
+from megatron_lite.training import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+        run(cfg)
+    except ConfigError as err:
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
