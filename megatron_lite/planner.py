@@ -1,0 +1,616 @@
+"""Memory and step-time model for choosing a parallel layout before renting a cluster.
+
+Pure arithmetic (imports only `megatron_lite.config`). Two users:
+- `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
+  per-rank bytes of the layout in a `Config`;
+- `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x v x DP x micro-batch x
+  ZeRO-1 x recompute, predicts memory and step time for each and ranks them.
+
+Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
+params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
+runs hold fp32 params (4), fp32 grads (4) and m, v (8) = 16 (the params are their own master).
+ZeRO-1 (`--use-distributed-optimizer`) splits master + m + v over DP, padded to a multiple of
+dp, so bf16 costs 6 + 12/dp. The textbook ZeRO stages (16 bytes/param, Rajbhandari et al.
+2019) are `zero_state_bytes`.
+
+Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
+saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megatron_lite.config import Config, ConfigError, ModelConfig, num_microbatches
+
+GIB = 2**30
+
+STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 8)}
+"""bf16 -> (param, grad, optimizer) bytes per parameter; optimizer = master (bf16 only) + m + v."""
+
+SP_LINEAR_SAVES_GATHERED_INPUT = True
+"""layers/linear.py all-gathers the SP input and F.linear saves the gathered [s, b, h] tensor.
+Megatron saves the [s/t, b, h] shard and re-gathers in backward; set False if we do the same."""
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation, with Megatron's flag semantics."""
+
+    granularity: str = "none"
+    """none | selective (RoPE + attention core rerun) | full (whole layers rerun)."""
+    method: str = "uniform"
+    """full only: uniform = checkpoint groups of N layers; block = only the first N layers."""
+    num_layers: int = 1
+    """full only: N above (per pipeline chunk for block)."""
+
+    def flags(self) -> list[str]:
+        if self.granularity == "none":
+            return []
+        out = ["--recompute-granularity", self.granularity]
+        if self.granularity == "full":
+            out += ["--recompute-method", self.method, "--recompute-num-layers",
+                    str(self.num_layers)]
+        return out
+
+    def label(self) -> str:
+        if self.granularity != "full":
+            return self.granularity
+        return f"full/{self.method[0]}{self.num_layers}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def layer_params(m: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (norm weights are replicated)."""
+    q, kv, h, f = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, \
+        m.hidden_size, m.ffn_hidden_size
+    return 2 * h + (h * (q + 2 * kv) + q * h + 3 * h * f) // tp
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int) -> int:
+    """Parameters held by one rank of a pipeline stage.
+
+    The first stage holds the vocab-parallel embedding; the last holds the final norm and the
+    output layer, which with tied weights and pp > 1 is a second copy of the embedding
+    (model/llama.py), and with pp = 1 and tied weights is the embedding itself.
+    """
+    vocab = m.padded_vocab_size(tp) * m.hidden_size // tp
+    n = num_stage_layers * layer_params(m, tp)
+    if stage == 0:
+        n += vocab
+    if stage == pp - 1:
+        n += m.hidden_size
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            n += vocab
+    return n
+
+
+def total_params(m: ModelConfig) -> int:
+    """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
+    emb = m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
+    return m.num_layers * layer_params(m, 1) + emb + m.hidden_size
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
+                       last: int | None = None) -> list[int]:
+    """Layers per stage: fixed first/last counts, the rest split evenly (pipeline/partition.py)."""
+    if pp == 1:
+        return [num_layers]
+    fixed = {0: first, pp - 1: last}
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    rest, stages = num_layers - sum(fixed.values()), pp - len(fixed)
+    if (stages and (rest < stages or rest % stages)) or (not stages and rest):
+        raise ConfigError(f"--num-layers {num_layers} cannot be split over "
+                          f"--pipeline-model-parallel-size {pp} with the given first/last counts")
+    return [fixed.get(i, rest // stages if stages else 0) for i in range(pp)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states
+
+
+def zero_state_bytes(num_params: float, dp: int, stage: int, param_bytes: float = 2,
+                     grad_bytes: float = 2, optim_bytes: float = 12) -> float:
+    """Per-rank model-state bytes for ZeRO stage 0-3 (textbook mixed-precision Adam: 2+2+12)."""
+    p, g, o = param_bytes, grad_bytes, optim_bytes
+    if stage >= 1:
+        o /= dp
+    if stage >= 2:
+        g /= dp
+    if stage >= 3:
+        p /= dp
+    return num_params * (p + g + o)
+
+
+def state_bytes(num_params: int, dp: int, zero1: bool, bf16: bool) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them."""
+    pb, gb, ob = STATE_BYTES[bf16]
+    owned = math.ceil(num_params / dp) if zero1 else num_params
+    return num_params * pb, num_params * gb, owned * ob
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    """What decides saved-activation bytes besides the model shape."""
+
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    bf16: bool = True
+    fused_kernels: bool = True
+    """Triton kernels (save inputs only) vs the plain-PyTorch references (save fp32 temporaries)."""
+
+
+def _norm_and_linear_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+    """One RMSNorm plus the saved input of the column-parallel linear that consumes it."""
+    s, b, h, e = m.seq_length, a.micro_batch, m.hidden_size, 2 if a.bf16 else 4
+    sp = a.sequence_parallel and a.tp > 1
+    shard = a.tp if sp else 1
+    # fused: x (e) + rstd (4/row); reference: fp32 x, fp32 x*rstd, rstd, fp32 weight copy
+    own = (e * s * b * h + 4 * s * b) if a.fused_kernels else (8 * s * b * h + 4 * s * b)
+    weight_copy = 0 if (a.fused_kernels or not a.bf16) else 4 * h
+    linear_in = e * s * b * h
+    if sp and not SP_LINEAR_SAVES_GATHERED_INPUT:
+        linear_in /= a.tp
+    return own / shard + weight_copy + linear_in
+
+
+def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
+    """Bytes one transformer layer saves for backward, per micro-batch, on one TP rank.
+
+    Korthikanti et al. 2022 (34·sbh + 5·a·s²·b for GPT) adapted to our block: RMSNorm (no
+    biases), SwiGLU, no dropout (no masks), SDPA/flash attention (no a·s² scores; it saves q, k,
+    v, out and an fp32 log-sum-exp per row). With s, b, h, f = ffn, q = heads·d, k = groups·d,
+    e = 2 (bf16) or 4 (fp32), t = TP, T = t with SP else 1:
+
+      norms     2 · [ (c·sbh + 4sb)/T + e·sbh ]      c = e fused, 8 reference (fp32 x and x·rstd);
+                                                     e·sbh = the linear's saved input, full size
+                                                     even with SP (SP_LINEAR_SAVES_GATHERED_INPUT)
+      attention e·sb·(3q + 3k)/t + 4·heads·sb/t      qkv output (kept alive by the v view) +
+                                                     rotated q, k + out; log-sum-exp
+      MLP       (3e)·sbf/t fused | (12 + e)·sbf/t    gate|up output + product; the reference adds
+                                                     fp32 gate, up and silu(gate) copies
+
+    With bf16 reference kernels add 4h per norm (fp32 weight copy) and 8·s·d (fp32 RoPE tables).
+    For MHA, f = 8h/3, fused bf16: about 34.7·sbh without TP, vs 34·sbh + 5·a·s²·b in the paper.
+    `selective` reruns RoPE + SDPA in backward: it keeps the qkv output, drops rotated q, k and
+    the log-sum-exp (out is still saved by the projection).
+    """
+    s, b, e = m.seq_length, a.micro_batch, 2 if a.bf16 else 4
+    q, k, f = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, \
+        m.ffn_hidden_size
+    t = a.tp
+    norms = 2 * _norm_and_linear_input_bytes(m, a)
+    qkv_out, rotated, out = e * s * b * (q + 2 * k), e * s * b * (q + k), e * s * b * q
+    lse = 4 * m.num_attention_heads * s * b
+    attn = (qkv_out + out + (0 if selective else rotated + lse)) / t
+    if not a.fused_kernels and a.bf16 and not selective:
+        attn += 8 * s * m.head_dim
+    mlp = (3 * e if a.fused_kernels else 12 + e) * s * b * f / t
+    return norms + attn + mlp
+
+
+def layer_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+    """What full recomputation keeps per checkpointed group: its [s(/t), b, h] input."""
+    e = 2 if a.bf16 else 4
+    shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
+    return e * m.seq_length * a.micro_batch * m.hidden_size / shard
+
+
+def head_activation_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+    """Last stage: final norm + output-layer input + the logits gradient the loss saves.
+
+    The vocab-parallel cross-entropy computes its gradient in forward and saves it in the
+    logits dtype: e·s·b·V/t (V padded).
+    """
+    e = 2 if a.bf16 else 4
+    vocab = m.padded_vocab_size(a.tp) // a.tp
+    return _norm_and_linear_input_bytes(m, a) + e * m.seq_length * a.micro_batch * vocab
+
+
+def head_transient_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+    """Live only during the loss: logits (e) plus fp32 logits and exp in the loss (2 x 4)."""
+    e = 2 if a.bf16 else 4
+    return (e + 8) * m.seq_length * a.micro_batch * m.padded_vocab_size(a.tp) // a.tp
+
+
+def chunk_activation_bytes(m: ModelConfig, a: ActivationSetup, layers: int,
+                           rc: Recompute) -> tuple[float, float]:
+    """(saved bytes per micro-batch, transient peak while it is recomputed) for `layers` layers."""
+    full = layer_activation_bytes(m, a)
+    if rc.granularity == "selective":
+        return layers * layer_activation_bytes(m, a, selective=True), 0.0
+    if rc.granularity != "full":
+        return layers * full, 0.0
+    n = max(1, min(rc.num_layers, layers))
+    kept = layer_input_bytes(m, a)
+    if rc.method == "block":
+        return n * kept + (layers - n) * full, full
+    return math.ceil(layers / n) * kept, n * full
+
+
+def in_flight(pp: int, stage: int, chunks: int, microbatches: int) -> int:
+    """Peak micro-batch chunks whose activations a stage holds at once.
+
+    1F1B: p - stage (warm-up + 1). Interleaved 1F1B (Megatron's warm-up count):
+    2·(p - stage - 1) + (v - 1)·p + 1 chunk forwards, capped by the m·v that exist.
+    """
+    if chunks == 1:
+        return min(microbatches, pp - stage)
+    return min(microbatches * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-rank memory
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank of one pipeline stage (no allocator or communication allowance)."""
+
+    stage: int
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_microbatch: float
+    """Saved-for-backward bytes of one micro-batch through all of this stage's chunks (what
+    saved_tensors_hooks measure), including the head on the last stage."""
+    in_flight: int
+    """Peak micro-batch chunks alive at once (see `in_flight`)."""
+    activation_bytes: float
+    """Peak: in-flight chunks x per-chunk bytes + head + one layer's backward working set +
+    the group being recomputed + the loss's transient logits (last stage)."""
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One layout as the memory model needs it."""
+
+    tp: int
+    pp: int
+    dp: int
+    chunks: int
+    microbatches: int
+    zero1: bool
+    recompute: Recompute
+    act: ActivationSetup
+
+
+def stage_memory(m: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
+    """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
+    n = stage_params(m, spec.tp, spec.pp, stage, layers)
+    pb, gb, ob = state_bytes(n, spec.dp, spec.zero1, spec.act.bf16)
+    per_chunk, recompute_peak = chunk_activation_bytes(m, spec.act, layers // spec.chunks,
+                                                       spec.recompute)
+    last = stage == spec.pp - 1
+    head = head_activation_bytes(m, spec.act) if last else 0.0
+    ids = 8 * m.seq_length * spec.act.micro_batch if stage == 0 else 0
+    flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches)
+    working = layer_activation_bytes(m, spec.act) + recompute_peak
+    if last:
+        working += head_transient_bytes(m, spec.act)
+    peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
+    return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
+                          peak)
+
+
+def _recompute_from(cfg: Config) -> Recompute:
+    """The recompute fields wherever config.py puts them (none while they do not exist)."""
+    found = {}
+    for section in dataclasses.fields(cfg):
+        for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+            value = getattr(getattr(cfg, section.name), name, None)
+            if value is not None:
+                found[name.removeprefix("recompute_")] = value
+    return Recompute(**found)
+
+
+def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
+                    fused_kernels: bool | None = None) -> MemoryEstimate:
+    """Per-rank memory estimate for `cfg` on `world_size` ranks.
+
+    `stage` picks a pipeline stage (default: the stage with the largest total). `fused_kernels`
+    defaults to `--triton-kernels != off`; pass False for CPU runs with `auto`.
+    """
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    counts = stage_layer_counts(m.num_layers, pp, p.decoder_first_pipeline_num_layers,
+                                p.decoder_last_pipeline_num_layers)
+    per_chunk = p.num_layers_per_virtual_pipeline_stage
+    chunks = counts[0] // per_chunk if per_chunk else 1
+    fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
+    act = ActivationSetup(cfg.train.micro_batch_size, tp, p.sequence_parallel, cfg.train.bf16,
+                          fused)
+    spec = StageSpec(tp, pp, world_size // (tp * pp), chunks, num_microbatches(cfg, world_size),
+                     p.use_distributed_optimizer, _recompute_from(cfg), act)
+    estimates = [stage_memory(m, spec, i, n) for i, n in enumerate(counts)]
+    if stage is not None:
+        return estimates[stage]
+    return max(estimates, key=lambda est: est.total_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster, layouts and step time
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware and efficiency assumptions (defaults: H100 SXM 80 GB, 8 per node, 400 Gb/s NIC
+    per GPU)."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU."""
+    compute_efficiency: float = 0.55
+    """Fraction of peak the GEMM-bound compute reaches (communication and bubble come on top)."""
+    intra_node_gbps: float = 360.0
+    """Achieved collective bus bandwidth per GPU inside a node (NVLink), GB/s."""
+    inter_node_gbps: float = 40.0
+    """Achieved bus bandwidth per GPU across nodes (400 Gb/s NIC at 80%), GB/s."""
+    latency_us: float = 20.0
+    """Fixed cost per collective or p2p transfer."""
+    hbm_gbps: float = 2500.0
+    """Achieved memory bandwidth for the (memory-bound) optimizer step, GB/s."""
+    allowance_gib: float = 3.0
+    """Not modelled elsewhere: CUDA context + NCCL buffers (~1 GiB), gradient buckets,
+    allocator fragmentation."""
+    dp_overlap: bool = True
+    """--overlap-grad-reduce / --overlap-param-gather: DP collectives hide behind the last
+    micro-batch's backward (grads) and the first micro-batch's forward (params)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    chunks: int
+    """Virtual pipeline chunks per stage v (1 = plain 1F1B)."""
+    micro_batch: int
+    zero1: bool
+    recompute: Recompute
+    sequence_parallel: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    microbatches: int
+    memory: MemoryEstimate
+    """The rank with the largest total."""
+    need_gib: float
+    """Memory total including the allowance."""
+    step_s: float
+    compute_s: float
+    tp_comm_s: float
+    p2p_s: float
+    bubble_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+    days: float
+    fits: bool
+    reason: str
+
+
+def flops_per_token(m: ModelConfig) -> tuple[float, float]:
+    """(per layer, LM head) training FLOPs per token: 6 x GEMM MACs + causal attention 6·s·q."""
+    q, k = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    h, f = m.hidden_size, m.ffn_hidden_size
+    gemm = h * (q + 2 * k) + q * h + 3 * h * f
+    return 6 * gemm + 6 * m.seq_length * q, 6 * h * m.vocab_size
+
+
+def _recompute_flops_per_token(m: ModelConfig, rc: Recompute) -> float:
+    """Extra forward FLOPs per layer and token (full: the whole layer; selective: attention)."""
+    layer, _ = flops_per_token(m)
+    attn = 2 * m.seq_length * m.num_attention_heads * m.head_dim
+    if rc.granularity == "full":
+        return layer / 3
+    return attn if rc.granularity == "selective" else 0.0
+
+
+def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: float) -> float:
+    """Ring collective: factor = 2 for all-reduce, 1 for all-gather / reduce-scatter."""
+    if ranks == 1:
+        return 0.0
+    return factor * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + latency_s
+
+
+def _stage_time(m: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int) -> tuple:
+    """(compute, TP comm, p2p) seconds for one micro-batch through all chunks of a stage."""
+    tokens, e = m.seq_length * lay.micro_batch, 2
+    layer, head = flops_per_token(m)
+    work = layers * (layer + _recompute_flops_per_token(m, lay.recompute))
+    if stage == lay.pp - 1:
+        work += head
+    compute = tokens * work / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency)
+    lat = c.latency_us * 1e-6
+    tp_bw = c.intra_node_gbps if lay.tp <= c.gpus_per_node else c.inter_node_gbps
+    # per layer: fwd 2 + bwd 2 all-reduce-sized collectives (SP: all-gather + reduce-scatter
+    # pairs, same bytes); full recompute reruns the 2 forward ones; +1 for embedding or head
+    per_layer = 4 + (2 if lay.recompute.granularity == "full" else 0)
+    colls = layers * per_layer + (stage == 0) + (stage == lay.pp - 1)
+    tp_comm = colls * _ring_s(e * tokens * m.hidden_size, lay.tp, tp_bw, lat, 2)
+    p2p = 0.0
+    if lay.pp > 1:
+        pp_bw = c.inter_node_gbps if lay.tp * lay.dp >= c.gpus_per_node else c.intra_node_gbps
+        shard = lay.tp if lay.sequence_parallel else 1
+        p2p = 2 * lay.chunks * (e * tokens * m.hidden_size / shard / (pp_bw * 1e9) + lat)
+    return compute, tp_comm, p2p
+
+
+def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds; grads reduced in fp32."""
+    lat = c.latency_us * 1e-6
+    bw = c.intra_node_gbps if lay.tp * lay.dp <= c.gpus_per_node else c.inter_node_gbps
+    if lay.zero1:
+        grads = _ring_s(4 * n_params, lay.dp, bw, lat, 1)
+        params = _ring_s(2 * n_params, lay.dp, bw, lat, 1)
+    else:
+        grads, params = _ring_s(4 * n_params, lay.dp, bw, lat, 2), 0.0
+    if c.dp_overlap:
+        grads = max(0.0, grads - 2 / 3 * stage_s)
+        params = max(0.0, params - 1 / 3 * stage_s)
+    owned = n_params / lay.dp if lay.zero1 else n_params
+    # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
+    optimizer = 34 * owned / (c.hbm_gbps * 1e9)
+    return grads + params, optimizer
+
+
+def evaluate(m: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
+             train_tokens: float) -> Plan:
+    """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
+    mbs = global_batch // (lay.dp * lay.micro_batch)
+    act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True)
+    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act)
+    per_stage = m.num_layers // lay.pp
+    mems = [stage_memory(m, spec, i, per_stage) for i in range(lay.pp)]
+    worst = max(mems, key=lambda est: est.total_bytes)
+    times = [_stage_time(m, lay, c, per_stage, i) for i in range(lay.pp)]
+    compute, tp_comm, p2p = max(times, key=sum)
+    stage_s = compute + tp_comm + p2p
+    bubble = (lay.pp - 1) * stage_s / lay.chunks
+    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s)
+    step = mbs * stage_s + bubble + dp_s + opt_s
+    tokens_s = global_batch * m.seq_length / step
+    layer, head = flops_per_token(m)
+    mfu = (m.num_layers * layer + head) * tokens_s / (c.gpus * c.peak_tflops * 1e12)
+    need = worst.total_bytes / GIB + c.allowance_gib
+    fits = need <= c.gpu_memory_gib
+    reason = "" if fits else (
+        f"needs {need:.1f} > {c.gpu_memory_gib:g} GiB (stage {worst.stage}: states "
+        f"{worst.state_bytes / GIB:.1f} + activations {worst.activation_bytes / GIB:.1f} + "
+        f"allowance {c.allowance_gib:g})")
+    return Plan(lay, mbs, worst, need, step, mbs * compute, mbs * tp_comm, mbs * p2p, bubble,
+                dp_s, opt_s, tokens_s, mfu, train_tokens / tokens_s / 86400, fits, reason)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(m: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
+    """Structurally valid layouts without recompute (the memory search adds recompute).
+
+    TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
+    layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
+    micro-batches m >= pp; ZeRO-1 only with dp > 1; SP always on with TP (same traffic, less
+    memory).
+    """
+    out = []
+    tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
+           and not (m.num_attention_heads % t or m.num_query_groups % t or m.ffn_hidden_size % t)]
+    for tp in tps:
+        for pp in _divisors(m.num_layers):
+            if c.gpus % (tp * pp):
+                continue
+            dp = c.gpus // (tp * pp)
+            for v in _divisors(m.num_layers // pp) if pp > 1 else [1]:
+                for mb in (1, 2, 4, 8, 16, 32):
+                    if global_batch % (dp * mb):
+                        continue
+                    n_mb = global_batch // (dp * mb)
+                    if n_mb < pp or (v > 1 and n_mb % pp):
+                        continue
+                    for zero1 in ([False, True] if dp > 1 else [False]):
+                        out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1))
+    return out
+
+
+def recompute_options(m: ModelConfig, lay: Layout) -> list[Recompute]:
+    """none, selective, full uniform N=1, and full block N for N < layers per chunk."""
+    per_chunk = m.num_layers // (lay.pp * lay.chunks)
+    opts = [Recompute(), Recompute("selective"), Recompute("full", "uniform", 1)]
+    opts += [Recompute("full", "block", n) for n in range(1, per_chunk)]
+    return opts
+
+
+def search(m: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
+           keep=lambda lay: True) -> list[Plan]:
+    """Every layout (filtered by `keep`) with its cheapest fitting recompute, best first.
+
+    For each layout the recompute options are tried from cheapest to most recompute; the
+    fastest fitting one is kept, or, when none fits, the one with the least memory (with its
+    reason). Fitting plans come first, by tokens/s.
+    """
+    plans = []
+    for base in layouts(m, c, global_batch):
+        tried = [evaluate(m, dataclasses.replace(base, recompute=rc), c, global_batch,
+                          train_tokens) for rc in recompute_options(m, base)]
+        tried = [p for p in tried if keep(p.layout)]
+        if not tried:
+            continue
+        fitting = [p for p in tried if p.fits]
+        plans.append(max(fitting, key=lambda p: p.tokens_per_s) if fitting
+                     else min(tried, key=lambda p: p.need_gib))
+    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.need_gib))
+
+
+def pretrain_flags(m: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
+    """The plan as pretrain.py flags (Megatron names)."""
+    lay = plan.layout
+    flags = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+             "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads",
+             m.num_attention_heads, "--num-query-groups", m.num_query_groups,
+             "--seq-length", m.seq_length, "--vocab-size", m.vocab_size, "--bf16",
+             "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
+             "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
+    if m.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if lay.chunks > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (lay.pp * lay.chunks)]
+    if lay.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if lay.zero1:
+        flags.append("--use-distributed-optimizer")
+    flags += lay.recompute.flags()
+    return [str(f) for f in flags]
+
+
+PRESETS: dict[str, tuple[str, ModelConfig, int]] = {
+    "125M": ("GPT-3 Small dims (12 x 768, 12 heads) as a Llama: SwiGLU 2048, GPT-2 vocab, tied",
+             ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
+                         ffn_hidden_size=2048, seq_length=2048, vocab_size=50257), 256),
+    "1B": ("Llama 3.2 1B (16 x 2048, 32 heads / 8 KV, SwiGLU 8192, vocab 128256, tied)",
+           ModelConfig(num_layers=16, hidden_size=2048, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=8192, seq_length=8192,
+                       vocab_size=128256), 512),
+    "8B": ("Llama 3.1 8B (32 x 4096, 32 heads / 8 KV, SwiGLU 14336, vocab 128256)",
+           ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_query_groups=8, ffn_hidden_size=14336, seq_length=8192,
+                       vocab_size=128256, untie_embeddings_and_output_weights=True), 512),
+    "70B": ("Llama 3.1 70B (80 x 8192, 64 heads / 8 KV, SwiGLU 28672, vocab 128256)",
+            ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_query_groups=8, ffn_hidden_size=28672, seq_length=8192,
+                        vocab_size=128256, untie_embeddings_and_output_weights=True), 512),
+    "405B": ("Llama 3.1 405B (126 x 16384, 128 heads / 8 KV, SwiGLU 53248, vocab 128256)",
+             ModelConfig(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                         num_query_groups=8, ffn_hidden_size=53248, seq_length=8192,
+                         vocab_size=128256, untie_embeddings_and_output_weights=True), 2048),
+}
+"""name -> (description, shape at seq 8192 (125M: 2048), default global batch in sequences:
+0.5M tokens for 125M, 4.2M for 1B-70B, 16.8M for 405B as in Llama 3's final stage)."""

@@ -1,0 +1,167 @@
+"""Plan a parallel layout: predicted memory, step time, tokens/s and days for a model on a cluster.
+
+    python scripts/plan.py --preset 8B --gpus 8
+    python scripts/plan.py --preset 70B --gpus 1024 --tp 8 --pp 8     # check one layout family
+    python scripts/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+        --seq-length 4096 --vocab-size 32000 --gpus 64 --gpu-memory-gib 40 --peak-tflops 312
+
+The model lives in megatron_lite/planner.py (assumptions in its docstrings and in `Cluster`).
+Prints the best fitting layouts, the fastest ones that do not fit (with why), and the pretrain.py
+flags of the best plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.planner import (
+    GIB,
+    PRESETS,
+    Cluster,
+    Plan,
+    pretrain_flags,
+    search,
+    total_params,
+)
+
+_MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "seq_length", "vocab_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model = ap.add_argument_group("model (a preset, or flags; flags override the preset)")
+    model.add_argument("--preset", choices=sorted(PRESETS, key=lambda k: PRESETS[k][1].num_layers
+                                                  * PRESETS[k][1].hidden_size))
+    for name in _MODEL_FLAGS:
+        model.add_argument("--" + name.replace("_", "-"), type=int)
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    model.add_argument("--global-batch-size", type=int, help="sequences per step")
+    model.add_argument("--train-tokens", type=float, help="token budget (default 20 x params)")
+    cl = ap.add_argument_group("cluster (defaults: H100 SXM 80 GB nodes of 8)")
+    cl.add_argument("--gpus", type=int, required=True)
+    defaults = Cluster(gpus=1)
+    for f in dataclasses.fields(Cluster):
+        if f.name in ("gpus", "dp_overlap"):
+            continue
+        cl.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
+                        default=getattr(defaults, f.name), help=f"(default {f.default})")
+    cl.add_argument("--no-dp-overlap", action="store_true",
+                    help="DP collectives fully exposed (no --overlap-grad-reduce)")
+    flt = ap.add_argument_group("restrict the search")
+    for flag in ("tp", "pp", "dp", "vpp", "micro-batch-size"):
+        flt.add_argument("--" + flag, type=int)
+    flt.add_argument("--zero1", choices=["on", "off"])
+    flt.add_argument("--recompute", choices=["none", "selective", "full"])
+    ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    return ap
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
+    """The preset (if any) with flag overrides, and the global batch."""
+    base, gbs = (PRESETS[args.preset][1], PRESETS[args.preset][2]) if args.preset else (None, None)
+    fields = dataclasses.asdict(base) if base else {}
+    for name in (*_MODEL_FLAGS, "untie_embeddings_and_output_weights"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if base:
+        fields["max_position_embeddings"] = fields["seq_length"]
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                           "vocab_size") if n not in fields]
+    if missing:
+        raise SystemExit("plan.py: give --preset or " +
+                         ", ".join("--" + n.replace("_", "-") for n in missing))
+    if not base:
+        fields.setdefault("ffn_hidden_size", None)
+        fields.setdefault("num_query_groups", None)
+    gbs = args.global_batch_size or gbs
+    if gbs is None:
+        raise SystemExit("plan.py: give --global-batch-size (sequences per step)")
+    return ModelConfig(**fields), gbs
+
+
+def _keep(args: argparse.Namespace):
+    def keep(lay) -> bool:
+        checks = ((args.tp, lay.tp), (args.pp, lay.pp), (args.dp, lay.dp),
+                  (args.vpp, lay.chunks), (args.micro_batch_size, lay.micro_batch))
+        if any(want is not None and want != have for want, have in checks):
+            return False
+        if args.zero1 is not None and (args.zero1 == "on") != lay.zero1:
+            return False
+        return args.recompute is None or args.recompute == lay.recompute.granularity
+    return keep
+
+
+HEADER = (f"{'#':>3} {'TP':>3} {'PP':>3} {'v':>3} {'DP':>5} {'mbs':>4} {'m':>5} {'ZeRO1':>5} "
+          f"{'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} {'step s':>7} "
+          f"{'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
+
+
+def row(i: int, p: Plan, gpus: int) -> str:
+    lay, mem = p.layout, p.memory
+    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.chunks:>3} {lay.dp:>5} {lay.micro_batch:>4} "
+            f"{p.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
+            f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
+            f"{mem.activation_bytes / GIB:>6.1f} {p.need_gib:>6.1f} {p.step_s:>7.2f} "
+            f"{p.bubble_s / p.step_s:>6.1%} {p.tokens_per_s / gpus:>10,.0f} {p.mfu:>5.1%} "
+            f"{p.days:>7.1f}")
+
+
+def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
+           top: int) -> str:
+    n = total_params(model)
+    lines = [f"model: {n / 1e9:.2f}B params, {model.num_layers} layers, h {model.hidden_size}, "
+             f"ffn {model.ffn_hidden_size}, heads {model.num_attention_heads}/"
+             f"{model.num_query_groups} KV, seq {model.seq_length}, vocab {model.vocab_size}",
+             f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node), "
+             f"{cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s at "
+             f"{cluster.compute_efficiency:.0%}, NVLink {cluster.intra_node_gbps:g} GB/s, "
+             f"network {cluster.inter_node_gbps:g} GB/s per GPU, allowance "
+             f"{cluster.allowance_gib:g} GiB",
+             f"batch {gbs} x {model.seq_length} = {gbs * model.seq_length / 1e6:.2f}M tokens; "
+             f"budget {tokens / 1e9:,.0f}B tokens",
+             "memory in GiB on the fullest rank; bubble = share of the step; MFU counts "
+             "6N + 6·s·q per token (causal), not recompute", ""]
+    fitting = [p for p in plans if p.fits]
+    lines += ["fitting layouts, fastest first:", HEADER]
+    lines += [row(i + 1, p, cluster.gpus) for i, p in enumerate(fitting[:top])] or ["  (none)"]
+    best = fitting[0].tokens_per_s if fitting else 0.0
+    faster = [p for p in plans if not p.fits and p.tokens_per_s > best][:5]
+    if faster:
+        lines += ["", "faster layouts that do NOT fit:", HEADER]
+        for i, p in enumerate(faster):
+            lines += [row(i + 1, p, cluster.gpus), f"      {p.reason}"]
+    if not fitting and plans:
+        lines += ["", "closest to fitting:", HEADER, row(1, plans[0], cluster.gpus),
+                  f"      {plans[0].reason}"]
+    if fitting:
+        lines += ["", "pretrain.py flags for #1:", " ".join(pretrain_flags(model, fitting[0], gbs))]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model, gbs = model_from_args(args)
+    except ConfigError as err:
+        raise SystemExit(f"plan.py: {err}") from err
+    cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
+                      if f.name != "dp_overlap"}
+    cluster = Cluster(**cluster_fields, dp_overlap=not args.no_dp_overlap)
+    tokens = args.train_tokens or 20 * total_params(model)
+    plans = search(model, cluster, gbs, tokens, keep=_keep(args))
+    if not plans:
+        raise SystemExit("plan.py: no valid layout (check that --global-batch-size is divisible "
+                         "by dp x micro-batch and the filters agree with the GPU count)")
+    print(report(model, cluster, gbs, tokens, plans, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

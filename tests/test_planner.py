@@ -1,0 +1,188 @@
+"""Planner: textbook ZeRO numbers, parameter counts against the real model, activation bytes
+against what autograd actually saves, pipeline in-flight counts, and the layout search."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megatron_lite.arguments import parse_config
+from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.planner import (
+    GIB,
+    PRESETS,
+    ActivationSetup,
+    Cluster,
+    Layout,
+    Recompute,
+    chunk_activation_bytes,
+    estimate_memory,
+    evaluate,
+    in_flight,
+    layer_activation_bytes,
+    pretrain_flags,
+    search,
+    stage_layer_counts,
+    stage_params,
+    total_params,
+    zero_state_bytes,
+)
+
+
+def _pstate(tp: int = 1, pp: int = 1, pp_rank: int = 0) -> ParallelState:
+    return ParallelState(rank=0, world_size=tp * pp, local_rank=0, tp_size=tp, tp_rank=0,
+                         pp_size=pp, pp_rank=pp_rank, dp_size=1, dp_rank=0,
+                         device=torch.device("cpu"), backend=None)
+
+
+def _tiny(**kw) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                vocab_size=200)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_textbook_zero_stages_7b_on_8():
+    """Rajbhandari et al.: 16 bytes/param, stages shard optimizer, then grads, then params."""
+    got = [round(zero_state_bytes(7e9, 8, stage) / GIB, 1) for stage in range(4)]
+    assert got == [104.3, 35.9, 24.4, 13.0]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_stage_params_match_the_model(tp, pp, tied):
+    cfg = _tiny(num_query_groups=2, untie_embeddings_and_output_weights=not tied)
+    counts = stage_layer_counts(cfg.num_layers, pp)
+    first = 0
+    for stage, n_layers in enumerate(counts):
+        chunk = LlamaChunk(cfg, _pstate(tp, pp, stage), range(first, first + n_layers),
+                           pre_process=stage == 0, post_process=stage == pp - 1,
+                           opts=BuildOptions(seed=0))
+        first += n_layers
+        real = sum(p.numel() for p in {id(p): p for p in chunk.parameters()}.values())
+        assert stage_params(cfg, tp, pp, stage, n_layers) == real
+    if tp == 1 and pp == 1:
+        assert total_params(cfg) == real - (cfg.padded_vocab_size(1) - cfg.vocab_size) * 64 * (
+            1 if tied else 2)
+
+
+def _saved_bytes(module: torch.nn.Module, fn) -> int:
+    """Bytes of distinct storages autograd keeps for backward, parameters and buffers excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [4, 2])
+def test_activation_formula_matches_saved_tensors(dtype, groups):
+    """Reference kernels on CPU: the per-micro-batch estimate equals what autograd saves."""
+    model = _tiny(num_query_groups=groups, num_layers=2)
+    b = 3
+    chunk = LlamaChunk(model, _pstate(), range(2), pre_process=True, post_process=True,
+                       opts=BuildOptions(seed=0, dtype=dtype))
+    tokens = torch.randint(0, model.vocab_size, (b, model.seq_length))
+    measured = _saved_bytes(chunk, lambda: chunk(tokens, tokens).sum())
+    cfg = Config(model=model, train=TrainConfig(micro_batch_size=b,
+                                                bf16=dtype == torch.bfloat16))
+    est = estimate_memory(cfg, 1, fused_kernels=False)
+    assert est.activation_bytes_per_microbatch == pytest.approx(measured, rel=0.01)
+
+
+def test_selective_and_full_recompute_bytes():
+    m = _tiny(num_layers=8, seq_length=256)
+    a = ActivationSetup(micro_batch=2, bf16=True)
+    none, _ = chunk_activation_bytes(m, a, 8, Recompute())
+    sel, _ = chunk_activation_bytes(m, a, 8, Recompute("selective"))
+    e, sbh = 2, 256 * 2 * 64
+    # selective drops rotated q, k (MHA: 2 sbh) and the fp32 log-sum-exp per head and row
+    assert none - sel == pytest.approx(8 * (2 * e * sbh + 4 * 4 * 256 * 2))
+    for n in (1, 3, 8):
+        full, peak = chunk_activation_bytes(m, a, 8, Recompute("full", "uniform", n))
+        assert full == math.ceil(8 / n) * e * sbh
+        assert peak == n * layer_activation_bytes(m, a)
+    block, _ = chunk_activation_bytes(m, a, 8, Recompute("full", "block", 3))
+    assert block == 3 * e * sbh + 5 * layer_activation_bytes(m, a)
+
+
+def test_in_flight_counts_and_interleaving_penalty():
+    assert [in_flight(4, s, 1, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 0, 1, 2) == 2
+    # Megatron's theoretical memory: first stage holds L/p layers x p micro-batches x
+    # (1 + (p - 1) / (p v)) when interleaved
+    for p, v in [(2, 2), (4, 2), (4, 3), (8, 5)]:
+        layers_per_chunk = 1
+        held = in_flight(p, 0, v, 64) * layers_per_chunk
+        assert held == pytest.approx(v * p * (1 + (p - 1) / (p * v)))
+
+
+def test_estimate_memory_follows_the_config_layout():
+    """ZeRO-1 shards master + m + v over dp; bf16 is 2 + 4 + 12 bytes/param."""
+    model = _tiny(num_layers=8)
+    for zero1 in (False, True):
+        cfg = Config(model=model,
+                     parallel=ParallelConfig(tensor_model_parallel_size=2,
+                                             pipeline_model_parallel_size=2,
+                                             use_distributed_optimizer=zero1),
+                     train=TrainConfig(micro_batch_size=2, global_batch_size=16, bf16=True))
+        est = estimate_memory(cfg, 16, stage=0)
+        n = stage_params(model, 2, 2, 0, 4)
+        assert est.params == n
+        assert est.state_bytes == 2 * n + 4 * n + 12 * (math.ceil(n / 4) if zero1 else n)
+        assert est.in_flight == 2
+
+
+def test_70b_on_1024_h100_tp8_pp8_dp16():
+    model = PRESETS["70B"][1]
+    lay = Layout(tp=8, pp=8, dp=16, chunks=1, micro_batch=1, zero1=True,
+                 recompute=Recompute(), sequence_parallel=True)
+    plan = evaluate(model, lay, Cluster(gpus=1024), 512, 15e12)
+    assert plan.fits, plan.reason
+    n = plan.memory.params
+    assert n == stage_params(model, 8, 8, plan.memory.stage, 10)
+    assert plan.memory.state_bytes == 2 * n + 4 * n + 12 * math.ceil(n / 16)
+    m = 512 // 16
+    assert plan.bubble_s / (plan.step_s - plan.dp_exposed_s - plan.optimizer_s) == \
+        pytest.approx(7 / (m + 7))
+    best = search(model, Cluster(gpus=1024), 512, 15e12,
+                  keep=lambda lay: (lay.tp, lay.pp, lay.dp) == (8, 8, 16))[0]
+    assert best.fits and best.tokens_per_s >= plan.tokens_per_s
+
+
+def test_search_marks_oom_and_emits_parseable_flags():
+    model = PRESETS["8B"][1]
+    tiny_gpu = Cluster(gpus=8, gpu_memory_gib=16)
+    plans = search(model, tiny_gpu, 64, 1e9)
+    assert not any(p.fits for p in plans)
+    assert "needs" in plans[0].reason
+    plans = search(model, Cluster(gpus=8), 64, 1e9)
+    best = plans[0]
+    assert best.fits and all(p.tokens_per_s <= best.tokens_per_s for p in plans if p.fits)
+    flags = pretrain_flags(model, best, 64)
+    cfg = parse_config(flags)
+    assert cfg.parallel.tensor_model_parallel_size == best.layout.tp
+    assert cfg.train.global_batch_size == 64
+    est = estimate_memory(dataclasses.replace(cfg), 8)
+    assert est.state_bytes == best.memory.state_bytes
+
+
+def test_cli_prints_a_table(capsys):
+    import scripts.plan as plan_cli
+
+    assert plan_cli.main(["--preset", "1B", "--gpus", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fitting layouts" in out and "--tensor-model-parallel-size" in out
