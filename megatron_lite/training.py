@@ -142,7 +142,7 @@ def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
                 seen.add(id(p))
                 local += p.numel()
     count = torch.tensor(float(local), dtype=torch.float64)
-    return int(comms.all_reduce_(count, pstate.mp_group if pstate.distributed else None).item())
+    return int(comms.all_reduce_(count, pstate.mp_group).item())
 
 
 def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
@@ -209,27 +209,31 @@ def train_loop(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
     return result
 
 
+def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> TrainResult:
+    """Build model, optimizer and data on an initialised `pstate`, then run the loop."""
+    torch.manual_seed(cfg.train.seed)
+    chunks = build_model(cfg, pstate)
+    optimizer = Optimizer(cfg, chunks, pstate)
+    train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+    peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
+    log_startup(cfg, pstate, chunks, peak, launch_source)
+    logger = MetricsLogger(cfg, enabled=pstate.rank == 0, world_size=pstate.world_size,
+                           peak_tflops=peak[0], device=pstate.device)
+    try:
+        result = train_loop(cfg, pstate, chunks, optimizer, train_loader, valid_loader, logger)
+    finally:
+        logger.close()
+    if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
+        print("warning: the final loss is not finite", flush=True)
+    return result
+
+
 def run(cfg: Config) -> TrainResult:
-    """Validate, build and train; tears the process groups down on the way out."""
+    """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
     validate(cfg, env.world_size)
     pstate = parallel_state.initialize(cfg, env)
     try:
-        torch.manual_seed(cfg.train.seed)
-        chunks = build_model(cfg, pstate)
-        optimizer = Optimizer(cfg, chunks, pstate)
-        train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
-        peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
-        log_startup(cfg, pstate, chunks, peak, env.source)
-        logger = MetricsLogger(cfg, enabled=pstate.rank == 0, world_size=pstate.world_size,
-                               peak_tflops=peak[0], device=pstate.device)
-        try:
-            result = train_loop(cfg, pstate, chunks, optimizer, train_loader, valid_loader,
-                                logger)
-        finally:
-            logger.close()
-        if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
-            print("warning: the final loss is not finite", flush=True)
-        return result
+        return train(cfg, pstate, env.source)
     finally:
         parallel_state.destroy(pstate)
