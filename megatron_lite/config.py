@@ -185,6 +185,8 @@ class DataConfig:
     """Directory for cached sample/shuffle indices (default: next to the data)."""
     eod_mask_loss: bool = False
     """Do not train on predicting the token after an end-of-document token."""
+    verify_checksums: bool = False
+    """Before training, compare every shard this rank reads with its manifest sha256 (reads all)."""
 
 
 @dataclass

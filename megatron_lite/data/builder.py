@@ -1,10 +1,99 @@
-"""Builds the train and validation loaders for this DP rank from the data config."""
+"""Builds the train and validation loaders for this DP rank from the data config.
+
+Real data: `--data-path` (prefixes or manifests, optionally a weighted blend), `--split`,
+`--tokenizer-model` (vocab size and EOD; must agree with the manifests), `--data-sharding`,
+`--data-cache-path`, `--eod-mask-loss`. Every shard this rank reads is validated before the
+first step; a bad one stops the run with its file name and the command that regenerates it.
+"""
 
 from __future__ import annotations
 
-from megatron_lite.config import Config
+from dataclasses import dataclass
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.data.dataset import build_datasets, parse_blend
+from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.data.mock import MockDataset
+
+
+@dataclass
+class TokenizerInfo:
+    vocab_size: int | None
+    eod_id: int | None
+    source: str
+
+
+def resolve_tokenizer(cfg: Config) -> TokenizerInfo:
+    """Vocab size and EOD id from --tokenizer-model and/or the manifests; sets
+    cfg.model.vocab_size (call before building the model). A disagreement between the
+    tokenizer and the manifests is an error (shards made with another tokenizer)."""
+    info = tokenizer_info(cfg)
+    cfg.model.vocab_size = info.vocab_size or cfg.model.vocab_size
+    return info
+
+
+def tokenizer_info(cfg: Config) -> TokenizerInfo:
+    """What resolve_tokenizer finds, without changing cfg."""
+    d = cfg.data
+    if d.mock_data or not d.data_path:
+        return TokenizerInfo(cfg.model.vocab_size, None, "--vocab-size")
+    found: list[tuple[str, int, int | None, str | None]] = []
+    if d.tokenizer_model:
+        from tokenizer.tokenizer import Tokenizer
+
+        tok = Tokenizer(d.tokenizer_model)
+        found.append((f"--tokenizer-model {d.tokenizer_model}", tok.vocab_size, tok.eos_id,
+                      tok.sha256()))
+    for _, path in parse_blend(d.data_path):
+        manifest_path = find_manifest(path)
+        if manifest_path is not None:
+            t = load_manifest(manifest_path).tokenizer
+            if t.get("vocab_size") is not None:
+                found.append((f"manifest {manifest_path}", int(t["vocab_size"]),
+                              t.get("eod_id"), t.get("sha256")))
+    if not found:
+        raise ConfigError("--data-path without a manifest needs --tokenizer-model to know the "
+                          "vocabulary size and EOD id")
+    ref = found[0]
+    for other in found[1:]:
+        if (other[1], other[2]) != (ref[1], ref[2]):
+            raise ConfigError(
+                f"tokenizer mismatch: {ref[0]} has vocab {ref[1]}, EOD {ref[2]} but {other[0]} "
+                f"has vocab {other[1]}, EOD {other[2]}; the shards were made with another "
+                "tokenizer: pass the one used by data_tools.preprocess or re-preprocess")
+    return TokenizerInfo(ref[1], ref[2], ref[0])
+
+
+def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:
+    d, t = cfg.data, cfg.train
+    node_local = (dp_rank, dp_size) if d.data_sharding == "node-local" else None
+    needed = [t.train_iters * gbs, t.eval_iters * gbs if t.eval_iters > 0 else 0, 0]
+    if node_local:
+        needed = [n // dp_size for n in needed]
+    try:
+        datasets = build_datasets(d.data_path, d.split, cfg.model.seq_length, t.seed, needed,
+                                  d.data_cache_path, node_local)
+        if d.verify_checksums:
+            _verify(cfg, node_local)
+    except (ShardError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    if datasets[0] is None:
+        raise ConfigError(f"--data-path {' '.join(d.data_path)} with --split {d.split} leaves no "
+                          f"training sample of --seq-length {cfg.model.seq_length}")
+    return datasets
+
+
+def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:
+    from megatron_lite.data.format import shards_for_dp_rank
+
+    for _, path in parse_blend(cfg.data.data_path):
+        manifest_path = find_manifest(path)
+        if manifest_path is None:
+            continue
+        m = load_manifest(manifest_path)
+        m.verify_checksums(shards_for_dp_rank(len(m.shards), *node_local) if node_local
+                           else None)
 
 
 def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
@@ -13,11 +102,21 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
     """(train loader, validation loader or None)."""
     t, m = cfg.train, cfg.model
     gbs = t.global_batch_size or t.micro_batch_size * dp_size
-    if not cfg.data.mock_data:
-        raise ValueError("no data: pass --mock-data or --data-path with --tokenizer-model")
-    train = MockDataset(m.vocab_size, m.seq_length, t.seed, "train")
-    valid = MockDataset(m.vocab_size, m.seq_length, t.seed, "valid")
     common = dict(micro_batch_size=t.micro_batch_size, global_batch_size=gbs,
                   dp_rank=dp_rank, dp_size=dp_size)
+    if cfg.data.mock_data:
+        train = MockDataset(m.vocab_size, m.seq_length, t.seed, "train")
+        valid = MockDataset(m.vocab_size, m.seq_length, t.seed, "valid")
+        return (MicroBatchLoader(train, consumed_samples=consumed_train_samples, **common),
+                MicroBatchLoader(valid, **common))
+    if not cfg.data.data_path:
+        raise ConfigError("no data: pass --mock-data or --data-path with --tokenizer-model")
+    tok = tokenizer_info(cfg)
+    if tok.vocab_size != m.vocab_size:
+        raise ConfigError(f"the model has --vocab-size {m.vocab_size} but {tok.source} has "
+                          f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
+    train, valid, _ = _real_datasets(cfg, dp_rank, dp_size, gbs)
+    common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
+                  node_local=cfg.data.data_sharding == "node-local")
     return (MicroBatchLoader(train, consumed_samples=consumed_train_samples, **common),
-            MicroBatchLoader(valid, **common))
+            MicroBatchLoader(valid, **common) if valid is not None else None)

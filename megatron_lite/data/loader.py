@@ -5,6 +5,10 @@ The global batch of step k is samples [consumed, consumed + global_batch) of the
 `micro_batch_size` samples starting at consumed + (j * dp + r) * micro_batch_size, the order
 Megatron's pretraining sampler uses. The whole position is `consumed_samples`: a checkpoint
 stores that number and a resumed run continues with exactly the same batches.
+
+With `node_local=True` each DP rank's dataset holds only its own shards: the rank reads its
+dataset sequentially from consumed_samples / dp, so every rank still takes the same number of
+samples per step and the position is still the one global number.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class MicroBatchLoader:
 
     def __init__(self, dataset: TokenDataset, *, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, consumed_samples: int = 0,
-                 eod_id: int | None = None, eod_mask_loss: bool = False) -> None:
+                 eod_id: int | None = None, eod_mask_loss: bool = False,
+                 node_local: bool = False) -> None:
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of micro batch x dp")
         self.dataset = dataset
@@ -47,6 +52,7 @@ class MicroBatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
+        self.node_local = node_local
 
     @property
     def num_microbatches(self) -> int:
@@ -55,6 +61,10 @@ class MicroBatchLoader:
     def sample_indices(self, consumed: int) -> list[list[int]]:
         """Dataset indices of this rank's micro-batches for the step starting at `consumed`."""
         mb, dp = self.micro_batch_size, self.dp_size
+        if self.node_local:
+            start = consumed // dp
+            return [[(start + j * mb + i) % len(self.dataset) for i in range(mb)]
+                    for j in range(self.num_microbatches)]
         return [[(consumed + (j * dp + self.dp_rank) * mb + i) % len(self.dataset)
                  for i in range(mb)] for j in range(self.num_microbatches)]
 
