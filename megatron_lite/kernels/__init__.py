@@ -8,10 +8,10 @@ never needs triton or a GPU. `resolve_use_triton` turns `--triton-kernels` into 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
+from megatron_lite.kernels._launch import compiled_kernels_loaded
 from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.kernels.rmsnorm import rms_norm, rms_norm_residual
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
@@ -34,7 +34,7 @@ def resolve_use_triton(mode: str, device: torch.device) -> bool:
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
         return False
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        if any(name.startswith("megatron_lite.kernels._triton_") for name in sys.modules):
+        if compiled_kernels_loaded():
             raise RuntimeError("--triton-kernels on with a CPU device needs TRITON_INTERPRET=1 "
                                "before the Triton kernels load; export TRITON_INTERPRET=1")
         os.environ["TRITON_INTERPRET"] = "1"

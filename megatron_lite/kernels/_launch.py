@@ -32,6 +32,11 @@ def load_triton_module(name: str, device: torch.device) -> ModuleType:
     return importlib.import_module(f"megatron_lite.kernels._triton_{name}")
 
 
+def compiled_kernels_loaded() -> bool:
+    """True once any kernel module was loaded for the GPU (it cannot then run on CPU tensors)."""
+    return not all(_LOADED_INTERPRETED.values())
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

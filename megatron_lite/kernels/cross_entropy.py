@@ -117,6 +117,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits_2d = logits_2d.contiguous()
         target_1d = target.reshape(-1).contiguous()
         need_grad = ctx.needs_input_grad[0]
+        if need_grad and inplace_backward and logits.is_leaf:
+            raise ValueError("inplace_backward=True would overwrite a leaf tensor's data; pass "
+                             "logits produced by an op (the output layer's matmul)")
         if use_triton:
             grad = None
             if need_grad:
@@ -130,6 +133,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 grad = logits_2d.copy_(grad) if inplace_backward else grad.to(logits.dtype)
         if not need_grad:
             return loss.view(shape)
+        if grad.data_ptr() == logits.data_ptr():
+            # The gradient now lives in the caller's logits. Bumping their version makes any
+            # other op that saved them fail loudly in backward instead of reading gradients.
+            torch.autograd.graph.increment_version(logits)
+            grad = logits
         ctx.save_for_backward(grad)
         ctx.logits_shape = logits.shape
         ctx.used = False
@@ -142,6 +150,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                "so its backward can run only once (no retain_graph re-use)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
+        grad = grad.view(-1, grad.shape[-1])
         grad.mul_(grad_loss.reshape(-1, 1))
         return grad.view(ctx.logits_shape), None, None, None, None, None, None, None
 

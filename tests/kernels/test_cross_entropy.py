@@ -1,0 +1,136 @@
+"""Vocab-parallel cross-entropy (Triton and reference) against torch's cross_entropy, single
+process and TP=2 over gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
+from tests.distributed import run_ranks
+from tests.kernels.util import assert_close
+
+IGNORE = -100
+DTYPES = [torch.float32, torch.bfloat16]
+# (leading shape, padded vocab, true vocab): one row; ragged 3-D; a row longer than one block.
+CASES = [((1,), 17, 17), ((2, 3), 300, 291), ((5,), 9000, 8999)]
+
+
+def _problem(lead, v_padded, v_true, gen, scale=4.0):
+    logits = torch.randn(*lead, v_padded, generator=gen) * scale
+    target = torch.randint(0, v_true, lead, generator=gen)
+    if target.numel() > 1:
+        target.view(-1)[1] = IGNORE
+    weight = torch.rand(lead, generator=gen)
+    return logits, target, weight
+
+
+def _expected(logits, target, weight, v_true):
+    """torch's cross_entropy on the real columns; padding columns get zero gradient."""
+    x = logits.detach().float().requires_grad_()
+    flat = x[..., :v_true].reshape(-1, v_true)
+    loss = F.cross_entropy(flat, target.reshape(-1), ignore_index=IGNORE, reduction="none")
+    loss = loss.view(target.shape)
+    (loss * weight).sum().backward()
+    return loss.detach(), x.grad
+
+
+def _run(logits, target, weight, v_true, dtype, use_triton, inplace, vocab_start=0, group=None):
+    """Loss and logits gradient from our function on a fresh leaf copy of `logits`."""
+    x = logits.to(dtype, copy=True).requires_grad_()
+    loss = vocab_parallel_cross_entropy(x * 1.0, target, vocab_start, v_true, tp_group=group,
+                                        ignore_index=IGNORE, use_triton=use_triton,
+                                        inplace_backward=inplace)
+    (loss * weight.to(loss.device)).sum().backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_torch(case, dtype, use_triton, inplace, device, gen):
+    logits, target, weight = _problem(*case, gen)
+    logits = logits.to(dtype).float()  # the bf16 run and the fp32 expectation see equal inputs
+    loss_ref, grad_ref = _expected(logits, target, weight, case[2])
+    loss, grad = _run(logits.to(device), target.to(device), weight, case[2], dtype, use_triton,
+                      inplace)
+    assert loss.dtype == torch.float32
+    assert_close(loss.cpu(), loss_ref, dtype, "loss")
+    assert_close(grad.cpu(), grad_ref.to(dtype), dtype, "dlogits")
+    assert (loss[target == IGNORE] == 0).all()
+
+
+def test_inplace_refuses_logits_another_op_still_needs(device, gen):
+    """tanh saves its output; overwriting it must fail loudly in backward, not corrupt grads."""
+    x = torch.randn(3, 10, generator=gen).to(device).requires_grad_()
+    loss = vocab_parallel_cross_entropy(torch.tanh(x), torch.tensor([1, 2, 3], device=device),
+                                        0, 10, use_triton=True, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.sum().backward()
+
+
+def test_no_grad_leaves_logits_untouched(device, gen):
+    logits = torch.randn(4, 33, generator=gen).to(device)
+    before = logits.clone()
+    target = torch.tensor([0, 5, IGNORE, 32], device=device)
+    loss = vocab_parallel_cross_entropy(logits, target, 0, 33, use_triton=True,
+                                        inplace_backward=True)
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)
+    expected = F.cross_entropy(before, target, ignore_index=IGNORE, reduction="none")
+    assert_close(loss, expected, torch.float32, "loss")
+
+
+def _tp_rank(pstate, problems):
+    """This rank's slice of the padded vocab, through both paths, with the real TP group."""
+    out = []
+    for logits, target, weight, v_true, dtype in problems:
+        v_local = logits.shape[-1] // pstate.tp_size
+        start = pstate.tp_rank * v_local
+        local = logits[..., start : start + v_local]
+        out.append({use_triton: _run(local, target, weight, v_true, dtype, use_triton,
+                                     use_triton, start, pstate.tp_group)
+                    for use_triton in (True, False)})
+    return out
+
+
+def test_tensor_parallel_2_matches_single_process(tmp_path, gen):
+    """One spawn covers fp32 and bf16, and a vocab so small that rank 1 holds only padding."""
+    problems = []
+    for dtype, v_true in ((torch.float32, 62), (torch.bfloat16, 62), (torch.float32, 30)):
+        logits, target, weight = _problem((3, 4), 64, v_true, gen)
+        target[0, 0], target[0, 2] = 0, v_true - 1  # the first and the last real id
+        problems.append((logits.to(dtype).float(), target, weight, v_true, dtype))
+    results = run_ranks(_tp_rank, 2, tmp_path, tp=2, problems=problems)
+    for i, (logits, target, weight, v_true, dtype) in enumerate(problems):
+        loss_ref, grad_ref = _expected(logits, target, weight, v_true)
+        grad_ref = grad_ref.to(dtype)
+        for rank in range(2):
+            for use_triton, (loss, grad) in results[rank][i].items():
+                what = f"vocab {v_true} {dtype} rank {rank} triton={use_triton}"
+                assert_close(loss, loss_ref, dtype, f"loss, {what}")
+                assert_close(grad, grad_ref[..., rank * 32 : (rank + 1) * 32], dtype,
+                             f"dlogits, {what}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_torch_cuda_sizes(dtype, gen):
+    test_matches_torch(((2048,), 128256, 128256), dtype, True, True, torch.device("cuda"), gen)
+
+
+def test_inplace_on_a_leaf_is_refused():
+    logits = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf"):
+        vocab_parallel_cross_entropy(logits, torch.tensor([1, 2]), 0, 8, inplace_backward=True)
+
+
+def test_backward_twice_is_refused(device, gen):
+    x = torch.randn(2, 8, generator=gen).to(device).requires_grad_()
+    loss = vocab_parallel_cross_entropy(x * 2.0, torch.tensor([1, 2], device=device), 0, 8,
+                                        use_triton=True)
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.sum().backward()
