@@ -130,3 +130,22 @@ def partition_layers(
             layers[stage].append(tuple(range(start, start + per_chunk[stage])))
             start += per_chunk[stage]
     return Partition(tuple(tuple(chunks) for chunks in layers))
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What one model chunk of a stage is built from."""
+
+    layer_ids: tuple[int, ...]
+    pre_process: bool
+    """Holds the embedding (first chunk of the first stage)."""
+    post_process: bool
+    """Holds the final norm, output layer and loss (last chunk of the last stage)."""
+
+
+def stage_chunks(part: Partition, pp_rank: int) -> list[ChunkSpec]:
+    """The chunks stage `pp_rank` builds, in chunk order."""
+    last_stage, last_chunk = part.pp_size - 1, part.num_chunks - 1
+    return [ChunkSpec(part.layer_ids(pp_rank, c), pp_rank == 0 and c == 0,
+                      pp_rank == last_stage and c == last_chunk)
+            for c in range(part.num_chunks)]

@@ -90,20 +90,23 @@ def compute_order(pp_size: int, pp_rank: int, num_microbatches: int,
             for op in step]
 
 
-def compute_steps(pp_size: int, pp_rank: int, num_microbatches: int,
-                  num_chunks: int = 1) -> list[tuple[Compute, ...]]:
+def compute_steps(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1,
+                  forward_only: bool = False) -> list[tuple[Compute, ...]]:
     """Computes grouped into steps; communication happens only between steps.
 
     Plain 1F1B exchanges after every compute. The interleaved schedule runs each steady-state
     forward and backward back to back as one step and exchanges once after the pair, posting
     the receives for the whole next step up front (Megatron's structure): every stage then
     meets its neighbours in the same batch, which per-compute exchanges cannot guarantee
-    once chunks wrap around from the last stage to the first.
+    once chunks wrap around from the last stage to the first. `forward_only` (evaluation)
+    keeps just the forwards, in the same order.
     """
-    if pp_size == 1 and num_chunks == 1:
-        return [(op,) for mb in range(num_microbatches) for op in (Forward(mb, 0), Backward(mb, 0))]
     table = _virtual_microbatch_table(pp_size, num_microbatches, num_chunks)
     forwards = [Forward(mb, chunk) for mb, chunk in table]
+    if forward_only:
+        return [(op,) for op in forwards]
+    if pp_size == 1 and num_chunks == 1:
+        return [(op,) for mb in range(num_microbatches) for op in (Forward(mb, 0), Backward(mb, 0))]
     backwards = [Backward(mb, num_chunks - 1 - chunk) for mb, chunk in table]
     total = len(table)
     if num_chunks == 1:
@@ -152,10 +155,10 @@ def _transfers(op: Compute, pp_size: int, stage: int, num_chunks: int
     return recvs, sends
 
 
-def stage_schedule(pp_size: int, pp_rank: int, num_microbatches: int,
-                   num_chunks: int = 1) -> list[Action]:
+def stage_schedule(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1,
+                   forward_only: bool = False) -> list[Action]:
     """Full action list of one stage: computes, batched transfers and grad-reduction points."""
-    steps = compute_steps(pp_size, pp_rank, num_microbatches, num_chunks)
+    steps = compute_steps(pp_size, pp_rank, num_microbatches, num_chunks, forward_only)
     last_backward = {op.chunk: i for i, step in enumerate(steps) for op in step
                      if isinstance(op, Backward)}
     actions: list[Action] = []
@@ -183,11 +186,12 @@ def _posting_order(ops: list[Send | Recv]) -> tuple[Send | Recv, ...]:
     return tuple(sorted(ops, key=lambda op: op.tensor != "activation"))
 
 
-def build_schedule(pp_size: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Action]]:
+def build_schedule(pp_size: int, num_microbatches: int, num_chunks: int = 1,
+                   forward_only: bool = False) -> list[list[Action]]:
     """Action lists for every stage; validates the schedule's own preconditions."""
     if num_microbatches < 1:
         raise ValueError(f"need at least one micro-batch, got {num_microbatches}")
     if num_chunks > 1 and pp_size == 1:
         raise ValueError("virtual chunks need more than one pipeline stage")
-    return [stage_schedule(pp_size, rank, num_microbatches, num_chunks)
+    return [stage_schedule(pp_size, rank, num_microbatches, num_chunks, forward_only)
             for rank in range(pp_size)]

@@ -104,3 +104,11 @@ def test_interleaved_with_microbatches_not_a_multiple_of_stages_is_unsafe() -> N
     # Why validate() demands m % p == 0 for the interleaved schedule.
     with pytest.raises(ScheduleError):
         simulate(build_schedule(4, 6, 2), 6, 2)
+
+
+@pytest.mark.parametrize(("pp", "v", "m"), [(1, 1, 3), (2, 1, 2), (4, 1, 5), (2, 2, 4),
+                                            (4, 2, 8), (3, 3, 6)])
+def test_forward_only_schedule_for_evaluation(pp: int, v: int, m: int) -> None:
+    result = simulate(build_schedule(pp, m, v, forward_only=True), m, v, forward_only=True)
+    # Forwards stream through the pipeline: m*v chunk forwards plus (p - 1) fill slots.
+    assert result.makespan == pytest.approx((m * v + pp - 1) / v)
