@@ -112,8 +112,9 @@ def train(args: argparse.Namespace) -> Tokenizer:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print("command: python -m tokenizer.train " + shlex.join(sys.argv[1:] if argv is None
-                                                            else argv), file=sys.stderr)
+    command = shlex.join(sys.argv[1:] if argv is None else argv)
+    short = command if len(command) < 300 else command[:300] + " ..."
+    print("command: python -m tokenizer.train " + short, file=sys.stderr)
     train(args)
 
 

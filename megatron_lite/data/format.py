@@ -301,7 +301,8 @@ class Manifest:
         return str(Path(directory or self.path.parent) / self.shards[i]["prefix"])
 
     def hint(self) -> str:
-        return f"regenerate it with `{self.command}`"
+        cmd = self.command if len(self.command) < 400 else self.command[:400] + " ..."
+        return f"regenerate it with `{cmd}` (full command in {self.path})"
 
     def verify_checksums(self, indices: Iterable[int] | None = None,
                          directory: str | Path | None = None) -> None:
