@@ -6,7 +6,7 @@ fixed and known and everything else the stage spends is pipeline bubble (plus tr
 overhead, which the tolerance absorbs). Idle fraction of a stage = 1 - busy / step time.
 Also reports the 1F1B -> interleaved speed-up at equal m, the in-run baseline.
 
-    python bench/pipeline_bubble.py [--tf-ms 20 --tb-ms 40 --steps 3]
+    python bench/pipeline_bubble.py [--tf-ms 100 --tb-ms 200 --steps 2]
 
 Prints a table and writes bench/results/pipeline_bubble.json.
 """
@@ -113,9 +113,9 @@ def _worker(rank: int, pp: int, init_file: str, rows: list, args, out_file: str)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tf-ms", type=float, default=20.0, help="forward time per stage")
-    parser.add_argument("--tb-ms", type=float, default=40.0, help="backward time per stage")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per row (median)")
+    parser.add_argument("--tf-ms", type=float, default=100.0, help="forward time per stage")
+    parser.add_argument("--tb-ms", type=float, default=200.0, help="backward time per stage")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per row (median)")
     args = parser.parse_args()
     rows_out = []
     for pp in (2, 4):
