@@ -76,11 +76,16 @@ class ShardSet:
         if k == 1:
             self.writers[0].add_documents(tokens, lengths)
         else:
-            shard = (self.next_doc + np.arange(len(lengths))) % k
+            # group tokens by shard with one stable (radix) sort instead of K masks
+            shard = ((self.next_doc + np.arange(len(lengths))) % k).astype(np.uint16)
             token_shard = np.repeat(shard, lengths)
+            grouped = tokens[np.argsort(token_shard, kind="stable")]
+            counts = np.bincount(token_shard, minlength=k)
+            ends = np.cumsum(counts)
+            starts = ends - counts
             for i, w in enumerate(self.writers):
                 if np.any(shard == i):
-                    w.add_documents(tokens[token_shard == i], lengths[shard == i])
+                    w.add_documents(grouped[starts[i]:ends[i]], lengths[shard == i])
         self.next_doc += len(lengths)
 
     def finalize(self) -> list[dict]:
