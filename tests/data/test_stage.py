@@ -53,3 +53,11 @@ def test_corrupt_source_is_refused(corpus, tmp_path):
     with pytest.raises(SystemExit, match=r"c_00000\.idx: checksum"):
         main(["--manifest", str(corpus), "--local-dir", str(tmp_path / "l")])
     assert not list((tmp_path / "l").glob("c_00000.idx*"))
+
+
+def test_node_count_and_rank_from_slurm(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "1")
+    main(["--manifest", str(corpus), "--local-dir", str(tmp_path / "l")])
+    assert "node 3/4 (DP ranks [3]): shards [3, 7]" in capsys.readouterr().out
