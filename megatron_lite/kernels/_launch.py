@@ -54,6 +54,12 @@ def row_block_and_warps(n_cols: int, max_block: int = 65536) -> tuple[int, int]:
     return block, num_warps
 
 
+def rows_per_program(block_cols: int, n_rows: int, budget: int = 4096) -> int:
+    """Rows per program tile so a tile holds about `budget` elements: 1 row at Llama widths,
+    many for short rows (where a row per program would leave programs nearly idle)."""
+    return max(1, min(next_power_of_2(n_rows), budget // block_cols))
+
+
 def num_persistent_programs(device: torch.device) -> int:
     """Programs for kernels that loop over rows and keep partial sums (one per SM, twice over)."""
     if device.type == "cuda":

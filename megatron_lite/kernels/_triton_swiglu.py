@@ -9,12 +9,12 @@ import triton.language as tl
 @triton.jit
 def _swiglu_fwd_kernel(
     G_ptr, U_ptr, Y_ptr, g_row_stride, u_row_stride, y_row_stride, n_cols,
-    BLOCK_SIZE: tl.constexpr,
+    n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    """Program (row, block): y = gate * sigmoid(gate) * up on BLOCK_SIZE columns of one row."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
+    """Program (row tile, column tile): y = gate * sigmoid(gate) * up."""
+    row = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]
+    cols = (tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE))[None, :]
+    mask = (row < n_rows) & (cols < n_cols)
     a = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y = a * tl.sigmoid(a) * u
@@ -25,12 +25,12 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr,
     dy_row_stride, g_row_stride, u_row_stride, dg_row_stride, du_row_stride, n_cols,
-    BLOCK_SIZE: tl.constexpr,
+    n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """d_gate = dy * up * s * (1 + a * (1 - s)), d_up = dy * a * s; s = sigmoid(a) recomputed."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
+    row = (tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None]
+    cols = (tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE))[None, :]
+    mask = (row < n_rows) & (cols < n_cols)
     dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_lite.kernels._launch import load_triton_module, row_block_and_warps
+from megatron_lite.kernels._launch import load_triton_module, row_block_and_warps, rows_per_program
 
 _MAX_BLOCK = 8192
 """Vocab columns per loop step of the Triton kernels: big enough to stream, small enough for
@@ -83,11 +83,13 @@ def _triton_forward(
     n_rows, n_cols = logits.shape
     n_valid = max(0, min(n_cols, vocab_size - vocab_start))
     block, num_warps = row_block_and_warps(min(n_cols, _MAX_BLOCK))
+    block_rows = rows_per_program(block, n_rows)
+    grid = (-(-n_rows // block_rows),)
     stats = torch.empty(3, n_rows, device=logits.device, dtype=torch.float32)
     local_max, sum_exp, target_logit = stats
-    kernels._ce_row_stats_kernel[(n_rows,)](
-        logits, target, local_max, sum_exp, target_logit, logits.stride(0), n_cols, n_valid,
-        vocab_start, BLOCK_SIZE=block, num_warps=num_warps,
+    kernels._ce_row_stats_kernel[grid](
+        logits, target, local_max, sum_exp, target_logit, logits.stride(0), n_rows, n_valid,
+        vocab_start, BLOCK_ROWS=block_rows, BLOCK_SIZE=block, num_warps=num_warps,
     )
     row_max = local_max
     if _tp_size(tp_group) > 1:
@@ -98,9 +100,10 @@ def _triton_forward(
         sum_exp, target_logit = sums
     loss = (torch.log(sum_exp) + row_max - target_logit).masked_fill(target == ignore_index, 0.0)
     if grad_out is not None:
-        kernels._ce_grad_kernel[(n_rows,)](
+        kernels._ce_grad_kernel[grid](
             logits, grad_out, target, row_max, sum_exp, logits.stride(0), grad_out.stride(0),
-            n_cols, n_valid, vocab_start, ignore_index, BLOCK_SIZE=block, num_warps=num_warps,
+            n_rows, n_cols, n_valid, vocab_start, ignore_index, BLOCK_ROWS=block_rows,
+            BLOCK_SIZE=block, num_warps=num_warps,
         )
     return loss
 

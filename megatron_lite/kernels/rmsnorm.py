@@ -18,6 +18,7 @@ from megatron_lite.kernels._launch import (
     load_triton_module,
     num_persistent_programs,
     row_block_and_warps,
+    rows_per_program,
 )
 
 
@@ -41,14 +42,16 @@ def rms_norm_forward(
     kernels = load_triton_module("rmsnorm", x.device)
     n_rows, n_cols = x.shape
     block, num_warps = row_block_and_warps(n_cols)
+    block_rows = rows_per_program(block, n_rows)
     y = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     r = residual if residual is not None else x
     s = total if total is not None else y
-    kernels._rms_norm_fwd_kernel[(n_rows,)](
-        x, r, weight, y, s, rstd, x.stride(0), r.stride(0), y.stride(0), s.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_SIZE=block, num_warps=num_warps,
+    kernels._rms_norm_fwd_kernel[(-(-n_rows // block_rows),)](
+        x, r, weight, y, s, rstd, x.stride(0), r.stride(0), y.stride(0), s.stride(0), n_rows,
+        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_SIZE=block,
+        num_warps=num_warps,
     )
     return y, total, rstd
 
@@ -60,15 +63,17 @@ def rms_norm_backward(
     kernels = load_triton_module("rmsnorm", x.device)
     n_rows, n_cols = x.shape
     block, num_warps = row_block_and_warps(n_cols)
-    n_programs = min(n_rows, num_persistent_programs(x.device))
-    rows_per_program = -(-n_rows // n_programs)
+    block_rows = rows_per_program(block, n_rows)
+    n_tiles = -(-n_rows // block_rows)
+    n_programs = min(n_tiles, num_persistent_programs(x.device))
+    tiles_per_program = -(-n_tiles // n_programs)
     dx = torch.empty_like(x)
     dw_partial = torch.empty(n_programs, n_cols, device=x.device, dtype=torch.float32)
     ds = dsum if dsum is not None else dy
     kernels._rms_norm_bwd_kernel[(n_programs,)](
         dy, x, weight, rstd, ds, dx, dw_partial,
-        dy.stride(0), x.stride(0), ds.stride(0), dx.stride(0), n_rows, n_cols, rows_per_program,
-        HAS_DSUM=dsum is not None, BLOCK_SIZE=block, num_warps=num_warps,
+        dy.stride(0), x.stride(0), ds.stride(0), dx.stride(0), n_rows, n_cols, tiles_per_program,
+        HAS_DSUM=dsum is not None, BLOCK_ROWS=block_rows, BLOCK_SIZE=block, num_warps=num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)
 

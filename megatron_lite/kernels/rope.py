@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_lite.kernels._launch import load_triton_module, next_power_of_2
+from megatron_lite.kernels._launch import load_triton_module, next_power_of_2, rows_per_program
 
 
 def rope_tables(
@@ -74,19 +74,20 @@ def _heads_view(t: Tensor) -> Tensor:
 def rope_launch(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool
 ) -> tuple[Tensor, Tensor]:
-    """Launches the RoPE kernel over s * b programs; returns new contiguous outputs."""
+    """Launches one RoPE kernel over q's and k's head rows; returns new contiguous outputs."""
     kernels = load_triton_module("rope", q.device)
     seq, batch, n_q, d = q.shape
     n_kv = k.shape[2]
     qo = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     ko = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    block_qh, block_kh = next_power_of_2(n_q), next_power_of_2(n_kv)
     block_half = next_power_of_2(d // 2)
-    num_warps = 4 if (block_qh + block_kh) * block_half <= 4096 else 8
-    kernels._rope_kernel[(seq * batch,)](
+    block_rows = rows_per_program(block_half, seq * batch * max(n_q, n_kv), budget=2048)
+    n_q_tiles = -(-seq * batch * n_q // block_rows)
+    n_k_tiles = -(-seq * batch * n_kv // block_rows)
+    kernels._rope_kernel[(n_q_tiles + n_k_tiles,)](
         q, k, qo, ko, cos, sin, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
-        *ko.stride()[:3], batch, n_q, n_kv, d // 2, BACKWARD=backward, BLOCK_QH=block_qh,
-        BLOCK_KH=block_kh, BLOCK_HALF=block_half, num_warps=num_warps,
+        *ko.stride()[:3], seq, batch, n_q, n_kv, d // 2, n_q_tiles, BACKWARD=backward,
+        BLOCK_ROWS=block_rows, BLOCK_HALF=block_half, num_warps=4,
     )
     return qo, ko
 

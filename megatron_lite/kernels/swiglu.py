@@ -12,10 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_lite.kernels._launch import load_triton_module
+from megatron_lite.kernels._launch import load_triton_module, next_power_of_2, rows_per_program
 
-_BLOCK_SIZE = 1024
-"""Columns per program: 8 fp32 values per thread at 4 warps, enough in flight to hide latency."""
+_TILE = 2048
+"""Elements per program: 16 per thread at 4 warps, enough in flight to hide memory latency."""
+
+
+def _tiling(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, rows per tile, columns per tile): short rows whole, long rows in parts."""
+    block = min(next_power_of_2(n_cols), _TILE)
+    block_rows = rows_per_program(block, n_rows, budget=_TILE)
+    return (-(-n_rows // block_rows), -(-n_cols // block)), block_rows, block
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
@@ -35,9 +42,10 @@ def swiglu_forward(gate: Tensor, up: Tensor) -> Tensor:
     kernels = load_triton_module("swiglu", gate.device)
     n_rows, n_cols = gate.shape
     y = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    grid = (n_rows, -(-n_cols // _BLOCK_SIZE))
+    grid, block_rows, block = _tiling(n_rows, n_cols)
     kernels._swiglu_fwd_kernel[grid](
-        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n_cols, BLOCK_SIZE=_BLOCK_SIZE
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n_cols, n_rows,
+        BLOCK_ROWS=block_rows, BLOCK_SIZE=block,
     )
     return y
 
@@ -48,10 +56,10 @@ def swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tenso
     n_rows, n_cols = gate.shape
     dg = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     du = torch.empty(up.shape, device=up.device, dtype=up.dtype)
-    grid = (n_rows, -(-n_cols // _BLOCK_SIZE))
+    grid, block_rows, block = _tiling(n_rows, n_cols)
     kernels._swiglu_bwd_kernel[grid](
         dy, gate, up, dg, du, dy.stride(0), gate.stride(0), up.stride(0), dg.stride(0),
-        du.stride(0), n_cols, BLOCK_SIZE=_BLOCK_SIZE,
+        du.stride(0), n_cols, n_rows, BLOCK_ROWS=block_rows, BLOCK_SIZE=block,
     )
     return dg, du
 
