@@ -4,9 +4,9 @@ Math (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"), over the l
     r = 1 / sqrt(mean(x^2) + eps);   y = x * r * w
 Backward, with g = dL/dy and xh = x * r:
     dx = r * (g * w - xh * mean(g * w * xh));   dw = sum over rows of g * xh
-The Triton path follows the row-per-program layout of the Triton "Layer Normalization" tutorial:
-the forward saves only r per row; the weight gradient is written as per-program partial sums and
-reduced by a second, small kernel. Math is fp32 whatever the input dtype; outputs take x's dtype.
+The Triton path follows the Triton "Layer Normalization" tutorial: whole rows per program, the
+forward saves only r per row, and the weight gradient is written as per-program partial sums
+that are then reduced. Math is fp32 whatever the input dtype; outputs take x's dtype.
 """
 
 from __future__ import annotations
