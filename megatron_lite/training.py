@@ -33,6 +33,10 @@ from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.parallel.state import ParallelState, format_grid
+from megatron_lite.pipeline import engine
+from megatron_lite.pipeline.p2p import StageComm, boundary_shape
+from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.pipeline.schedule import stage_schedule
 
 
 @dataclass
@@ -44,13 +48,23 @@ class TrainResult:
     iteration: int = 0
 
 
+def model_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
-    """This rank's model chunks (one without pipelining)."""
+    """This rank's model chunks: one per virtual stage (one without interleaving)."""
     opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                        dtype=torch.bfloat16 if cfg.train.bf16 else torch.float32,
+                        dtype=model_dtype(cfg),
                         use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device))
-    chunks = [LlamaChunk(cfg.model, pstate, range(cfg.model.num_layers), pre_process=True,
-                         post_process=True, opts=opts)]
+    p = cfg.parallel
+    part = partition_layers(cfg.model.num_layers, pstate.pp_size,
+                            p.num_layers_per_virtual_pipeline_stage,
+                            p.decoder_first_pipeline_num_layers,
+                            p.decoder_last_pipeline_num_layers)
+    chunks = [LlamaChunk(cfg.model, pstate, spec.layer_ids, pre_process=spec.pre_process,
+                         post_process=spec.post_process, opts=opts)
+              for spec in stage_chunks(part, pstate.pp_rank)]
     if cfg.train.compile:
         for chunk in chunks:
             for layer in chunk.layers:
@@ -68,20 +82,37 @@ def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) 
     return comms.all_reduce_(count, pstate.dp_group)
 
 
-def forward_backward(chunks: list[LlamaChunk], batches: list[dict[str, Tensor]],
-                     pstate: ParallelState, num_tokens: Tensor, *, backward: bool = True
-                     ) -> Tensor:
-    """Gradient accumulation over this rank's micro-batches; returns sum of scaled losses."""
-    model = chunks[0]
-    total = torch.zeros((), device=pstate.device)
-    for batch in batches:
-        b = _to_device(batch, pstate.device)
-        token_losses = model(b["tokens"], b["labels"])
-        loss = (token_losses * b["loss_mask"]).sum() / num_tokens
-        if backward:
-            loss.backward()
-        total += loss.detach()
-    return total
+class StepRunner:
+    """Runs one step's forward/backward over this stage's chunks with the pipeline schedule.
+
+    Without pipelining the schedule is plain gradient accumulation; with it, 1F1B or
+    interleaved 1F1B. Schedules are cached per (micro-batches, forward-only).
+    """
+
+    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk]) -> None:
+        self.pstate, self.chunks = pstate, chunks
+        self._schedules: dict[tuple[int, bool], list] = {}
+        self.comm = None
+        if pstate.pp_size > 1:
+            shape = boundary_shape(cfg.model.seq_length, cfg.train.micro_batch_size,
+                                   cfg.model.hidden_size, pstate.tp_size,
+                                   cfg.parallel.sequence_parallel)
+            self.comm = StageComm(pstate, shape, model_dtype(cfg))
+
+    def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor, *,
+                 backward: bool = True) -> Tensor:
+        """Sum over micro-batches of sum(token losses) / num_tokens (last stage; else 0)."""
+        key = (len(batches), not backward)
+        if key not in self._schedules:
+            self._schedules[key] = stage_schedule(self.pstate.pp_size, self.pstate.pp_rank,
+                                                  len(batches), len(self.chunks),
+                                                  forward_only=not backward)
+        device = self.pstate.device
+        losses = engine.forward_backward(
+            self.chunks, self._schedules[key], [_to_device(b, device) for b in batches],
+            self.comm, lambda token_losses, b: (token_losses * b["loss_mask"]).sum() / num_tokens,
+            forward_only=not backward)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
 
 
 def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
@@ -91,22 +122,23 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     return comms.all_reduce_(value, pstate.world_group).item()
 
 
-def train_step(chunks: list[LlamaChunk], optimizer: Optimizer, loader: MicroBatchLoader,
+def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
                pstate: ParallelState, lr: float) -> tuple[float, float, bool]:
     """One optimizer step: (loss, grad norm, skipped)."""
     batches = loader.next_step()
     num_tokens = global_token_count(batches, pstate)
     optimizer.zero_grad()
-    local = forward_backward(chunks, batches, pstate, num_tokens)
+    local = runner(batches, num_tokens)
     optimizer.finalize_grads()
     result = optimizer.step(lr)
     return reduce_loss(local, pstate), result.grad_norm, result.skipped
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, chunks: list[LlamaChunk], loader: MicroBatchLoader,
+def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
              pstate: ParallelState) -> float:
     """Mean token loss over --eval-iters global batches of the validation split."""
+    chunks = runner.chunks
     for chunk in chunks:
         chunk.eval()
     loader.consumed_samples = 0  # the same held-out samples at every evaluation
@@ -114,7 +146,7 @@ def evaluate(cfg: Config, chunks: list[LlamaChunk], loader: MicroBatchLoader,
     for _ in range(cfg.train.eval_iters):
         batches = loader.next_step()
         num_tokens = global_token_count(batches, pstate)
-        local = forward_backward(chunks, batches, pstate, num_tokens, backward=False)
+        local = runner(batches, num_tokens, backward=False)
         total += reduce_loss(local, pstate)
     for chunk in chunks:
         chunk.train()
@@ -177,9 +209,9 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
           f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})", flush=True)
 
 
-def train_loop(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
-               optimizer: Optimizer, train_loader: MicroBatchLoader,
-               valid_loader: MicroBatchLoader | None, logger: MetricsLogger) -> TrainResult:
+def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer: Optimizer,
+               train_loader: MicroBatchLoader, valid_loader: MicroBatchLoader | None,
+               logger: MetricsLogger) -> TrainResult:
     result = TrainResult()
     t = cfg.train
     tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
@@ -188,7 +220,7 @@ def train_loop(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
     for iteration in range(1, t.train_iters + 1):
         start = time.perf_counter()
         lr = lr_at(iteration - 1, cfg.optim, t.train_iters)
-        loss, grad_norm, was_skipped = train_step(chunks, optimizer, train_loader, pstate, lr)
+        loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate, lr)
         skipped += was_skipped
         window.append((loss, grad_norm, time.perf_counter() - start))
         result.losses.append(loss)
@@ -202,7 +234,7 @@ def train_loop(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
             window.clear()
         if valid_loader is not None and t.eval_iters > 0 and (
                 iteration % t.eval_interval == 0 or iteration == t.train_iters):
-            eval_loss = evaluate(cfg, chunks, valid_loader, pstate)
+            eval_loss = evaluate(cfg, runner, valid_loader, pstate)
             result.eval_losses.append(eval_loss)
             logger.log_eval(iteration, eval_loss)
         result.iteration = iteration
@@ -220,7 +252,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     logger = MetricsLogger(cfg, enabled=pstate.rank == 0, world_size=pstate.world_size,
                            peak_tflops=peak[0], device=pstate.device)
     try:
-        result = train_loop(cfg, pstate, chunks, optimizer, train_loader, valid_loader, logger)
+        result = train_loop(cfg, pstate, StepRunner(cfg, pstate, chunks), optimizer,
+                            train_loader, valid_loader, logger)
     finally:
         logger.close()
     if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):

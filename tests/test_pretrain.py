@@ -32,12 +32,23 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
-def test_tp_loss_curve_matches_single_process(tmp_path, tp: int, sp: bool) -> None:
-    single = run_ranks(_train, 1, tmp_path, flags=FLAGS)[0]
-    flags = [*FLAGS, "--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"]
-                                                                  if sp else [])
-    parallel = run_ranks(_train, tp, tmp_path, tp=tp, flags=flags)
+LAYOUTS = {
+    "tp2": (["--tensor-model-parallel-size", "2"], 2, 1),
+    "tp4-sp": (["--tensor-model-parallel-size", "4", "--sequence-parallel"], 4, 1),
+    # Tied embeddings split over the first and last stage, interleaved schedule.
+    "pp2-v2": (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1"], 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_loss_curve_matches_single_process(tmp_path, layout: str) -> None:
+    """The training loop (model, schedule, optimizer) under a parallel layout vs one process."""
+    extra, world, pp = LAYOUTS[layout]
+    single_flags = [*FLAGS, "--num-layers", "4"] if "--num-layers" in extra else FLAGS
+    single = run_ranks(_train, 1, tmp_path, flags=single_flags)[0]
+    tp = world // pp
+    parallel = run_ranks(_train, world, tmp_path, tp=tp, pp=pp, flags=[*FLAGS, *extra])
     for rank_losses in parallel:
         assert all(_rel(a, b) <= 1e-5 for a, b in zip(rank_losses, single)), \
             (rank_losses, single)
