@@ -1,109 +1,329 @@
-"""Mixed-precision AdamW over the model chunks of one rank, with data-parallel reduction.
+"""Mixed-precision AdamW with contiguous gradient buffers, bucketed DP reduction and ZeRO-1.
 
-Gradients are produced by a loss that is already divided by the global token count, so the
-data-parallel reduction is a plain sum. The optimizer keeps fp32 master weights when the
-model is bf16 (Adam's small updates vanish in bf16), applies decoupled weight decay to
-weights with two or more dims only, and skips the step when the gradient norm is not finite.
+Per step the training loop calls `zero_grad()`, runs every micro-batch's backward,
+`finalize_grads()` and `step(lr)`:
+
+- Backward: a hook on every parameter adds its micro-batch gradient into `param.main_grad`, a
+  view of the fp32 (or, with --grad-reduce-in-bf16, bf16) gradient buffer, and frees `.grad`.
+- DP reduction, once per step: each bucket is summed over DP (the loss is already divided by
+  the global-batch token count, so a sum is the mean gradient) by an all-reduce, or with
+  --use-distributed-optimizer by a reduce-scatter that leaves each rank its own slice. With
+  --overlap-grad-reduce a bucket starts as soon as every gradient in it has arrived for the
+  last micro-batch (counted per parameter) or when the pipeline engine calls
+  `start_grad_sync(chunk)`; otherwise `finalize_grads()` starts them all.
+- After the DP reduction, `finalize_grads()` sums sequence-parallel norm gradients over TP.
+  Sums commute, so this is right on the slice a rank owns even after a reduce-scatter (TP peers
+  share the layout). Tied-embedding copies on the first and last pipeline stage live in their
+  own bucket, summed over the embedding group before that bucket's DP reduction: their
+  stages finish backward at different times, so this cannot happen inside the hooks.
+- `step(lr)`: global norm over the owned gradient slices (each weight once across TP, PP and DP),
+  skip on NaN/Inf, clip, AdamW on the owned fp32 masters (`zero1.ShardState`), write the
+  slice into the model's parameter buffer, then (ZeRO-1) all-gather every bucket's parameters;
+  with --overlap-param-gather the all-gathers run in the background and each module waits
+  for its buckets in a forward pre-hook of the next step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, num_microbatches
+from megatron_lite.optim import zero1
+from megatron_lite.optim.buffers import GradBuffer, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
+
+BucketKey = tuple[int, int]
+"""(buffer index, bucket index)."""
 
 
 @dataclass
 class StepResult:
     grad_norm: float
+    """Global gradient norm before clipping; NaN/Inf when some gradient was not finite."""
     skipped: bool
+    """True when the norm was not finite and the parameters were left unchanged."""
 
 
-def unique_parameters(chunks: list[nn.Module]) -> list[nn.Parameter]:
-    """Every trainable parameter of this rank once (a tied weight appears in two modules)."""
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes this rank's optimizer holds (see `Optimizer.memory`)."""
+
+    state_bytes: int
+    """fp32 master weights + Adam momentum + variance for the owned elements (12 B each)."""
+    padding_elements: int
+    """Owned elements that are bucket padding, not parameters."""
+    grad_buffer_bytes: int
+    """The gradient buffer (every parameter, whatever the sharding)."""
+    local_params: int
+    """Parameters on this rank (after TP/PP splitting, before DP sharding)."""
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        return (f"optimizer state {self.state_bytes / gib:.3f} GiB "
+                f"({self.state_bytes / max(1, self.local_params):.2f} B/param, "
+                f"{self.padding_elements} padding elements), gradient buffer "
+                f"{self.grad_buffer_bytes / gib:.3f} GiB")
+
+
+def _named_parameters(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, int]]:
+    """(name, parameter, chunk index) for every trainable parameter once (ties appear twice)."""
     seen: set[int] = set()
-    params = []
-    for chunk in chunks:
-        for p in chunk.parameters():
+    out = []
+    for c, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                params.append(p)
-    return params
+                out.append((f"chunk{c}.{name}", p, c))
+    return out
 
 
 class Optimizer:
-    """AdamW with fp32 master weights, global-norm clipping and DP gradient sums."""
+    """AdamW over this rank's model chunks: buffers, DP reduction, clipping, ZeRO-1."""
 
-    def __init__(self, cfg: Config, chunks: list[nn.Module], pstate: ParallelState) -> None:
+    def __init__(self, cfg: Config, chunks: Sequence[nn.Module], pstate: ParallelState
+                 ) -> None:
+        par = cfg.parallel
+        if par.overlap_param_gather and not par.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
+                             "(plain data parallelism has no parameter all-gather)")
         self.cfg, self.pstate = cfg, pstate
-        self.params = unique_parameters(chunks)
-        self.masters = [p if p.dtype == torch.float32 else
-                        nn.Parameter(p.detach().float().clone()) for p in self.params]
-        o = cfg.optim
-        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
-        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
-        self.adam = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        self.sharded = par.use_distributed_optimizer
+        self.overlap_grad_reduce = par.overlap_grad_reduce
+        self.num_microbatches = num_microbatches(cfg, pstate.world_size)
+        self.traffic = comms.Traffic()
+        """DP bytes/calls of the gradient reduction and parameter gather (tests, bench)."""
+        named = _named_parameters(chunks)
+        self.params = [p for _, p, _ in named]
+        self._names = [n for n, _, _ in named]
+        self._build_buffers(named, torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32)
+        self._step = 0
+        self._handles: dict[BucketKey, dist.Work | None] = {}
+        self._gathers: dict[BucketKey, dist.Work | None] = {}
+        self._arrivals = [0] * len(self.params)
+        self._waiting = {key: len(m) for key, m in self._members.items()}
+        self._finalized = False
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+        if par.overlap_param_gather:
+            self._register_gather_waits(chunks)
+
+    def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
+                       grad_dtype: torch.dtype) -> None:
+        """One buffer per parameter dtype; tied-embedding copies get their own buckets."""
+        ps, par = self.pstate, self.cfg.parallel
+        self.buffers: list[GradBuffer] = []
+        self.shards: list[zero1.ShardState] = []
+        self._slot: list[BucketKey] = [(0, 0)] * len(named)
+        self._deferred: set[BucketKey] = set()
+        self._chunk_of: dict[BucketKey, int] = {}
+        self._members: dict[BucketKey, list[int]] = {}
+        index = {id(p): i for i, (_, p, _) in enumerate(named)}
+        for dtype in dict.fromkeys(p.dtype for _, p, _ in named):
+            members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
+            tied = [ps.pp_size > 1 and getattr(p, "shared_embedding", False)
+                    for _, p, _ in members]
+            groups = [2 * c + t for (_, _, c), t in zip(members, tied)]
+            layout = build_layout([p.numel() for _, p, _ in members], groups,
+                                  list(reversed(range(len(members)))), par.ddp_bucket_size,
+                                  ps.dp_size)
+            b = len(self.buffers)
+            buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype)
+            for bucket in layout.buckets:
+                key = (b, bucket.index)
+                self._chunk_of[key] = bucket.group // 2
+                if bucket.group % 2:
+                    self._deferred.add(key)
+                self._members[key] = [index[id(members[i][1])] for i in bucket.params]
+                for i in self._members[key]:
+                    self._slot[i] = key
+            infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2, counts_toward_norm(p, ps))
+                     for n, p, _ in members]
+            self.buffers.append(buffer)
+            self.shards.append(zero1.ShardState(
+                buffer, layout.owned(ps.dp_rank, self.sharded), infos))
+        self._sp_pieces = self._sequence_parallel_pieces()
+
+    def _sequence_parallel_pieces(self) -> list[tuple[int, int, int]]:
+        """(buffer, start, end) of owned gradient elements of SP norm weights."""
+        pieces = []
+        for b, shard in enumerate(self.shards):
+            layout = shard.buffer.layout
+            for p, r in zip(shard.buffer.params, layout.param_ranges):
+                if not getattr(p, "sequence_parallel", False):
+                    continue
+                for own in shard.owned:
+                    overlap = r.intersect(own)
+                    if overlap is not None:
+                        pieces.append((b, overlap.start, overlap.end))
+        return pieces
+
+    def _register_gather_waits(self, chunks: Sequence[nn.Module]) -> None:
+        slot = {id(p): self._slot[i] for i, p in enumerate(self.params)}
+        for chunk in chunks:
+            for module in chunk.modules():
+                keys = {slot[id(p)] for p in module.parameters(recurse=False) if id(p) in slot}
+                if keys:
+                    module.register_forward_pre_hook(partial(self._wait_gathers, sorted(keys)))
+
+    # ---- gradients -------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        for buffer in self.buffers:
+            buffer.grad.zero_()
         for p in self.params:
             p.grad = None
+        self._arrivals = [0] * len(self.params)
+        self._waiting = {key: len(m) for key, m in self._members.items()}
+        self._handles.clear()
+        self._finalized = False
+
+    def _on_grad(self, i: int, param: nn.Parameter) -> None:
+        """Post-accumulate hook: move the micro-batch gradient into the buffer."""
+        key = self._slot[i]
+        if key in self._handles:
+            raise RuntimeError(
+                f"a gradient of {self._names[i]} arrived after its bucket's DP reduction "
+                f"started: more backward passes per step than the {self.num_microbatches} "
+                "micro-batches the config implies")
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.overlap_grad_reduce:
+            return
+        self._arrivals[i] += 1
+        if self._arrivals[i] == self.num_microbatches:
+            self._waiting[key] -= 1
+            if self._waiting[key] == 0 and key not in self._deferred:
+                self._launch(key)
+
+    def _launch(self, key: BucketKey) -> None:
+        """Start the DP reduction of one bucket (asynchronously)."""
+        ps = self.pstate
+        buffer = self.buffers[key[0]]
+        bucket = buffer.layout.buckets[key[1]]
+        grad = buffer.bucket_grad(bucket)
+        if self.sharded:
+            own = bucket.shard(ps.dp_size, ps.dp_rank)
+            self._handles[key] = comms.reduce_scatter_flat(
+                buffer.grad[own.start:own.end], grad, ps.dp_group, async_op=True,
+                traffic=self.traffic)
+        else:
+            self._handles[key] = comms.all_reduce_flat(grad, ps.dp_group, async_op=True,
+                                                       traffic=self.traffic)
+
+    def _keys(self) -> list[BucketKey]:
+        return [(b, k.index) for b, buf in enumerate(self.buffers) for k in buf.layout.buckets]
+
+    def start_grad_sync(self, chunk_index: int) -> None:
+        """Pipeline hook: chunk `chunk_index` ran its last backward; start its buckets.
+
+        Only with --overlap-grad-reduce (otherwise `finalize_grads` reduces everything).
+        """
+        if not self.overlap_grad_reduce:
+            return
+        for key in self._keys():
+            if (self._chunk_of[key] == chunk_index and key not in self._handles
+                    and key not in self._deferred):
+                self._launch(key)
 
     def finalize_grads(self) -> None:
-        """Sum partial gradients: SP norms over TP, tied embeddings over their group, DP."""
+        """Finish the step's gradient reduction: tied embeddings, DP, then SP norms over TP."""
         ps = self.pstate
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if getattr(p, "sequence_parallel", False):
-                comms.all_reduce_(p.grad, ps.tp_group)
-            if getattr(p, "shared_embedding", False) and ps.pp_size > 1:
-                comms.all_reduce_(p.grad, ps.embedding_group)
-        if ps.dp_size > 1:
-            flat = torch.cat([p.grad.reshape(-1).float() for p in self.params])
-            comms.all_reduce_(flat, ps.dp_group)
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+        for key in sorted(self._deferred):
+            buffer = self.buffers[key[0]]
+            for j in buffer.layout.buckets[key[1]].params:
+                comms.all_reduce_(buffer.params[j].main_grad, ps.embedding_group)
+        for key in self._keys():
+            if key not in self._handles:
+                self._launch(key)
+        for key in self._keys():
+            handle = self._handles[key]
+            if handle is not None:
+                handle.wait()
+        if self._sp_pieces and ps.tp_size > 1:
+            grads = [self.buffers[b].grad[s:e] for b, s, e in self._sp_pieces]
+            flat = comms.all_reduce_(torch.cat(grads), ps.tp_group)
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced)
+        self._finalized = True
+
+    # ---- update ----------------------------------------------------------------------------
 
     def step(self, lr: float) -> StepResult:
-        norm = global_norm((p.grad for p in self.params if counts_toward_norm(p, self.pstate)),
-                           self.pstate, sharded_over_dp=False)
+        """Clip and apply AdamW to the owned slices, then bring every rank's params up to date."""
+        if not self._finalized:
+            raise RuntimeError("Optimizer.step() needs finalize_grads() after the backward passes")
+        self._finalized = False
+        self.finish_param_sync()
+        norm = global_norm([g for s in self.shards for g in s.norm_pieces()], self.pstate,
+                           sharded_over_dp=self.sharded)
         norm_value = norm.item()
         if not torch.isfinite(norm):
             return StepResult(norm_value, skipped=True)
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
-        for p, m in zip(self.params, self.masters):
-            grad = p.grad.float() * coeff
-            m.grad = grad if m is not p else grad.to(p.dtype)
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        self.adam.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                if m is not p:
-                    p.copy_(m)
-                    m.grad = None
+        self._step += 1
+        for shard in self.shards:
+            shard.adamw_step(self.cfg.optim, lr, self._step, coeff)
+        self._start_param_sync(async_op=self.cfg.parallel.overlap_param_gather)
         return StepResult(norm_value, skipped=False)
 
+    def _start_param_sync(self, async_op: bool) -> None:
+        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""
+        if not self.sharded:
+            return
+        ps = self.pstate
+        for key in reversed(self._keys()):
+            buffer = self.buffers[key[0]]
+            bucket = buffer.layout.buckets[key[1]]
+            own = bucket.shard(ps.dp_size, ps.dp_rank)
+            self._gathers[key] = comms.all_gather_flat(
+                buffer.bucket_param(bucket), buffer.param[own.start:own.end], ps.dp_group,
+                async_op=async_op, traffic=self.traffic)
+
+    def _wait_gathers(self, keys: list[BucketKey], *_: object) -> None:
+        """Forward pre-hook (--overlap-param-gather): this module's params must be current."""
+        for key in keys:
+            handle = self._gathers.pop(key, None)
+            if handle is not None:
+                handle.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for outstanding parameter all-gathers; call before reading model weights
+        outside a forward (e.g. saving a checkpoint) under --overlap-param-gather."""
+        self._wait_gathers(list(self._gathers))
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def memory(self) -> MemoryReport:
+        """What this rank's optimizer holds (the lead prints `describe()` at start-up)."""
+        return MemoryReport(
+            state_bytes=sum(s.nbytes() for s in self.shards),
+            padding_elements=sum(s.padding() for s in self.shards),
+            grad_buffer_bytes=sum(b.nbytes() for b in self.buffers),
+            local_params=sum(p.numel() for p in self.params))
+
     def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(),
-                "masters": [m.detach() for m in self.masters]}
+        """This DP rank's optimizer state; format in `megatron_lite.optim.zero1`."""
+        self.finish_param_sync()
+        ps = self.pstate
+        return zero1.state_dict(self.shards, self._step, ps.dp_rank, ps.dp_size, self.sharded)
 
     def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, state["masters"]):
-                m.copy_(saved)
-                if m is not p:
-                    p.copy_(saved)
+        """Restore this DP rank's state and set the model's weights from the masters.
+
+        Collective over the DP group under --use-distributed-optimizer (every rank calls it).
+        """
+        self.finish_param_sync()
+        ps = self.pstate
+        self._step = zero1.load_state_dict(self.shards, state, ps.dp_rank, ps.dp_size,
+                                           self.sharded)
+        for shard in self.shards:
+            shard.copy_master_to_params()
+        self._start_param_sync(async_op=False)

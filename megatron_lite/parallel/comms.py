@@ -12,6 +12,8 @@ so each rank's slice is contiguous).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -170,3 +172,76 @@ def all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.Redu
     if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+# Flat-buffer collectives for data-parallel gradient and parameter sync. Unlike the regions
+# above they are not differentiable; they work in place on contiguous buffers, may run
+# asynchronously (the returned Work is waited on later) and record their traffic in an
+# explicit `Traffic` counter so that tests and benchmarks can compare communication volumes.
+
+
+@dataclass
+class Traffic:
+    """Collective calls made and bytes sent by this rank, per collective name.
+
+    Bytes are the ring-algorithm volume a rank sends (what bus-bandwidth figures assume):
+    all-reduce 2(n-1)/n x size, reduce-scatter (n-1)/n x input, all-gather (n-1)/n x output.
+    An all-reduce is a reduce-scatter plus an all-gather, so ZeRO-1 and plain DP sending the
+    same bytes is a checkable fact rather than a claim. Call `reset()` between measurements.
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+
+    def record(self, name: str, nbytes: int) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes_sent[name] = self.bytes_sent.get(name, 0) + nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes_sent.clear()
+
+
+def _ring_share(nbytes: int, n: int) -> int:
+    return nbytes * (n - 1) // n
+
+
+def all_reduce_flat(x: Tensor, group: Group, *, async_op: bool = False,
+                    traffic: Traffic | None = None) -> dist.Work | None:
+    """In-place sum of a contiguous buffer over `group`; returns the Work when async."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    if traffic is not None:
+        traffic.record("all_reduce", 2 * _ring_share(x.numel() * x.element_size(), n))
+    return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool = False,
+                        traffic: Traffic | None = None) -> dist.Work | None:
+    """Sum `x` over `group` and keep this rank's 1/n slice in `out` (may be a view of `x`)."""
+    n = group_size(group)
+    if n == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return None
+    if traffic is not None:
+        traffic.record("reduce_scatter", _ring_share(x.numel() * x.element_size(), n))
+    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+
+
+def all_gather_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool = False,
+                    traffic: Traffic | None = None) -> dist.Work | None:
+    """Concatenate every rank's `x` into `out` in rank order (`x` may be a view of `out`)."""
+    n = group_size(group)
+    if n == 1:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return None
+    if traffic is not None:
+        traffic.record("all_gather", _ring_share(out.numel() * out.element_size(), n))
+    return dist.all_gather_single(out, x, group=group, async_op=async_op)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -18,7 +19,7 @@ def test_warmup_then_cosine_to_min() -> None:
     assert lr_at(110, cfg, 110) == pytest.approx(1e-4)
     assert lr_at(500, cfg, 110) == pytest.approx(1e-4)
     values = [lr_at(i, cfg, 110) for i in range(10, 110)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_linear_constant_and_wsd() -> None:

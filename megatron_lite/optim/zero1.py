@@ -1,0 +1,182 @@
+"""AdamW on the slice of each gradient buffer that this rank owns, with fp32 master weights.
+
+With the distributed optimizer (ZeRO-1) a DP rank owns 1/dp of every bucket and keeps fp32
+master weights, momentum and variance for that slice only: 12 bytes per owned element. Plain
+data parallelism is the same code with every rank owning whole buckets. Slices cut through
+parameters, so per-parameter facts (weight decay only on >= 2-D weights; which elements count
+toward the global norm) become lists of element ranges inside the slice.
+
+The update is torch.optim.AdamW's, element for element: decoupled decay p *= 1 - lr*wd, then
+m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+
+Saved state (`state_dict`), one per DP rank (identical across DP ranks without sharding):
+    {"format": FORMAT, "step": int, "dp_rank": int, "dp_size": int, "sharded": bool,
+     "buffers": [{"param_dtype": str, "grad_dtype": str, "numel": int,
+                  "buckets": [[start, end], ...], "owned": [[start, end], ...],
+                  "params": [[name, start, end, [shape...]], ...]}, ...],
+     "tensors": {"<buffer>.master" | "<buffer>.exp_avg" | "<buffer>.exp_avg_sq": fp32 1-D}}
+Everything but "tensors" is JSON-able; each tensor is the concatenation, bucket by bucket, of
+the owned ranges of that buffer (so element k of the shard is buffer element owned[b].start +
+k - offset of bucket b). Loading requires the same layout and says which field differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_lite.config import OptimConfig
+from megatron_lite.optim.buffers import GradBuffer, Range, intersections, merge
+
+FORMAT = "megatron_lite.optimizer/1"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the optimizer needs to know about one parameter besides its slot."""
+
+    name: str
+    shape: tuple[int, ...]
+    decay: bool
+    """Weight decay applies (weights with >= 2 dims)."""
+    counts_in_norm: bool
+    """This rank's copy contributes to the global gradient norm (see clip.counts_toward_norm)."""
+
+
+class ShardState:
+    """fp32 masters and Adam moments for the owned ranges of one buffer."""
+
+    def __init__(self, buffer: GradBuffer, owned: Sequence[Range],
+                 infos: Sequence[ParamInfo]) -> None:
+        self.buffer, self.owned, self.infos = buffer, list(owned), list(infos)
+        self.offsets = [0]
+        for r in self.owned:
+            self.offsets.append(self.offsets[-1] + r.size)
+        n = self.offsets[-1]
+        device = buffer.param.device
+        self.master = torch.empty(n, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.copy_params_to_master()
+        layout = buffer.layout
+        decay, norm = [], []
+        for bucket, own, offset in zip(layout.buckets, self.owned, self.offsets):
+            for i, overlap in intersections(own, layout.param_ranges, bucket.params):
+                if infos[i].decay:
+                    decay.append(overlap.relative_to(own.start - offset))
+                if infos[i].counts_in_norm:
+                    norm.append(overlap)
+        self.decay_ranges = merge(decay)
+        """Shard coordinates of the elements that get weight decay."""
+        self.norm_ranges = merge(norm)
+        """Buffer coordinates of the owned gradient elements that count toward the norm."""
+
+    def pieces(self) -> list[tuple[Range, slice]]:
+        """(owned buffer range, matching shard slice) per bucket."""
+        return [(r, slice(o, o + r.size)) for r, o in zip(self.owned, self.offsets)]
+
+    def copy_params_to_master(self) -> None:
+        with torch.no_grad():
+            for own, sl in self.pieces():
+                self.master[sl].copy_(self.buffer.param[own.start:own.end])
+
+    def copy_master_to_params(self) -> None:
+        """Write the owned slice back into the model's (bf16 or fp32) parameter buffer."""
+        with torch.no_grad():
+            for own, sl in self.pieces():
+                self.buffer.param[own.start:own.end].copy_(self.master[sl])
+
+    def norm_pieces(self) -> list[Tensor]:
+        return [self.buffer.grad[r.start:r.end] for r in self.norm_ranges]
+
+    def padding(self) -> int:
+        """Owned elements that belong to no parameter (bucket padding)."""
+        layout = self.buffer.layout
+        used = sum(overlap.size for bucket, own in zip(layout.buckets, self.owned)
+                   for _, overlap in intersections(own, layout.param_ranges, bucket.params))
+        return self.master.numel() - used
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.master, self.exp_avg, self.exp_avg_sq))
+
+    @torch.no_grad()
+    def adamw_step(self, cfg: OptimConfig, lr: float, step: int, grad_scale: Tensor) -> None:
+        """One AdamW update of the owned slice with gradients scaled by `grad_scale`."""
+        if cfg.weight_decay:
+            for r in self.decay_ranges:
+                self.master[r.start:r.end].mul_(1.0 - lr * cfg.weight_decay)
+        b1, b2 = cfg.adam_beta1, cfg.adam_beta2
+        step_size = lr / (1.0 - b1 ** step)
+        bias2_sqrt = math.sqrt(1.0 - b2 ** step)
+        for own, sl in self.pieces():
+            grad = self.buffer.grad[own.start:own.end].float() * grad_scale
+            m, v = self.exp_avg[sl], self.exp_avg_sq[sl]
+            m.lerp_(grad, 1.0 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+            denom = (v.sqrt() / bias2_sqrt).add_(cfg.adam_eps)
+            self.master[sl].addcdiv_(m, denom, value=-step_size)
+        self.copy_master_to_params()
+
+    def layout_meta(self) -> dict:
+        layout = self.buffer.layout
+        return {"param_dtype": str(self.buffer.param.dtype).removeprefix("torch."),
+                "grad_dtype": str(self.buffer.grad.dtype).removeprefix("torch."),
+                "numel": layout.numel,
+                "buckets": [[b.range.start, b.range.end] for b in layout.buckets],
+                "owned": [[r.start, r.end] for r in self.owned],
+                "params": [[info.name, r.start, r.end, list(info.shape)]
+                           for info, r in zip(self.infos, layout.param_ranges)]}
+
+
+def _meta(shards: Sequence[ShardState], dp_rank: int, dp_size: int, sharded: bool) -> dict:
+    return {"dp_rank": dp_rank, "dp_size": dp_size, "sharded": sharded,
+            "buffers": [s.layout_meta() for s in shards]}
+
+
+def state_dict(shards: Sequence[ShardState], step: int, dp_rank: int, dp_size: int,
+               sharded: bool) -> dict:
+    tensors = {}
+    for i, s in enumerate(shards):
+        tensors.update({f"{i}.master": s.master.detach().clone(),
+                        f"{i}.exp_avg": s.exp_avg.detach().clone(),
+                        f"{i}.exp_avg_sq": s.exp_avg_sq.detach().clone()})
+    return {"format": FORMAT, "step": step, **_meta(shards, dp_rank, dp_size, sharded),
+            "tensors": tensors}
+
+
+def _differences(saved: object, running: object, path: str) -> list[str]:
+    if isinstance(saved, dict) and isinstance(running, dict):
+        out = []
+        for key in sorted(set(saved) | set(running)):
+            out += _differences(saved.get(key), running.get(key), f"{path}.{key}")
+        return out
+    if isinstance(saved, list) and isinstance(running, list) and len(saved) == len(running):
+        return [d for i, (a, b) in enumerate(zip(saved, running))
+                for d in _differences(a, b, f"{path}[{i}]")]
+    return [] if saved == running else [f"{path}: saved {saved!r}, running {running!r}"]
+
+
+def load_state_dict(shards: Sequence[ShardState], state: dict, dp_rank: int, dp_size: int,
+                    sharded: bool) -> int:
+    """Restore masters and moments (not the model params); returns the saved step count."""
+    if state.get("format") != FORMAT:
+        raise ValueError(f"optimizer state has format {state.get('format')!r}, expected "
+                         f"{FORMAT!r}: it was written by another version of megatron_lite")
+    running = _meta(shards, dp_rank, dp_size, sharded)
+    diffs = _differences({k: state.get(k) for k in running}, running, "state")
+    if diffs:
+        shown = "\n  ".join(diffs[:10]) + ("\n  ..." if len(diffs) > 10 else "")
+        raise ValueError("optimizer state does not match this run's layout (same model, "
+                         "--data-parallel size, --use-distributed-optimizer, bucket size and "
+                         "--bf16 are needed; resharding is not supported):\n  " + shown)
+    with torch.no_grad():
+        for i, s in enumerate(shards):
+            s.master.copy_(state["tensors"][f"{i}.master"])
+            s.exp_avg.copy_(state["tensors"][f"{i}.exp_avg"])
+            s.exp_avg_sq.copy_(state["tensors"][f"{i}.exp_avg_sq"])
+    return int(state["step"])

@@ -1,0 +1,151 @@
+"""Shared pieces of the optimizer tests: a tiny model, per-step data, and the references.
+
+The reference is the plainest possible training step on one process: the same model and
+loss normalisation, `.grad` accumulation, `torch.nn.utils.clip_grad_norm_` and
+`torch.optim.AdamW` (decay on >= 2-D weights only). Distributed runs must land on its weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from megatron_lite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megatron_lite.layers.init import unshard
+from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training import StepRunner, build_model, global_token_count
+
+# GQA, ffn not a power of two, vocab divisible by 8 so TP=1/2 pad it the same way.
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=48, seq_length=8, vocab_size=104,
+                    make_vocab_size_divisible_by=4)
+# Small clip threshold: clipping is active at every step (checked by the tests).
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05, adam_beta2=0.95)
+GLOBAL_BATCH = 4
+
+
+def make_config(*, tp: int = 1, pp: int = 1, global_batch: int = GLOBAL_BATCH, micro: int = 1,
+                bf16: bool = False, **parallel: object) -> Config:
+    return Config(model=replace(MODEL),
+                  parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                          pipeline_model_parallel_size=pp,
+                                          distributed_backend="gloo", **parallel),
+                  optim=replace(OPTIM),
+                  train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch,
+                                    seed=11, bf16=bf16))
+
+
+def single_state() -> ParallelState:
+    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
+                         pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"),
+                         backend=None)
+
+
+def step_batches(step: int, dp_rank: int, dp_size: int, micro: int,
+                 global_batch: int = GLOBAL_BATCH) -> list[dict[str, Tensor]]:
+    """This DP rank's micro-batches of the global batch of `step` (same data for any layout)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = MODEL.seq_length
+    tokens = torch.randint(0, MODEL.vocab_size, (global_batch, seq + 1), generator=g)
+    per_rank = global_batch // dp_size
+    mine = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [{"tokens": mine[i:i + micro, :-1], "labels": mine[i:i + micro, 1:],
+             "loss_mask": torch.ones(min(micro, per_rank - i), seq)}
+            for i in range(0, per_rank, micro)]
+
+
+def train_ours(pstate: ParallelState, cfg: Config, steps: int) -> dict:
+    """`steps` steps through `Optimizer`; params (local shards), norms, traffic, memory."""
+    chunks = build_model(cfg, pstate)
+    opt = Optimizer(cfg, chunks, pstate)
+    out = run_steps(chunks, opt, pstate, cfg, range(steps))
+    out["memory"] = opt.memory()
+    out["buckets"] = sum(len(b.layout.buckets) for b in opt.buffers)
+    out["padding"] = sum(b.layout.padding for b in opt.buffers)
+    return out
+
+
+def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
+              steps: range) -> dict:
+    norms, calls, sent = [], [], []
+    runner = StepRunner(cfg, pstate, chunks)
+    for step in steps:
+        batches = step_batches(step, pstate.dp_rank, pstate.dp_size, cfg.train.micro_batch_size,
+                               cfg.train.global_batch_size)
+        opt.traffic.reset()
+        opt.zero_grad()
+        runner(batches, global_token_count(batches, pstate))
+        opt.finalize_grads()
+        result = opt.step(cfg.optim.lr)
+        opt.finish_param_sync()
+        assert not result.skipped
+        norms.append(result.grad_norm)
+        calls.append(dict(opt.traffic.calls))
+        sent.append(opt.traffic.total_bytes)
+    return {"params": model_parameters(chunks), "norms": norms, "calls": calls, "bytes": sent,
+            "splits": {n: getattr(p, "tp_split", None) for n, p in chunks[0].named_parameters()}}
+
+
+def model_parameters(chunks: list) -> dict[str, Tensor]:
+    """This rank's weights under their single-process names (global layer numbers; the last
+    stage's copy of a tied embedding under the embedding's name)."""
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layers":
+                parts[1] = str(chunk.layer_ids[int(parts[1])])
+            if getattr(p, "shared_embedding", False):
+                parts = ["embedding", "weight"]
+            out[".".join(parts)] = p.detach().float().clone()
+    return out
+
+
+def train_reference(steps: int, global_batch: int = GLOBAL_BATCH) -> dict:
+    """One process, `.grad` accumulation, torch clip + AdamW.
+
+    Micro-batches of one sample, like the DP ranks': a [2, s] matmul does not round like two
+    [1, s] ones, and Adam turns that noise into ~1e-5 weight differences within 10 steps.
+    The only difference left is the order in which per-sample gradients are summed.
+    """
+    cfg = make_config(micro=1, global_batch=global_batch)
+    pstate = single_state()
+    model = build_model(cfg, pstate)[0]
+    params = list(model.parameters())
+    o = cfg.optim
+    adam = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                              {"params": [p for p in params if p.ndim < 2],
+                               "weight_decay": 0.0}],
+                             lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             weight_decay=o.weight_decay)
+    norms = []
+    runner = StepRunner(cfg, pstate, [model])
+    for step in range(steps):
+        batches = step_batches(step, 0, 1, micro=1, global_batch=global_batch)
+        adam.zero_grad(set_to_none=True)
+        runner(batches, global_token_count(batches, pstate))
+        norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item())
+        adam.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "norms": norms}
+
+
+def full_params(ranks: list[dict], tp: int) -> dict[str, Tensor]:
+    """Unshard the TP pieces of DP rank 0's model (ranks ordered dp-major, tp-minor)."""
+    first = ranks[:tp]
+    return {n: unshard([r["params"][n] for r in first], first[0]["splits"][n])
+            for n in first[0]["params"]}
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def assert_same_params(got: dict[str, Tensor], ref: dict[str, Tensor], tol: float) -> None:
+    assert got.keys() == ref.keys()
+    for name in ref:
+        err = rel_err(got[name], ref[name])
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
