@@ -13,12 +13,18 @@ import sys
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import ConfigError
+from megatron_lite.memory import dry_run_report
+from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.training import run
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
+        if cfg.train.dry_run:
+            world = cfg.parallel.world_size or detect_launch_env().world_size
+            print(dry_run_report(cfg, world))
+            return 0
         run(cfg)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)

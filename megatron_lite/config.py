@@ -106,6 +106,8 @@ class ParallelConfig:
     """Collective backend; auto = nccl with CUDA, gloo on CPU."""
     distributed_timeout_minutes: float = 10.0
     """Timeout for every collective before the job fails instead of hanging."""
+    world_size: int | None = None
+    """With --dry-run: check the layout for this many ranks instead of the launched ones."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -163,6 +165,31 @@ class TrainConfig:
     """Micro-batch rounds per evaluation."""
     compile: bool = False
     """torch.compile each layer stack (graph breaks only at communication points)."""
+    recompute_granularity: str | None = field(
+        default=None, metadata={"choices": ["full", "selective"]})
+    """Activation recomputation: full = rerun whole layers in backward, keeping only their
+    inputs; selective = rerun only RoPE + the attention core."""
+    recompute_method: str | None = field(default=None, metadata={"choices": ["uniform", "block"]})
+    """Full recompute: uniform = checkpoint groups of --recompute-num-layers layers; block =
+    checkpoint only the first --recompute-num-layers layers of each model chunk."""
+    recompute_num_layers: int | None = None
+    """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
+    dry_run: bool = False
+    """Validate the config, print the rank grid, stage partition, parameters per rank and the
+    memory estimate, and exit without creating process groups (see --world-size)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute_granularity == "full":
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+            if self.recompute_num_layers < 1:
+                raise ConfigError("--recompute-num-layers must be >= 1, got "
+                                  f"{self.recompute_num_layers}")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ConfigError(
+                "--recompute-method/--recompute-num-layers apply only with "
+                f"--recompute-granularity full (got {self.recompute_granularity}); add "
+                "--recompute-granularity full or drop them")
 
 
 @dataclass
@@ -209,6 +236,10 @@ class LoggingConfig:
         default=None, metadata={"choices": ["online", "offline", "disabled"]}
     )
     """Force a wandb mode; default online with an API key, offline without."""
+    straggler_threshold: float = 0.10
+    """Warn when a rank's forward-backward time is this fraction above the median rank's."""
+    straggler_intervals: int = 3
+    """Log intervals in a row a rank must stay that slow before the warning (one is noise)."""
 
 
 @dataclass

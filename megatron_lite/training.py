@@ -24,7 +24,7 @@ from megatron_lite.config import Config, num_microbatches, validate
 from megatron_lite.data.builder import build_data_loaders
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
-from megatron_lite.metrics import MetricsLogger, detect_peak_tflops
+from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.optim.lr import lr_at
@@ -56,7 +56,10 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
     """This rank's model chunks: one per virtual stage (one without interleaving)."""
     opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                         dtype=model_dtype(cfg),
-                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device))
+                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device),
+                        recompute_granularity=cfg.train.recompute_granularity,
+                        recompute_method=cfg.train.recompute_method or "uniform",
+                        recompute_num_layers=cfg.train.recompute_num_layers or 1)
     p = cfg.parallel
     part = partition_layers(cfg.model.num_layers, pstate.pp_size,
                             p.num_layers_per_virtual_pipeline_stage,
@@ -93,6 +96,7 @@ class StepRunner:
         self.pstate, self.chunks = pstate, chunks
         self._schedules: dict[tuple[int, bool], list] = {}
         self.comm = None
+        self.timer = ComputeTimer(pstate.device)  # this rank's training fwd/bwd, for stragglers
         if pstate.pp_size > 1:
             shape = boundary_shape(cfg.model.seq_length, cfg.train.micro_batch_size,
                                    cfg.model.hidden_size, pstate.tp_size,
@@ -108,10 +112,14 @@ class StepRunner:
                                                   len(batches), len(self.chunks),
                                                   forward_only=not backward)
         device = self.pstate.device
+        if backward:
+            self.timer.start()
         losses = engine.forward_backward(
             self.chunks, self._schedules[key], [_to_device(b, device) for b in batches],
             self.comm, lambda token_losses, b: (token_losses * b["loss_mask"]).sum() / num_tokens,
             forward_only=not backward)
+        if backward:
+            self.timer.stop()
         return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
 
 
@@ -215,14 +223,14 @@ def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer
     result = TrainResult()
     t = cfg.train
     tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
-    window: list[tuple[float, float, float]] = []  # (loss, grad norm, seconds)
+    window: list[tuple[float, float, float, float]] = []  # loss, grad norm, s, fwd-bwd s
     skipped = 0
     for iteration in range(1, t.train_iters + 1):
         start = time.perf_counter()
         lr = lr_at(iteration - 1, cfg.optim, t.train_iters)
         loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate, lr)
         skipped += was_skipped
-        window.append((loss, grad_norm, time.perf_counter() - start))
+        window.append((loss, grad_norm, time.perf_counter() - start, runner.timer.pop_seconds()))
         result.losses.append(loss)
         if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
             n = len(window)
@@ -230,7 +238,8 @@ def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer
                              loss=sum(w[0] for w in window) / n, lr=lr,
                              grad_norm=sum(w[1] for w in window) / n,
                              iter_time_s=sum(w[2] for w in window) / n,
-                             tokens=tokens_per_step, skipped=skipped)
+                             tokens=tokens_per_step, skipped=skipped,
+                             compute_time_s=sum(w[3] for w in window) / n)
             window.clear()
         if valid_loader is not None and t.eval_iters > 0 and (
                 iteration % t.eval_interval == 0 or iteration == t.train_iters):
@@ -249,8 +258,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
     peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
     log_startup(cfg, pstate, chunks, peak, launch_source)
-    logger = MetricsLogger(cfg, enabled=pstate.rank == 0, world_size=pstate.world_size,
-                           peak_tflops=peak[0], device=pstate.device)
+    logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
     try:
         result = train_loop(cfg, pstate, StepRunner(cfg, pstate, chunks), optimizer,
                             train_loader, valid_loader, logger)

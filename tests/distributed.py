@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *,
                                              distributed_backend="gloo"))
     cfg.parallel.distributed_backend = "gloo"
     cfg.parallel.distributed_timeout_minutes = max(timeout / 60, 0.5)
-    init_file = str(Path(tmp_path) / f"rendezvous_{os.getpid()}_{id(fn)}")
+    init_file = str(Path(tmp_path) / f"rendezvous_{uuid.uuid4().hex}")  # fresh per call
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, cfg, fn, kwargs,

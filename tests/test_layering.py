@@ -21,12 +21,13 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"config", "parallel"},
     "data": {"config"},
     "planner": {"config"},
+    "memory": {"config", "parallel", "pipeline", "planner"},
     "metrics": {"config", "parallel"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels"},
     "reliability": {"config", "parallel"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
-                 "optim", "data", "planner", "metrics", "checkpoint", "reliability"},
+                 "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory"},
 }
 NO_TORCH = ("tokenizer", "data_tools")
 

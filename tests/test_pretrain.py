@@ -38,6 +38,10 @@ LAYOUTS = {
     # Tied embeddings split over the first and last stage, interleaved schedule.
     "pp2-v2": (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                 "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1"], 2, 2),
+    "tp2-sp-full-recompute": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--recompute-granularity", "full"], 2, 1),
+    "pp2-selective-recompute": (["--pipeline-model-parallel-size", "2",
+                                 "--recompute-granularity", "selective"], 2, 2),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
@@ -37,6 +38,10 @@ class BuildOptions:
     sequence_parallel: bool = False
     dtype: torch.dtype = torch.float32
     use_triton: bool = False
+    recompute_granularity: str | None = None
+    """None, "selective" (RoPE + attention core rerun in backward) or "full" (whole layers)."""
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
 
 
 class Attention(nn.Module):
@@ -58,9 +63,10 @@ class Attention(nn.Module):
             std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
             name=f"layers.{layer}.attention.proj", **common)
         self.use_triton = opts.use_triton
+        self.selective_recompute = opts.recompute_granularity == "selective"
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
+    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE + causal attention: [s, b, (heads + 2 groups) d] -> [s, b, heads d]."""
         s, b = qkv.shape[:2]
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
@@ -71,7 +77,16 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.groups != self.heads)
-        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d))
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
+        if self.selective_recompute and torch.is_grad_enabled():
+            # Keep only qkv; rotated q/k and the attention statistics are recomputed.
+            out = checkpoint(self.core, qkv, cos, sin, use_reentrant=False)
+        else:
+            out = self.core(qkv, cos, sin)
+        return self.proj(out)
 
 
 class MLP(nn.Module):
@@ -122,6 +137,8 @@ class LlamaChunk(nn.Module):
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(layer_ids)
+        self.full_recompute = (opts.recompute_granularity == "full", opts.recompute_method,
+                               opts.recompute_num_layers)
         padded = cfg.padded_vocab_size(pstate.tp_size)
         sp = opts.sequence_parallel and pstate.tp_size > 1
         tied = not cfg.untie_embeddings_and_output_weights
@@ -158,11 +175,36 @@ class LlamaChunk(nn.Module):
         """
         if self.pre_process:
             x = self.embedding(x)
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
+        x = self._run_layers(x)
         if not self.post_process:
             return x
         x = self.final_norm(x)
         if labels is None:
             raise ValueError("the last model chunk needs labels to compute the loss")
         return self.output(x, labels)
+
+    def _run_group(self, x: Tensor, start: int, end: int) -> Tensor:
+        for layer in self.layers[start:end]:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return x
+
+    def _run_layers(self, x: Tensor) -> Tensor:
+        """The layer stack, with full recomputation when configured.
+
+        uniform: groups of N consecutive layers each keep only their input and rerun in
+        backward; block: the first N layers of this chunk are recomputed one by one and the
+        rest store their activations (Megatron's --recompute-method semantics). RNG state is
+        saved and restored by torch.utils.checkpoint, so any randomness replays identically.
+        """
+        full, method, n = self.full_recompute
+        count = len(self.layers)
+        if not full or not torch.is_grad_enabled():
+            return self._run_group(x, 0, count)
+        if method == "uniform":
+            for start in range(0, count, n):
+                x = checkpoint(self._run_group, x, start, min(start + n, count),
+                               use_reentrant=False)
+            return x
+        for i in range(min(n, count)):
+            x = checkpoint(self._run_group, x, i, i + 1, use_reentrant=False)
+        return self._run_group(x, min(n, count), count)

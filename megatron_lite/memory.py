@@ -1,0 +1,115 @@
+"""Memory accounting: measured activation bytes, the start-up memory report and --dry-run.
+
+The planner (`planner.py`) predicts bytes from the config alone; this module measures what a
+run really holds so the two can be compared in the start-up log: model and optimizer state
+from the actual tensors, and the saved-for-backward bytes of one micro-batch, captured with
+`torch.autograd.graph.saved_tensors_hooks` (each storage counted once, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.config import Config, validate
+from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
+from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.planner import estimate_memory, stage_params
+
+GIB = 2**30
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes (GiB for real models, MiB/KiB for the tiny test ones)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _chunk_inputs(chunk: nn.Module, cfg: Config, pstate: ParallelState, generator: torch.Generator
+                  ) -> tuple[Tensor, Tensor | None]:
+    m, b = cfg.model, cfg.train.micro_batch_size
+    labels = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=generator)
+    labels = labels.to(pstate.device) if chunk.post_process else None
+    if chunk.pre_process:
+        return torch.randint(0, m.vocab_size, (b, m.seq_length), generator=generator
+                             ).to(pstate.device), labels
+    s = m.seq_length // (pstate.tp_size if cfg.parallel.sequence_parallel else 1)
+    dtype = next(chunk.parameters()).dtype
+    hidden = torch.randn(s, b, m.hidden_size, generator=generator).to(pstate.device, dtype)
+    return hidden.requires_grad_(), labels
+
+
+def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelState) -> int:
+    """Bytes autograd keeps for backward after one micro-batch's forward through every chunk.
+
+    Runs a forward on synthetic inputs of the right shapes (tokens, or a hidden state for a
+    chunk that starts mid-model), so it needs no pipeline communication; TP ranks run it
+    together because the layers' collectives are inside.
+    """
+    owned = {t.untyped_storage().data_ptr() for c in chunks
+             for t in [*c.parameters(), *c.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in owned:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    generator = torch.Generator().manual_seed(0)
+    outputs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for chunk in chunks:
+            x, labels = _chunk_inputs(chunk, cfg, pstate, generator)
+            outputs.append(chunk(x, labels))
+    del outputs
+    return sum(seen.values())
+
+
+def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
+                  optimizer_bytes: int, grad_bytes: int) -> str:
+    """Measured state and activation bytes of this rank next to the planner's estimate."""
+    params = {id(p): p for c in chunks for p in c.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank,
+                          fused_kernels=chunks[0].layers[0].attention.use_triton
+                          if len(chunks[0].layers) else False)
+    lines = [f"memory (rank {pstate.rank}, stage {pstate.pp_rank}): measured | planner",
+             f"  parameters  {fmt_bytes(param_bytes)} | {fmt_bytes(est.param_bytes)}",
+             f"  gradients   {fmt_bytes(grad_bytes)} | {fmt_bytes(est.grad_bytes)}",
+             f"  optimizer   {fmt_bytes(optimizer_bytes)} | {fmt_bytes(est.optimizer_bytes)}"]
+    if pstate.device.type == "cpu":
+        saved = measure_saved_bytes(chunks, cfg, pstate)
+        ratio = est.activation_bytes_per_microbatch / saved if saved else float("nan")
+        lines.append(f"  activations per micro-batch (saved for backward) {fmt_bytes(saved)} | "
+                     f"{fmt_bytes(est.activation_bytes_per_microbatch)} (planner/measured "
+                     f"{ratio:.3f})")
+    lines.append(f"  planner peak activations ({est.in_flight} micro-batch chunk(s) in flight) "
+                 f"{fmt_bytes(est.activation_bytes)}; total {fmt_bytes(est.total_bytes)}")
+    return "\n".join(lines)
+
+
+def dry_run_report(cfg: Config, world_size: int) -> str:
+    """Validate and describe a layout without creating any process group."""
+    validate(cfg, world_size)
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    part = partition_layers(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
+                            p.decoder_first_pipeline_num_layers,
+                            p.decoder_last_pipeline_num_layers)
+    lines = [f"dry run: world size {world_size} = pp {pp} x dp {world_size // (tp * pp)} x "
+             f"tp {tp}; config is valid", "rank grid [pp][dp] -> tp ranks:",
+             format_grid(rank_grid(world_size, tp, pp)), "stage partition:"]
+    for stage in range(pp):
+        specs = stage_chunks(part, stage)
+        layers = sum(len(s.layer_ids) for s in specs)
+        chunks = "; ".join(f"chunk {i}: layers {s.layer_ids[0]}-{s.layer_ids[-1]}"
+                           if s.layer_ids else f"chunk {i}: no layers"
+                           for i, s in enumerate(specs))
+        est = estimate_memory(cfg, world_size, stage=stage)
+        lines.append(f"  stage {stage}: {chunks} | {stage_params(m, tp, pp, stage, layers):,} "
+                     f"params per rank | states {fmt_bytes(est.state_bytes)} + activations "
+                     f"{fmt_bytes(est.activation_bytes)} = {fmt_bytes(est.total_bytes)}")
+    return "\n".join(lines)
