@@ -243,6 +243,39 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Saving, resuming and exiting (see megatron_lite/checkpoint)."""
+
+    save: str | None = None
+    """Directory for checkpoints (iter_XXXXXXX/ subdirectories and a `latest` pointer)."""
+    load: str | None = None
+    """Checkpoint directory to resume from; default --save (a restarted job resumes itself)."""
+    save_interval: int | None = None
+    """Save every this many iterations (and always at the end with --save)."""
+    save_interval_minutes: float | None = None
+    """Also save when this many wall-clock minutes have passed since the last save."""
+    save_keep_last: int | None = None
+    """Keep only the newest K checkpoints; older ones are deleted after a new one is complete."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread while training continues."""
+    exit_interval: int | None = None
+    """Save and exit cleanly when the iteration is a multiple of this (splits a run into jobs)."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the one `latest` points to."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_interval", "save_keep_last", "exit_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{_dash(name)} must be >= 1, got {value}")
+        if self.save_interval_minutes is not None and self.save_interval_minutes <= 0:
+            raise ConfigError(f"--save-interval-minutes must be > 0, got "
+                              f"{self.save_interval_minutes}")
+        if self.async_save and not self.save:
+            raise ConfigError("--async-save needs --save DIR")
+
+
+@dataclass
 class Config:
     """Everything one run needs; frozen in spirit once validated (treat as read-only)."""
 
@@ -252,6 +285,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
