@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, num_microbatches, validate
 from megatron_lite.data.builder import build_data_loaders
 from megatron_lite.data.loader import MicroBatchLoader
@@ -219,13 +220,14 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
 
 def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer: Optimizer,
                train_loader: MicroBatchLoader, valid_loader: MicroBatchLoader | None,
-               logger: MetricsLogger) -> TrainResult:
-    result = TrainResult()
+               logger: MetricsLogger, checkpointer: Checkpointer, start_iteration: int = 0
+               ) -> TrainResult:
+    result = TrainResult(iteration=start_iteration)
     t = cfg.train
     tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
     window: list[tuple[float, float, float, float]] = []  # loss, grad norm, s, fwd-bwd s
     skipped = 0
-    for iteration in range(1, t.train_iters + 1):
+    for iteration in range(start_iteration + 1, t.train_iters + 1):
         start = time.perf_counter()
         lr = lr_at(iteration - 1, cfg.optim, t.train_iters)
         loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate, lr)
@@ -247,6 +249,9 @@ def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer
             result.eval_losses.append(eval_loss)
             logger.log_eval(iteration, eval_loss)
         result.iteration = iteration
+        if checkpointer.after_step(iteration):
+            break
+    checkpointer.finish(result.iteration)
     return result
 
 
@@ -256,12 +261,14 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     chunks = build_model(cfg, pstate)
     optimizer = Optimizer(cfg, chunks, pstate)
     train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+    checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader)
+    start_iteration = checkpointer.load()
     peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
     log_startup(cfg, pstate, chunks, peak, launch_source)
     logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
     try:
         result = train_loop(cfg, pstate, StepRunner(cfg, pstate, chunks), optimizer,
-                            train_loader, valid_loader, logger)
+                            train_loader, valid_loader, logger, checkpointer, start_iteration)
     finally:
         logger.close()
     if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):

@@ -1,0 +1,373 @@
+"""Saving and loading a training run: the training loop's only view of checkpoints.
+
+Save (every rank, collectively): rank 0 prepares `iter_XXXXXXX.tmp/`; each rank copies its
+own state to host memory (weights of its (tp, pp) slice on DP rank 0, its optimizer shard,
+its RNG and loader state) and writes it, in parallel with every other rank; then the file
+sizes are gathered and rank 0 commits (see files.py). With --async-save the writes run in a
+background thread while training continues; the commit happens at the first iteration where
+every rank has finished (one tiny all-reduce per iteration while a save is in flight), and
+a new save first waits for the previous one.
+
+Load: `latest` (or --ckpt-step) under --load (default --save). The same layout reads only
+its own files; any other layout gathers full tensors and re-slices them (reshard.py).
+RNG states are restored when the layout is unchanged (they are per rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron_lite.checkpoint import files as F
+from megatron_lite.checkpoint.reshard import (
+    CheckpointReader,
+    direct_optimizer_state,
+    fill_optimizer_state,
+    is_tied_copy,
+    local_slice,
+    model_parameters,
+)
+from megatron_lite.config import Config
+from megatron_lite.data.format import find_manifest
+from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+
+
+def layout_partition(cfg: Config, pp_size: int) -> list[list[list[int]]]:
+    """partition[stage][chunk] = global layer ids (JSON-able)."""
+    p = cfg.parallel
+    part = partition_layers(cfg.model.num_layers, pp_size,
+                            p.num_layers_per_virtual_pipeline_stage,
+                            p.decoder_first_pipeline_num_layers,
+                            p.decoder_last_pipeline_num_layers)
+    return [[list(spec.layer_ids) for spec in stage_chunks(part, s)] for s in range(pp_size)]
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _sha256(path: str | Path | None) -> str | None:
+    if path is None or not Path(path).is_file():
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def data_fingerprint(cfg: Config) -> dict:
+    """What the data position refers to: mock data or the manifests' and tokenizer's hashes."""
+    d = cfg.data
+    manifests = {p: _sha256(find_manifest(p)) for p in d.data_path if find_manifest(p)}
+    return {"mock_data": d.mock_data, "data_path": list(d.data_path), "split": d.split,
+            "manifest_sha256": manifests, "tokenizer_sha256": _sha256(d.tokenizer_model)}
+
+
+class _SaveJob:
+    """One rank's part of one save: host copies of its tensors, written by `run()`."""
+
+    def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]]) -> None:
+        self.tmp, self.items = tmp, items
+        self.sizes: dict[str, int] = {}
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        try:
+            for name, tensors, meta in self.items:
+                self.sizes[name] = F.write_tensors(self.tmp / name, tensors, meta)
+        except Exception as e:  # reported to every rank at commit, never swallowed
+            self.error = f"{type(e).__name__}: {e}"
+        self.items = []  # free the host copies
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+
+class Checkpointer:
+    """--save / --load / intervals for one run; every method is called by every rank."""
+
+    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
+                 optimizer: Optimizer, train_loader: MicroBatchLoader) -> None:
+        self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
+        self.optimizer, self.loader = optimizer, train_loader
+        c = cfg.checkpoint
+        self.save_dir = Path(c.save) if c.save else None
+        self.load_dir = Path(c.load or c.save) if (c.load or c.save) else None
+        self.tied = not cfg.model.untie_embeddings_and_output_weights
+        self.partition = layout_partition(cfg, pstate.pp_size)
+        self._pending: tuple[_SaveJob, int, dict, float, float] | None = None
+        self._on_disk: int | None = None
+        self._last_save_time = time.monotonic()
+
+    # ---- collectives ---------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.pstate.distributed:
+            dist.barrier(group=self.pstate.world_group)
+
+    def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
+        t = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"
+                         else torch.float32, device=self.pstate.device)
+        return comms.all_reduce_(t, self.pstate.world_group, op=op).item()
+
+    def _gather(self, obj: object) -> list:
+        if not self.pstate.distributed:
+            return [obj]
+        out: list = [None] * self.pstate.world_size
+        dist.all_gather_object(out, obj, group=self.pstate.world_group)
+        return out
+
+    # ---- saving --------------------------------------------------------------------------
+
+    def _snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
+        """This rank's files as host tensors (copies: training may change the originals)."""
+        ps = self.pstate
+        items = []
+        if ps.dp_rank == 0:
+            weights, tags = {}, {}
+            for name, local, p in model_parameters(self.chunks, self.tied):
+                if not is_tied_copy(local, self.tied):
+                    weights[name] = p.detach().to("cpu", copy=True)
+                    tags[name] = getattr(p, "tp_split", None)
+            items.append((F.model_file(ps.tp_rank, ps.pp_rank), weights,
+                          {"tp_split": tags, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank}))
+        if self.optimizer.sharded or ps.dp_rank == 0:
+            skeleton, tensors = F.flatten_state(self.optimizer.state_dict())
+            items.append((F.optim_file(ps.tp_rank, ps.pp_rank, ps.dp_rank),
+                          {k: v.to("cpu") for k, v in tensors.items()}, {"state": skeleton}))
+        rng = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["torch_cuda"] = torch.cuda.get_rng_state(ps.device)
+        np_state = np.random.get_state()
+        meta = {"rank": ps.rank, "python_random": random.getstate(),
+                "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+                "loader": self.loader.state_dict()}
+        items.append((F.rank_file(ps.rank), rng, meta))
+        return items
+
+    def _metadata(self) -> dict:
+        ps, p = self.pstate, self.cfg.parallel
+        return {
+            "consumed_samples": self.loader.consumed_samples,
+            "has_optimizer": True,
+            "config": F.redact(self.cfg.to_dict(), F.secret_values()),
+            "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size,
+                       "dp": ps.dp_size, "virtual_chunks": len(self.partition[0]),
+                       "use_distributed_optimizer": p.use_distributed_optimizer},
+            "partition": self.partition,
+            "seed": self.cfg.train.seed,
+            "versions": {"torch": torch.__version__, "numpy": np.__version__,
+                         "safetensors": safetensors.__version__,
+                         "python": platform.python_version()},
+            "git_commit": _git_commit(),
+            "data": data_fingerprint(self.cfg),
+        }
+
+    def save(self, iteration: int) -> None:
+        """Write a checkpoint of the state after `iteration` (async with --async-save)."""
+        assert self.save_dir is not None
+        self.wait()
+        start = time.perf_counter()
+        self.optimizer.finish_param_sync()
+        tmp = self.save_dir / (F.iter_dir_name(iteration) + ".tmp")
+        if self.pstate.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            F.clear_stale(self.save_dir)
+            tmp.mkdir()
+        self._barrier()
+        job = _SaveJob(tmp, self._snapshot())
+        meta = self._metadata() if self.pstate.rank == 0 else {}
+        blocking = time.perf_counter() - start
+        self._pending = (job, iteration, meta, start, blocking)
+        self._last_save_time = time.monotonic()
+        if self.cfg.checkpoint.async_save:
+            job.thread = threading.Thread(target=job.run, name="checkpoint-writer", daemon=True)
+            job.thread.start()
+        else:
+            job.run()
+            self._commit()
+
+    def _commit(self) -> None:
+        job, iteration, meta, start, blocking = self._pending
+        if job.thread is not None:
+            job.thread.join()
+            blocking_wait = 0.0
+        else:
+            blocking_wait = time.perf_counter() - start - blocking
+        self._pending = None
+        reports = self._gather((job.sizes, job.error))
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
+        if errors:
+            raise F.CheckpointError(f"saving iteration {iteration} to {job.tmp} failed "
+                                    f"(previous checkpoint kept):\n  " + "\n  ".join(errors))
+        files = {name: size for sizes, _ in reports for name, size in sizes.items()}
+        if self.pstate.rank == 0:
+            final = F.commit(self.save_dir, job.tmp, iteration, {**meta, "files": files},
+                             self.cfg.checkpoint.save_keep_last)
+            seconds = time.perf_counter() - start
+            gb = sum(files.values()) / 1e9
+            print(f"checkpoint: saved iteration {iteration} to {final}: {gb:.4f} GB from "
+                  f"{len(files)} files in {seconds:.3f} s ({gb / seconds:.3f} GB/s); training "
+                  f"blocked {blocking + blocking_wait:.3f} s", flush=True)
+        self._barrier()
+        self._on_disk = iteration
+
+    def wait(self) -> None:
+        """Finish an in-flight async save (collective)."""
+        if self._pending is not None:
+            self._commit()
+
+    def poll(self) -> None:
+        """Commit an async save once every rank's writer is done (collective, cheap)."""
+        if self._pending is not None:
+            done = self._all_reduce(float(self._pending[0].done), dist.ReduceOp.MIN)
+            if done:
+                self._commit()
+
+    def after_step(self, iteration: int) -> bool:
+        """Save when an interval is due; True when --exit-interval says stop now."""
+        c = self.cfg.checkpoint
+        self.poll()
+        exit_now = bool(c.exit_interval) and iteration % c.exit_interval == 0
+        if self.save_dir is not None:
+            due = exit_now or bool(c.save_interval and iteration % c.save_interval == 0)
+            if c.save_interval_minutes:
+                late = time.monotonic() - self._last_save_time >= 60 * c.save_interval_minutes
+                due |= self._all_reduce(float(late and self.pstate.rank == 0),
+                                        dist.ReduceOp.MAX) > 0
+            if due:
+                self.save(iteration)
+        if exit_now:
+            self.wait()
+            if self.pstate.rank == 0:
+                print(f"exiting at iteration {iteration} (--exit-interval "
+                      f"{c.exit_interval})", flush=True)
+        return exit_now
+
+    def finish(self, iteration: int) -> None:
+        """End of training: save the final state unless it is already on disk; wait."""
+        if self.save_dir is not None and self._on_disk != iteration:
+            self.save(iteration)
+        self.wait()
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Restore from --load (or --save) if a checkpoint is there; the iteration to resume
+        after (0 for a fresh start)."""
+        c = self.cfg.checkpoint
+        if self.load_dir is None:
+            return 0
+        start = time.perf_counter()
+        ckpt_dir = F.resolve_checkpoint_dir(self.load_dir, c.ckpt_step)
+        if ckpt_dir is None:
+            if c.load and c.load != c.save:
+                raise F.CheckpointError(f"--load {c.load}: no checkpoint there (no `latest`, no "
+                                        "iter_* directory); check the path")
+            if self.pstate.rank == 0:
+                print(f"checkpoint: none in {self.load_dir}, starting from scratch", flush=True)
+            return 0
+        reader = CheckpointReader(ckpt_dir)
+        self._validate(reader)
+        self._load_weights(reader)
+        self._load_optimizer(reader)
+        restored_rng = self._load_rank_state(reader)
+        iteration = int(reader.meta["iteration"])
+        if self.save_dir is not None and ckpt_dir.parent.resolve() == self.save_dir.resolve():
+            self._on_disk = iteration
+        total = self._all_reduce(float(reader.bytes_read), dist.ReduceOp.SUM)
+        seconds = time.perf_counter() - start
+        if self.pstate.rank == 0:
+            saved = reader.meta["layout"]
+            print(f"checkpoint: loaded iteration {iteration} from {ckpt_dir} (saved with tp "
+                  f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp']}): {total / 1e9:.4f} GB "
+                  f"read in {seconds:.3f} s ({total / 1e9 / seconds:.3f} GB/s); RNG "
+                  f"{'restored' if restored_rng else 'not restored (layout changed)'}",
+                  flush=True)
+        return iteration
+
+    def _validate(self, reader: CheckpointReader) -> None:
+        saved = reader.meta["config"]
+        diffs = F.model_mismatches(saved["model"], self.cfg.to_dict()["model"])
+        if diffs:
+            raise F.CheckpointError(
+                f"{reader.dir} holds a different model than this run's config:\n  "
+                + "\n  ".join(diffs) + "\npass the checkpoint's values (or load another one)")
+        if (self.cfg.data.data_sharding == "node-local"
+                and reader.dp != self.pstate.dp_size):
+            raise F.CheckpointError(
+                f"--data-sharding node-local: {reader.dir} was saved with data-parallel size "
+                f"{reader.dp}, this run has {self.pstate.dp_size}; each DP rank's shards and "
+                "position would change. Resume with the same DP size")
+        if (reader.meta.get("data") or {}) != data_fingerprint(self.cfg) and self.pstate.rank == 0:
+            print(f"checkpoint: warning: the data (--data-path, --split, manifests or tokenizer)"
+                  f" differs from the one {reader.dir} was trained on; the data position "
+                  "refers to the old data", flush=True)
+
+    @torch.no_grad()
+    def _load_weights(self, reader: CheckpointReader) -> None:
+        ps = self.pstate
+        for name, _local, p in model_parameters(self.chunks, self.tied):
+            tensor = None
+            if reader.tp == ps.tp_size:
+                tp_rank = ps.tp_rank if reader.where.get(name, (0, None))[1] else 0
+                tensor = reader.local_weight(name, tp_rank)
+            if tensor is None or tensor.shape != p.shape:
+                tensor = local_slice(reader.full_weight(name), p, ps)
+            p.copy_(tensor)
+
+    def _load_optimizer(self, reader: CheckpointReader) -> None:
+        template = self.optimizer.state_dict()
+        if reader.has_optimizer:
+            state = direct_optimizer_state(reader, template, self.pstate, self.partition)
+            if state is None:
+                state = fill_optimizer_state(template, self.chunks, self.pstate, self.tied,
+                                             reader.full_optimizer)
+                state["step"] = reader.file(F.optim_file(0, 0, 0)).meta["state"]["step"]
+        else:  # model-only (e.g. imported from Hugging Face): fresh Adam moments
+            def from_weights(name: str) -> dict[str, Tensor]:
+                w = reader.full_weight(name).float()
+                return {"master": w, "exp_avg": torch.zeros_like(w),
+                        "exp_avg_sq": torch.zeros_like(w)}
+
+            state = fill_optimizer_state(template, self.chunks, self.pstate, self.tied,
+                                         from_weights)
+            state["step"] = 0
+        self.optimizer.load_state_dict(state)
+
+    def _load_rank_state(self, reader: CheckpointReader) -> bool:
+        """RNG states, when this rank's saved counterpart exists (same layout)."""
+        ps, saved = self.pstate, reader.meta["layout"]
+        self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"]})
+        same = (saved["world_size"], saved["tp"], saved["pp"]) == (ps.world_size, ps.tp_size,
+                                                                     ps.pp_size)
+        name = F.rank_file(ps.rank)
+        if not same or name not in reader.meta["files"]:
+            return False
+        f = reader.file(name)
+        torch.set_rng_state(f.get("torch_cpu"))
+        if torch.cuda.is_available() and "torch_cuda" in f:
+            torch.cuda.set_rng_state(f.get("torch_cuda"), ps.device)
+        version, state, gauss = f.meta["python_random"]
+        random.setstate((version, tuple(state), gauss))
+        kind, keys, pos, has_gauss, cached = f.meta["numpy_random"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        return True

@@ -1,0 +1,211 @@
+"""Layout-independent views of a checkpoint, and their re-slicing into a running layout.
+
+Every weight has a global name (`layers.7.mlp.down.weight`, whatever stage or chunk holds
+layer 7) and a `tp_split` tag saying how tensor parallelism cut it (see layers/init.py). The
+"full" tensor of a name is the unsharded weight with the padded vocabulary rows removed
+(they are zero and never trained), so a checkpoint written with one (TP, PP, DP, v,
+distributed-optimizer) layout reads the same from any other. Optimizer state is stored in
+the optimizer's own flat, per-DP-rank format (`megatron_lite.optim.zero1`); it is rebuilt per
+parameter here by placing each DP rank's owned ranges back into the flat buffer.
+
+The tied output layer of the last pipeline stage is a copy of `embedding.weight` (same
+values, same optimizer state): it is not stored, and filled from the embedding on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.checkpoint.files import (
+    CheckpointError,
+    TensorFile,
+    model_file,
+    optim_file,
+    read_metadata,
+    unflatten_state,
+)
+from megatron_lite.layers.init import shard_full, unshard
+from megatron_lite.parallel.state import ParallelState
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""The optimizer tensors kept per parameter element (fp32 master weight, Adam moments)."""
+
+
+def global_name(layer_ids: Sequence[int], local: str, tied: bool) -> str:
+    """A chunk-local parameter name -> its name in the whole model."""
+    parts = local.split(".")
+    if parts[0] == "layers":
+        parts[1] = str(layer_ids[int(parts[1])])
+    name = ".".join(parts)
+    return "embedding.weight" if tied and name == "output.weight" else name
+
+
+def is_tied_copy(local: str, tied: bool) -> bool:
+    """The last stage's copy of the tied embedding (not stored, see module docstring)."""
+    return tied and local == "output.weight"
+
+
+def model_parameters(chunks: Sequence[nn.Module], tied: bool
+                     ) -> list[tuple[str, str, nn.Parameter]]:
+    """(global name, chunk-local name, parameter) for every parameter of this rank, once."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for local, p in chunk.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((global_name(chunk.layer_ids, local, tied), local, p))
+    return out
+
+
+def local_slice(full: Tensor, param: nn.Parameter, pstate: ParallelState) -> Tensor:
+    """This rank's slice of a full (vocab-unpadded) tensor, shaped like `param`."""
+    tag = getattr(param, "tp_split", None)
+    if tag is not None and tag[0] == "vocab":
+        padded = torch.zeros(tag[1][0], *full.shape[1:], dtype=full.dtype)
+        padded[:full.shape[0]] = full
+        full = padded
+    piece = shard_full(full, tag, pstate.tp_size, pstate.tp_rank)
+    if piece.shape != param.shape:
+        raise CheckpointError(f"a checkpoint tensor of full shape {tuple(full.shape)} does not "
+                              f"fit a parameter of local shape {tuple(param.shape)}")
+    return piece
+
+
+class CheckpointReader:
+    """Reads weights and optimizer state of one checkpoint directory, in any layout."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        self.dir = Path(ckpt_dir)
+        self.meta = read_metadata(self.dir)
+        layout = self.meta["layout"]
+        self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
+        self.model_cfg = self.meta["config"]["model"]
+        self.tied = not self.model_cfg["untie_embeddings_and_output_weights"]
+        self._files: dict[str, TensorFile] = {}
+        self._optim: dict[tuple[int, int], dict[str, dict[str, Tensor]]] = {}
+        self.where: dict[str, tuple[int, list | None]] = {}
+        """Global name -> (pipeline stage holding it, tp_split tag)."""
+        for stage in range(self.pp):
+            for name, tag in self.file(model_file(0, stage)).meta["tp_split"].items():
+                self.where[name] = (stage, tag)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.meta.get("has_optimizer"))
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self._files.values())
+
+    def file(self, name: str) -> TensorFile:
+        if name not in self._files:
+            self._files[name] = TensorFile(self.dir / name)
+        return self._files[name]
+
+    def _stage(self, name: str) -> tuple[int, list | None]:
+        if name not in self.where:
+            raise CheckpointError(f"{self.dir} has no weight {name!r} (it holds "
+                                  f"{len(self.where)} weights, e.g. {sorted(self.where)[:3]})")
+        return self.where[name]
+
+    def local_weight(self, name: str, tp_rank: int) -> Tensor:
+        """The tensor exactly as saved by TP rank `tp_rank` (same-TP fast path)."""
+        stage, _ = self._stage(name)
+        return self.file(model_file(tp_rank, stage)).get(name)
+
+    def _full(self, name: str, pieces: list[Tensor]) -> Tensor:
+        tag = self._stage(name)[1]
+        full = unshard(pieces, tuple(tag) if tag else None)
+        if tag is not None and tag[0] == "vocab":
+            full = full[:self.model_cfg["vocab_size"]]
+        return full
+
+    def full_weight(self, name: str) -> Tensor:
+        """The unsharded weight (vocab padding removed), gathered from every TP file."""
+        tp = self.tp if self._stage(name)[1] is not None else 1
+        return self._full(name, [self.local_weight(name, t) for t in range(tp)])
+
+    def full_optimizer(self, name: str) -> dict[str, Tensor]:
+        """Unsharded fp32 master weight and Adam moments of one weight."""
+        if not self.has_optimizer:
+            raise CheckpointError(f"{self.dir} holds no optimizer state (saved model-only)")
+        stage, tag = self._stage(name)
+        tp = self.tp if tag is not None else 1
+        pieces = [self._optim_position(t, stage)[name] for t in range(tp)]
+        return {k: self._full(name, [p[k] for p in pieces]) for k in KINDS}
+
+    def _optim_position(self, tp_rank: int, stage: int) -> dict[str, dict[str, Tensor]]:
+        """Per global name, the (TP-local) optimizer tensors of one (tp, pp) position."""
+        key = (tp_rank, stage)
+        if key in self._optim:
+            return self._optim[key]
+        partition = self.meta["partition"][stage]
+        first = self.file(optim_file(tp_rank, stage, 0)).meta["state"]
+        dp_files = self.dp if first["sharded"] else 1
+        out: dict[str, dict[str, Tensor]] = {}
+        for b, buf in enumerate(first["buffers"]):
+            flat = {k: torch.zeros(buf["numel"], dtype=torch.float32) for k in KINDS}
+            for d in range(dp_files):
+                f = self.file(optim_file(tp_rank, stage, d))
+                state = f.meta["state"]
+                owned = state["buffers"][b]["owned"]
+                for k in KINDS:
+                    data = f.get(state["tensors"][f"{b}.{k}"]["__tensor__"])
+                    offset = 0
+                    for start, end in owned:
+                        flat[k][start:end] = data[offset:offset + end - start]
+                        offset += end - start
+            for opt_name, start, end, shape in buf["params"]:
+                chunk, _, local = opt_name.partition(".")
+                if is_tied_copy(local, self.tied) and stage != 0:
+                    continue
+                name = global_name(partition[int(chunk.removeprefix("chunk"))], local,
+                                   self.tied)
+                out[name] = {k: flat[k][start:end].view(shape) for k in KINDS}
+        self._optim[key] = out
+        return out
+
+
+def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: ParallelState,
+                         tied: bool, source: Callable[[str], dict[str, Tensor]]) -> dict:
+    """The running optimizer's state (`template` from its `state_dict()`, any layout) with
+    every owned element taken from `source(global name)` (full tensors per kind)."""
+    params = {f"chunk{c}.{local}": (global_name(chunk.layer_ids, local, tied), p)
+              for c, chunk in enumerate(chunks) for local, p in chunk.named_parameters()}
+    for b, buf in enumerate(template["buffers"]):
+        flat = {k: torch.zeros(buf["numel"], dtype=torch.float32) for k in KINDS}
+        for opt_name, start, end, _shape in buf["params"]:
+            name, param = params[opt_name]
+            full = source(name)
+            for k in KINDS:
+                flat[k][start:end] = local_slice(full[k].float(), param, pstate).reshape(-1)
+        for k in KINDS:
+            device = template["tensors"][f"{b}.{k}"].device
+            template["tensors"][f"{b}.{k}"] = torch.cat(
+                [flat[k][s:e] for s, e in buf["owned"]]).to(device)
+    return template
+
+
+def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: ParallelState,
+                           partition: list) -> dict | None:
+    """This rank's saved optimizer state as-is when the saved layout equals the running one
+    (the common resume: read only one's own file), else None."""
+    ps = pstate
+    if ((reader.tp, reader.pp) != (ps.tp_size, ps.pp_size)
+            or reader.meta["partition"] != partition
+            or (template["sharded"] and reader.dp != ps.dp_size)):
+        return None
+    dp = ps.dp_rank if template["sharded"] else 0
+    f = reader.file(optim_file(ps.tp_rank, ps.pp_rank, dp))
+    skeleton = f.meta["state"]
+    if (skeleton.get("format") != template["format"] or skeleton["sharded"] != template["sharded"]
+            or skeleton["buffers"] != template["buffers"]):
+        return None
+    state = unflatten_state(skeleton, f)
+    state["dp_rank"], state["dp_size"] = ps.dp_rank, ps.dp_size
+    return state
