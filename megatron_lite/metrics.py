@@ -1,47 +1,75 @@
-"""FLOP counting, MFU, the per-step log line, the JSONL record and wandb.
+"""FLOP counting, MFU, per-rank timing and stragglers, the log line, the JSONL record and wandb.
 
 FLOPs per token follow the PaLM / nanoGPT / torchtitan convention used for the headline MFU:
-6 x (matmul weights, including the output layer; the embedding lookup is not a matmul) plus
-12 * layers * hidden * seq for attention scores and values counted as if not causal. The causal
-variant (Megatron since 2025: attention term halved) is printed beside it. Activation
-recomputation is never counted: MFU measures useful work only.
+6 x N, N = every weight that takes part in a matmul (QKV, attention output, MLP, output layer;
+the input embedding is a lookup, so it counts only when tied, i.e. as the output layer), plus
+12 * layers * (heads * head_dim) * seq for attention scores and values counted as if not
+causal. The causal variant (Megatron since 2025: attention term halved) is printed beside it.
+Activation recomputation is never counted: MFU measures useful work only.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
+import resource
+import socket
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.parallel.state import ParallelState
 
-# Dense bf16 peak TFLOP/s by device-name fragment (first match wins).
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
-               ("A10G", 125.0), ("V100", 125.0))
+# Dense bf16 peak TFLOP/s by device-name fragment (first match wins, so variants come first).
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
+               ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("V100", 125.0))
 JSONL_TRAIN_KEYS = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "iter_time_ms",
                     "tokens_per_sec", "tflops_per_device", "mfu")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
-def matmul_params(m: ModelConfig) -> int:
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the FLOP count depends on; written out by hand for models we don't build."""
+
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    query_groups: int
+    head_dim: int
+    vocab: int
+    gated_mlp: bool = True
+    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+
+    @classmethod
+    def from_config(cls, m: ModelConfig, tp_size: int = 1) -> ModelShape:
+        """Our Llama decoder: SwiGLU, GQA, and the output layer over the padded vocabulary."""
+        return cls(layers=m.num_layers, hidden=m.hidden_size, ffn_hidden=m.ffn_hidden_size,
+                   heads=m.num_attention_heads, query_groups=m.num_query_groups,
+                   head_dim=m.head_dim, vocab=m.padded_vocab_size(tp_size))
+
+
+def matmul_params(s: ModelShape) -> int:
     """Weights that take part in a matmul per token (the N of 6N)."""
-    d = m.head_dim
-    attn = m.hidden_size * (m.num_attention_heads + 2 * m.num_query_groups) * d
-    attn += m.num_attention_heads * d * m.hidden_size
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    return m.num_layers * (attn + mlp) + m.padded_vocab_size(1) * m.hidden_size
+    q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
+    attention = s.hidden * (q + 2 * kv) + q * s.hidden
+    mlp = (3 if s.gated_mlp else 2) * s.hidden * s.ffn_hidden
+    return s.layers * (attention + mlp) + s.vocab * s.hidden
 
 
-def flops_per_token(m: ModelConfig, seq_length: int | None = None, causal: bool = False
-                    ) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward)."""
-    s = seq_length or m.seq_length
-    attention = (6 if causal else 12) * m.num_layers * m.hidden_size * s
-    return 6.0 * matmul_params(m) + attention
+def flops_per_token(s: ModelShape, seq_length: int, causal: bool = False) -> float:
+    """Training FLOPs per token: 6N + 12*l*(heads*head_dim)*s (6*... when causal-halved)."""
+    attention = (6 if causal else 12) * s.layers * s.heads * s.head_dim * seq_length
+    return 6.0 * matmul_params(s) + attention
 
 
 def measure_cpu_peak_tflops(n: int = 1024, seconds: float = 0.3) -> float:
@@ -69,55 +97,260 @@ def detect_peak_tflops(device: torch.device, given: float | None) -> tuple[float
     return measure_cpu_peak_tflops(), "measured bf16 matmul on this CPU"
 
 
-def memory_gib(device: torch.device) -> float:
-    """Peak allocated GiB on CUDA, or the process's resident set on CPU."""
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """GiB: CUDA max allocated / max reserved, or the process's resident set (now, peak) on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     except OSError:
-        return float("nan")
+        rss = float("nan")
+    return {"rss_gib": rss, "max_rss_gib": max(peak, rss)}  # the two count pages differently
+
+
+def _peak_gib(mem: dict[str, float]) -> float:
+    return mem.get("max_allocated_gib", mem.get("max_rss_gib", float("nan")))
+
+
+class ComputeTimer:
+    """Per-rank time spent in forward/backward, the part of a step that does not wait for other
+    data-parallel ranks. Wall time per step is the same on every rank (the gradient all-reduce
+    lines them up), so only this time can show which rank is slow. CUDA events time the stream,
+    not the kernel launches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._start = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events.append((torch.cuda.Event(enable_timing=True),
+                                 torch.cuda.Event(enable_timing=True)))
+            self._events[-1][0].record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._events[-1][1].record()
+            if len(self._events) > 256:  # nobody popped (a benchmark): fold to bound the list
+                self.seconds += self._drain()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def _drain(self) -> float:
+        total = 0.0
+        for begin, end in self._events:
+            end.synchronize()
+            total += begin.elapsed_time(end) / 1e3
+        self._events.clear()
+        return total
+
+    def pop_seconds(self) -> float:
+        """Time since the last pop (syncs on CUDA; call after the step's loss `.item()`)."""
+        total, self.seconds = self.seconds + self._drain(), 0.0
+        return total
+
+
+@dataclass(frozen=True)
+class RankSpread:
+    """One log interval's per-rank times: min / median / max and who is slowest."""
+
+    min_s: float
+    median_s: float
+    max_s: float
+    slowest_rank: int
+    slowest_host: str
+
+
+def rank_spread(times: list[float], hosts: list[str]) -> RankSpread:
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return RankSpread(min(times), statistics.median(times), times[slowest], slowest,
+                      hosts[slowest])
+
+
+class StragglerDetector:
+    """Flags a rank that stays more than `threshold` slower than the median for `intervals`
+    consecutive log intervals (one slow interval is noise: a GC pause, a host stall)."""
+
+    def __init__(self, threshold: float, intervals: int) -> None:
+        self.threshold, self.intervals = threshold, intervals
+        self.streak: dict[int, int] = {}
+
+    def update(self, times: list[float]) -> list[tuple[int, float, int]]:
+        """(rank, fraction slower than the median, intervals in a row) to warn about now.
+
+        Warns when a streak reaches `intervals` and again every `intervals` while it lasts."""
+        median = statistics.median(times)
+        if median <= 0:
+            return []
+        slow = [r for r, t in enumerate(times) if t > median * (1 + self.threshold)]
+        self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
+        return [(r, times[r] / median - 1, n) for r, n in sorted(self.streak.items())
+                if n >= self.intervals and n % self.intervals == 0]
+
+
+def _gather_floats(values: list[float], pstate: ParallelState) -> list[list[float]]:
+    """Every rank's `values` (a collective: all ranks call it)."""
+    if not pstate.distributed:
+        return [values]
+    local = torch.tensor(values, dtype=torch.float64, device=pstate.device)
+    out = [torch.empty_like(local) for _ in range(pstate.world_size)]
+    dist.all_gather(out, local, group=pstate.world_group)
+    return [t.tolist() for t in out]
+
+
+def _gather_hosts(pstate: ParallelState) -> list[str]:
+    host = socket.gethostname()
+    if not pstate.distributed:
+        return [host]
+    hosts: list[Any] = [None] * pstate.world_size
+    dist.all_gather_object(hosts, host, group=pstate.world_group)
+    return hosts
+
+
+def resolve_wandb_mode(flag: str | None, environ: dict[str, str] | os._Environ
+                       ) -> tuple[str, str]:
+    """(mode, why): --wandb-mode, else WANDB_MODE, else online only with credentials."""
+    if flag:
+        return flag, "--wandb-mode"
+    if environ.get("WANDB_MODE") in WANDB_MODES:
+        return environ["WANDB_MODE"], "WANDB_MODE"
+    if environ.get("WANDB_API_KEY"):
+        return "online", "WANDB_API_KEY is set"
+    host = environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        if netrc.netrc().authenticators(host):
+            return "online", f"~/.netrc has {host}"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline", "no WANDB_API_KEY or ~/.netrc login"
 
 
 class MetricsLogger:
-    """Prints the step line and writes JSONL / wandb on the one logging rank."""
+    """Prints the step line and writes JSONL / wandb on the logging rank (rank 0, which holds
+    the world-reduced loss). `log_train` is a collective: every rank calls it, so the per-rank
+    compute times and peak memory can be gathered."""
 
-    def __init__(self, cfg: Config, *, enabled: bool, world_size: int, peak_tflops: float,
-                 device: torch.device) -> None:
-        self.cfg, self.enabled, self.world_size = cfg, enabled, world_size
-        self.peak_tflops, self.device = peak_tflops, device
-        self.flops_per_token = flops_per_token(cfg.model)
+    def __init__(self, cfg: Config, pstate: ParallelState, *, peak_tflops: float) -> None:
+        lg = cfg.logging
+        if not lg.straggler_threshold > 0:
+            raise ConfigError(f"--straggler-threshold must be > 0 (a fraction, 0.1 = 10%), got "
+                              f"{lg.straggler_threshold}")
+        if lg.straggler_intervals < 1:
+            raise ConfigError(f"--straggler-intervals must be >= 1, got {lg.straggler_intervals}")
+        self.cfg, self.pstate, self.peak_tflops = cfg, pstate, peak_tflops
+        self.enabled = pstate.rank == 0
+        shape = ModelShape.from_config(cfg.model, pstate.tp_size)
+        seq = cfg.model.seq_length
+        self.flops_per_token = flops_per_token(shape, seq)
+        self.flops_per_token_causal = flops_per_token(shape, seq, causal=True)
+        self.hosts = _gather_hosts(pstate)
+        self.stragglers = StragglerDetector(lg.straggler_threshold, lg.straggler_intervals)
         self.jsonl: IO[str] | None = None
         self.wandb: Any = None
-        if enabled and cfg.logging.log_jsonl:
-            Path(cfg.logging.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(cfg.logging.log_jsonl, "a", buffering=1)  # noqa: SIM115
-        if enabled and cfg.logging.wandb_project and cfg.logging.wandb_mode != "disabled":
-            self.wandb = _init_wandb(cfg)
+        self.wandb_sync_hint = ""
+        if not self.enabled:
+            return
+        n = matmul_params(shape)
+        print(f"FLOPs per token: 6N + 12*l*h*s = 6 x {n:,} + 12 x {shape.layers} x "
+              f"{shape.heads * shape.head_dim} x {seq} = {self.flops_per_token:.4g} "
+              f"(causal: 6N + 6*l*h*s = {self.flops_per_token_causal:.4g}); N = matmul weights "
+              f"incl. the output layer, recompute not counted", flush=True)
+        if lg.log_jsonl:
+            Path(lg.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(lg.log_jsonl, "a", buffering=1)  # noqa: SIM115
+        if lg.wandb_project:
+            self._init_wandb(n)
 
-    def _write(self, record: dict, step: int) -> None:
+    def _init_wandb(self, n_matmul: int) -> None:
+        lg = self.cfg.logging
+        mode, why = resolve_wandb_mode(lg.wandb_mode, os.environ)
+        if mode == "disabled":
+            return
+        try:
+            import wandb  # lazy: slow to import and only the logging rank needs it
+        except ImportError as err:
+            raise ConfigError("--wandb-project needs wandb: pip install wandb (or pass "
+                              "--wandb-mode disabled)") from err
+        derived = {"world_size": self.pstate.world_size, "matmul_params": n_matmul,
+                   "flops_per_token": self.flops_per_token,
+                   "flops_per_token_causal": self.flops_per_token_causal,
+                   "peak_tflops": self.peak_tflops, "hosts": sorted(set(self.hosts))}
+        if lg.wandb_save_dir:
+            Path(lg.wandb_save_dir).mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
+                                dir=lg.wandb_save_dir, mode=mode,
+                                config={**self.cfg.to_dict(), "derived": derived})
+        self.wandb.define_metric("loss", summary="min")
+        self.wandb.define_metric("eval_loss", summary="min")
+        if mode == "offline":
+            run_dir = Path(self.wandb.dir).parent
+            self.wandb_sync_hint = f"wandb sync {run_dir}"
+            print(f"wandb: offline ({why}); upload later with `{self.wandb_sync_hint}`",
+                  flush=True)
+
+    def _write(self, record: dict, extra: dict | None = None) -> None:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "iteration"}, step=step)
+            values = {k: v for k, v in record.items() if k != "iteration"}
+            self.wandb.log({**values, **(extra or {})}, step=record["iteration"])
 
     def log_train(self, *, iteration: int, consumed_samples: int, loss: float, lr: float,
-                  grad_norm: float, iter_time_s: float, tokens: int, skipped: int) -> dict:
+                  grad_norm: float, iter_time_s: float, tokens: int, skipped: int,
+                  compute_time_s: float | None = None) -> dict:
+        """One log interval (averages over it); `compute_time_s` is this rank's forward/backward
+        time per iteration, gathered from every rank for the spread and the straggler check."""
+        mem = memory_stats(self.pstate.device)
+        own = iter_time_s if compute_time_s is None else compute_time_s
+        gathered = _gather_floats([own, _peak_gib(mem)], self.pstate)
         tokens_per_sec = tokens / iter_time_s
-        tflops = tokens_per_sec * self.flops_per_token / self.world_size / 1e12
+        tflops = tokens_per_sec * self.flops_per_token / self.pstate.world_size / 1e12
+        causal = tflops * self.flops_per_token_causal / self.flops_per_token
         record = {"iteration": iteration, "consumed_samples": consumed_samples, "loss": loss,
                   "lr": lr, "grad_norm": grad_norm, "iter_time_ms": iter_time_s * 1e3,
                   "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
                   "mfu": tflops / self.peak_tflops}
-        if self.enabled:
-            print(f"iter {iteration:>6}/{self.cfg.train.train_iters} | loss {loss:.4f} | "
-                  f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
-                  f"{tokens_per_sec:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev | "
-                  f"MFU {100 * record['mfu']:.2f}% | skipped {skipped} | "
-                  f"mem {memory_gib(self.device):.2f} GiB", flush=True)
-            self._write(record, iteration)
+        if not self.enabled:
+            return record
+        times = [g[0] for g in gathered]
+        spread = rank_spread(times, self.hosts)
+        mem_peak = max(range(len(gathered)), key=lambda r: gathered[r][1])
+        line = (f"iter {iteration:>6}/{self.cfg.train.train_iters} | loss {loss:.4f} | "
+                f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
+                f"{tokens_per_sec:,.0f} tok/s | {tflops:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
+                f"MFU {100 * record['mfu']:.3g}% (causal {100 * causal / self.peak_tflops:.3g}%) | "
+                f"skipped {skipped} | mem {_format_memory(mem)}")
+        if len(times) > 1:
+            line += (f" | max mem {gathered[mem_peak][1]:.2f} GiB (rank {mem_peak}) | rank fwd-bwd"
+                     f" ms min/med/max {spread.min_s * 1e3:.1f}/{spread.median_s * 1e3:.1f}/"
+                     f"{spread.max_s * 1e3:.1f} (slowest rank {spread.slowest_rank} on "
+                     f"{spread.slowest_host})")
+        print(line, flush=True)
+        self._warn_stragglers(times)
+        self._write(record, {
+            "tflops_per_device_causal": causal, "mfu_causal": causal / self.peak_tflops,
+            "skipped_iterations": skipped, **{f"memory/{k}": v for k, v in mem.items()},
+            "memory/max_over_ranks_gib": gathered[mem_peak][1],
+            "rank_time/min_ms": spread.min_s * 1e3, "rank_time/median_ms": spread.median_s * 1e3,
+            "rank_time/max_ms": spread.max_s * 1e3, "rank_time/slowest_rank": spread.slowest_rank})
         return record
+
+    def _warn_stragglers(self, times: list[float]) -> None:
+        median = statistics.median(times)
+        for rank, excess, streak in self.stragglers.update(times):
+            print(f"warning: straggler: rank {rank} on host {self.hosts[rank]} has been "
+                  f"{100 * excess:.0f}% slower than the median rank for {streak} log intervals "
+                  f"(forward-backward {times[rank] * 1e3:.1f} ms vs {median * 1e3:.1f} ms; "
+                  f"threshold {100 * self.stragglers.threshold:.0f}%); every other rank waits "
+                  f"for it at the gradient all-reduce. Check that node's clocks/thermals, other "
+                  f"processes on it, and its data loading.", flush=True)
 
     def log_eval(self, iteration: int, eval_loss: float) -> None:
         if not self.enabled:
@@ -125,23 +358,34 @@ class MetricsLogger:
         ppl = math.exp(min(eval_loss, 50.0))
         print(f"eval at iter {iteration} | eval loss {eval_loss:.4f} | eval ppl {ppl:.3f}",
               flush=True)
-        self._write({"iteration": iteration, "eval_loss": eval_loss, "eval_ppl": ppl},
-                    iteration)
+        self._write({"iteration": iteration, "eval_loss": eval_loss, "eval_ppl": ppl})
+
+    def log_checkpoint(self, iteration: int, seconds: float, gbytes: float) -> None:
+        """Checkpoint save time and size (the checkpoint code calls this on every rank)."""
+        if not self.enabled:
+            return
+        rate = gbytes / seconds if seconds > 0 else float("inf")
+        print(f"checkpoint at iter {iteration} | saved {gbytes:.3f} GB in {seconds:.2f} s "
+              f"({rate:.2f} GB/s)", flush=True)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"iteration": iteration, "checkpoint_save_s": seconds,
+                                         "checkpoint_gbytes": gbytes}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({"checkpoint/save_s": seconds, "checkpoint/gbytes": gbytes,
+                            "checkpoint/gbytes_per_s": rate}, step=iteration)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+            if self.wandb_sync_hint:
+                print(f"wandb: offline run saved; upload with `{self.wandb_sync_hint}`",
+                      flush=True)
 
 
-def _init_wandb(cfg: Config) -> Any:
-    import wandb  # lazy: wandb's import is slow and only the logging rank needs it
-
-    mode = cfg.logging.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
-                     dir=cfg.logging.wandb_save_dir, mode=mode, config=cfg.to_dict())
-    if mode == "offline":
-        print(f"wandb: no WANDB_API_KEY, logging offline to {run.dir}; upload later with "
-              f"`wandb sync {Path(run.dir).parent}`", flush=True)
-    return run
+def _format_memory(mem: dict[str, float]) -> str:
+    if "max_allocated_gib" in mem:
+        return (f"max allocated {mem['max_allocated_gib']:.2f} GiB, max reserved "
+                f"{mem['max_reserved_gib']:.2f} GiB")
+    return f"rss {mem['rss_gib']:.2f} GiB (peak {mem['max_rss_gib']:.2f})"

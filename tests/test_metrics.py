@@ -1,0 +1,326 @@
+"""FLOPs against hand computations, peak table, MFU on a CPU run, wandb (fake and real offline),
+per-rank timing and the straggler warning with one sleeping rank."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lite.arguments import parse_config
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.metrics import (
+    JSONL_TRAIN_KEYS,
+    MetricsLogger,
+    ModelShape,
+    StragglerDetector,
+    detect_peak_tflops,
+    flops_per_token,
+    matmul_params,
+    memory_stats,
+    rank_spread,
+    resolve_wandb_mode,
+)
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.launch import LaunchEnv
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.training import build_model, train
+from tests.distributed import run_ranks
+
+FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+         "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "1e-3", "--eval-iters", "1"]
+
+# ---------------------------------------------------------------- FLOPs, by hand
+
+
+def test_gpt3_175b_by_hand() -> None:
+    """GPT-3 175B: 96 layers, h = 12288, 96 heads x 128, plain GELU MLP 4h, vocab 50257
+    (tied, so the embedding counts once, as the output layer), s = 2048."""
+    h, layers, s, v = 12288, 96, 2048, 50257
+    qkv = h * 3 * h                    # 452,984,832
+    proj = h * h                       # 150,994,944
+    mlp = 2 * h * 4 * h                # 1,207,959,552
+    per_layer = qkv + proj + mlp       # 12 h^2 = 1,811,939,328
+    n = layers * per_layer + v * h          # 173,946,175,488 + 617,558,016
+    assert n == 174_563_733_504        # ~175B, as the name says
+    headline = 6 * n + 12 * layers * h * s  # 1,047,382,401,024 + 28,991,029,248
+    causal = 6 * n + 6 * layers * h * s
+    shape = ModelShape(layers=layers, hidden=h, ffn_hidden=4 * h, heads=96, query_groups=96,
+                       head_dim=128, vocab=v, gated_mlp=False)
+    assert matmul_params(shape) == n
+    assert flops_per_token(shape, s) == headline == 1_076_373_430_272
+    assert flops_per_token(shape, s, causal=True) == causal == 1_061_877_915_648
+    # The paper's 3.14e23 FLOPs for 300B tokens is 6N with N = 175B: 1.05e12 per token.
+    assert abs(6 * n / (3.14e23 / 300e9) - 1) < 0.01
+
+
+def test_llama2_7b_and_70b_by_hand() -> None:
+    """SwiGLU (three h x f matrices), untied output layer, and for 70B GQA with 8 KV heads.
+    Adding back the input embedding and the RMSNorm weights must give the published counts."""
+    # Llama-2 7B: 32 layers, h = 4096, 32 heads (= KV heads) x 128, f = 11008, V = 32000, s = 4096
+    h, layers, f, v, s = 4096, 32, 11008, 32000, 4096
+    attn = h * (h + 2 * h) + h * h            # q, k, v, o = 67,108,864
+    mlp = 3 * h * f                           # 135,266,304
+    n = layers * (attn + mlp) + v * h              # 6,476,005,376 + 131,072,000
+    assert n + v * h + (2 * layers + 1) * h == 6_738_415_616  # HF Llama-2-7b-hf parameter count
+    shape = ModelShape(layers=layers, hidden=h, ffn_hidden=f, heads=32, query_groups=32,
+                       head_dim=128, vocab=v)
+    assert matmul_params(shape) == n == 6_607_077_376
+    assert flops_per_token(shape, s) == 6 * n + 12 * layers * h * s == 46_084_915_200
+    assert flops_per_token(shape, s, causal=True) == 6 * n + 6 * layers * h * s == 42_863_689_728
+    # Llama-2 70B: 80 layers, h = 8192, 64 query heads, 8 KV groups x 128, f = 28672
+    h, layers, f = 8192, 80, 28672
+    kv = 8 * 128
+    attn = h * (h + 2 * kv) + h * h           # 150,994,944 (GQA: k and v are 8x smaller)
+    n = layers * (attn + 3 * h * f) + v * h
+    assert n + v * h + (2 * layers + 1) * h == 68_976_648_192  # HF Llama-2-70b-hf
+    shape = ModelShape(layers=layers, hidden=h, ffn_hidden=f, heads=64, query_groups=8,
+                       head_dim=128, vocab=v)
+    assert matmul_params(shape) == n
+    assert flops_per_token(shape, 4096) == 6 * n + 12 * layers * h * 4096
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_matmul_params_match_the_built_model(untie: bool) -> None:
+    """Every 2-D weight of our model is a matmul weight, except the input embedding when the
+    output layer is separate."""
+    cfg = Config(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_query_groups=2, vocab_size=200,
+                                   untie_embeddings_and_output_weights=untie))
+    pstate = _single_state(cfg)
+    weights = {n: p.numel() for chunk in build_model(cfg, pstate)
+               for n, p in chunk.named_parameters() if p.dim() == 2}
+    counted = sum(weights.values()) - (weights["embedding.weight"] if untie else 0)
+    assert matmul_params(ModelShape.from_config(cfg.model)) == counted
+
+
+# ---------------------------------------------------------------- peak, memory, stragglers
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0),
+                                       ("NVIDIA A100-SXM4-80GB", 312.0),
+                                       ("NVIDIA H100 PCIe", 756.0)])
+def test_peak_by_gpu_name(monkeypatch, name: str, peak: float) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert detect_peak_tflops(torch.device("cuda", 0), None) == (peak, f"table ({name})")
+    assert detect_peak_tflops(torch.device("cuda", 0), 500.0)[0] == 500.0
+
+
+def test_cpu_memory_is_the_resident_set() -> None:
+    before = memory_stats(torch.device("cpu"))
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = memory_stats(torch.device("cpu"))
+    assert after["rss_gib"] - before["rss_gib"] > 0.05
+    assert after["max_rss_gib"] - before["max_rss_gib"] > 0.05  # a new peak
+    del block
+
+
+def test_straggler_needs_several_intervals_in_a_row() -> None:
+    det = StragglerDetector(threshold=0.10, intervals=3)
+    slow = [1.0, 1.0, 1.5, 1.0]                     # rank 2 is 50% above the median 1.0
+    assert det.update(slow) == [] and det.update(slow) == []
+    assert det.update([1.0, 1.0, 1.05, 1.0]) == []  # 5%: under the threshold, streak resets
+    assert det.update(slow) == [] and det.update(slow) == []
+    assert det.update(slow) == [(2, 0.5, 3)]
+    assert det.update(slow) == [] and det.update(slow) == []
+    assert det.update(slow) == [(2, 0.5, 6)]        # repeated while it lasts
+    spread = rank_spread(slow, ["a", "b", "c", "d"])
+    assert (spread.min_s, spread.median_s, spread.max_s) == (1.0, 1.0, 1.5)
+    assert (spread.slowest_rank, spread.slowest_host) == (2, "c")
+
+
+def test_wandb_mode_resolution(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    assert resolve_wandb_mode("disabled", {"WANDB_API_KEY": "k"})[0] == "disabled"
+    assert resolve_wandb_mode(None, {"WANDB_MODE": "offline", "WANDB_API_KEY": "k"})[0] == \
+        "offline"
+    assert resolve_wandb_mode(None, {"WANDB_API_KEY": "k"})[0] == "online"
+    assert resolve_wandb_mode(None, {})[0] == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert resolve_wandb_mode(None, {}) == ("online", "~/.netrc has api.wandb.ai")
+
+
+# ---------------------------------------------------------------- logger and training runs
+
+
+def _single_state(cfg: Config) -> ParallelState:
+    env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                    master_addr="127.0.0.1", master_port=0, source="test", node_rank=0,
+                    num_nodes=1)
+    return parallel_state.initialize(cfg, env)
+
+
+def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
+    """No --peak-tflops: the peak is measured with a bf16 matmul, as a real CPU run does."""
+    jsonl = tmp_path / "m.jsonl"
+    cfg = parse_config([*FLAGS, "--train-iters", "4", "--log-interval", "2", "--eval-interval",
+                        "4", "--log-jsonl", str(jsonl)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(cfg, _single_state(cfg))
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    trains = [r for r in records if "loss" in r]
+    assert [tuple(r) for r in trains] == [JSONL_TRAIN_KEYS] * 2
+    assert [r["iteration"] for r in trains] == [2, 4]
+    fpt = flops_per_token(ModelShape.from_config(cfg.model), 16)
+    for r in trains:
+        assert 0 < r["mfu"] < 1
+        assert r["tflops_per_device"] == pytest.approx(r["tokens_per_sec"] * fpt / 1e12)
+        assert r["tokens_per_sec"] == pytest.approx(4 * 16 / (r["iter_time_ms"] / 1e3))
+    assert list(records[-1]) == ["iteration", "eval_loss", "eval_ppl"]
+    text = out.getvalue()
+    assert "MFU peak:" in text and "measured bf16 matmul" in text
+    assert "| skipped 0 | mem rss " in text and "(causal " in text
+
+
+class _FakeRun:
+    def __init__(self, log: list, run_dir: Path) -> None:
+        self.calls, self.dir = log, str(run_dir / "files")
+
+    def define_metric(self, name: str, **kw) -> None:
+        self.calls.append(("define_metric", name, kw))
+
+    def log(self, values: dict, step: int) -> None:
+        self.calls.append(("log", step, values))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+def test_wandb_adapter_with_a_fake_module(monkeypatch, tmp_path) -> None:
+    """What reaches wandb: config at init, offline without a key (and the sync command),
+    train metrics with the iteration as step, eval, checkpoint times, finish."""
+    calls: list = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or _FakeRun(calls, tmp_path / "run-x")
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_config([*FLAGS, "--train-iters", "10", "--wandb-project", "p",
+                        "--wandb-exp-name", "e"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        logger = MetricsLogger(cfg, _single_state(cfg), peak_tflops=2.0)
+        logger.log_train(iteration=5, consumed_samples=20, loss=3.0, lr=1e-3, grad_norm=0.5,
+                         iter_time_s=0.1, tokens=64, skipped=1, compute_time_s=0.08)
+        logger.log_eval(5, 2.0)
+        logger.log_checkpoint(5, seconds=2.0, gbytes=1.0)
+        logger.close()
+    init = calls[0][1]
+    assert (init["project"], init["name"], init["mode"]) == ("p", "e", "offline")
+    assert init["config"]["model"]["num_query_groups"] == 2
+    assert init["config"]["derived"]["flops_per_token"] == logger.flops_per_token
+    logs = [c for c in calls if c[0] == "log"]
+    assert [c[1] for c in logs] == [5, 5, 5]
+    train_keys = set(logs[0][2])
+    assert set(JSONL_TRAIN_KEYS) - {"iteration"} <= train_keys
+    assert {"mfu_causal", "skipped_iterations", "memory/rss_gib", "rank_time/max_ms"} <= \
+        train_keys
+    assert logs[0][2]["tokens_per_sec"] == pytest.approx(640.0)
+    assert logs[1][2] == {"eval_loss": 2.0, "eval_ppl": pytest.approx(7.389, rel=1e-3)}
+    assert logs[2][2] == {"checkpoint/save_s": 2.0, "checkpoint/gbytes": 1.0,
+                          "checkpoint/gbytes_per_s": 0.5}
+    assert calls[-1] == ("finish",)
+    assert f"wandb sync {tmp_path / 'run-x'}" in out.getvalue()
+
+
+def read_wandb_records(path: Path) -> list:
+    """Records of a `.wandb` file: a ":W&B" header then LevelDB-log framing (32 KiB blocks,
+    7-byte chunk headers: crc32c, length, type FULL/FIRST/MIDDLE/LAST) around protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, records, pending = 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk ends a record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_training_run_files(monkeypatch, tmp_path) -> None:
+    """A real wandb (offline, no network) under a short training; the run file read back."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    cfg = parse_config([*FLAGS, "--train-iters", "6", "--log-interval", "2", "--eval-interval",
+                        "3", "--peak-tflops", "1", "--wandb-project", "ml-test",
+                        "--wandb-save-dir", str(tmp_path / "wb")])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(cfg, _single_state(cfg))
+    (run_file,) = (tmp_path / "wb").rglob("run-*.wandb")
+    assert f"wandb sync {run_file.parent}" in out.getvalue()
+    records = read_wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["model"]["num_layers"] == 2 and config["logging"]["log_interval"] == 2
+    assert config["derived"]["world_size"] == 1
+    history: dict[int, set[str]] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            keys = {"/".join(i.nested_key) or i.key for i in r.history.item}
+            history.setdefault(r.history.step.num, set()).update(keys)
+    assert sorted(history) == [2, 3, 4, 6]
+    for step in (2, 4, 6):
+        assert {"loss", "lr", "grad_norm", "mfu", "tokens_per_sec", "consumed_samples",
+                "skipped_iterations", "memory/max_rss_gib"} <= history[step]
+    for step in (3, 6):
+        assert {"eval_loss", "eval_ppl"} <= history[step]
+
+
+def _train_with_a_sleeping_rank(pstate: ParallelState, flags: list[str]) -> str:
+    """Rank 1's forward/backward takes 60 ms longer, like a throttled GPU."""
+    from megatron_lite.pipeline import engine
+
+    if pstate.rank == 1:
+        real = engine.forward_backward
+
+        def slow(*args, **kwargs):
+            time.sleep(0.06)
+            return real(*args, **kwargs)
+
+        engine.forward_backward = slow
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(parse_config(flags), pstate)
+    return out.getvalue()
+
+
+def test_straggler_warning_names_the_sleeping_rank(tmp_path) -> None:
+    flags = [*FLAGS, "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0",
+             "--peak-tflops", "1", "--straggler-intervals", "3"]
+    text = run_ranks(_train_with_a_sleeping_rank, 2, tmp_path, flags=flags)[0]
+    lines = text.splitlines()
+    warnings = [i for i, line in enumerate(lines) if line.startswith("warning: straggler")]
+    assert len(warnings) == 1, text  # at the 3rd interval in a row, not before or after
+    assert lines[warnings[0] - 1].startswith("iter      3/4"), text
+    assert "rank 1 on host" in lines[warnings[0]]
+    iters = [line for line in lines if line.startswith("iter ")]
+    assert all("(slowest rank 1 on " in line for line in iters), iters
