@@ -317,7 +317,8 @@ class Checkpointer:
                 f"--data-sharding node-local: {reader.dir} was saved with data-parallel size "
                 f"{reader.dp}, this run has {self.pstate.dp_size}; each DP rank's shards and "
                 "position would change. Resume with the same DP size")
-        if (reader.meta.get("data") or {}) != data_fingerprint(self.cfg) and self.pstate.rank == 0:
+        saved_data = reader.meta.get("data")  # absent in imported (never trained) checkpoints
+        if saved_data and saved_data != data_fingerprint(self.cfg) and self.pstate.rank == 0:
             print(f"checkpoint: warning: the data (--data-path, --split, manifests or tokenizer)"
                   f" differs from the one {reader.dir} was trained on; the data position "
                   "refers to the old data", flush=True)

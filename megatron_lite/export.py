@@ -1,0 +1,329 @@
+"""Hugging Face Llama export and import of megatron_lite checkpoints.
+
+    python -m megatron_lite.export --load CKPT_DIR --output HF_DIR [--tokenizer-model TOK.model]
+        [--dtype bf16|fp32] [--ckpt-step N] [--max-shard-size 5GB]
+    python -m megatron_lite.export --from-hf HF_DIR --save CKPT_DIR
+
+Export gathers a checkpoint of any parallel layout into full tensors (no processes needed)
+and writes `config.json`, `model.safetensors` (or shards + `model.safetensors.index.json`
+above --max-shard-size) and `tokenizer.model`. Our RoPE is the rotate-half convention that
+`transformers`' Llama uses, so the conversion is a rename plus splitting the fused
+[Q; K; V] and [gate; up] weights; no row permutation. Import is the reverse and writes a
+model-only checkpoint (TP=PP=1, iteration 0) that any layout loads, with fresh Adam state.
+Only safetensors is read: pickled `pytorch_model.bin` files are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from megatron_lite.checkpoint import files as F
+from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.parallel.state import ParallelState
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# Our per-layer weight suffix -> Hugging Face's (the fused ones are split first).
+_LAYER_NAMES = {"attention_norm.weight": "input_layernorm.weight",
+                "attention.proj.weight": "self_attn.o_proj.weight",
+                "mlp_norm.weight": "post_attention_layernorm.weight",
+                "mlp.down.weight": "mlp.down_proj.weight"}
+_TOP_NAMES = {"embedding.weight": "model.embed_tokens.weight",
+              "final_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def canonical_tags(m: ModelConfig) -> dict[str, list | None]:
+    """Global weight name -> tp_split tag of an unpadded, TP=1 model (see layers/init.py)."""
+    d = m.head_dim
+    qkv = ["rows", [m.num_attention_heads * d, m.num_query_groups * d, m.num_query_groups * d]]
+    tags: dict[str, list | None] = {"embedding.weight": ["vocab", [m.vocab_size]],
+                                    "final_norm.weight": None}
+    if m.untie_embeddings_and_output_weights:
+        tags["output.weight"] = ["vocab", [m.vocab_size]]
+    for i in range(m.num_layers):
+        tags |= {f"layers.{i}.attention_norm.weight": None, f"layers.{i}.attention.qkv.weight": qkv,
+                 f"layers.{i}.attention.proj.weight": ["cols"],
+                 f"layers.{i}.mlp_norm.weight": None,
+                 f"layers.{i}.mlp.gate_up.weight": ["rows", [m.ffn_hidden_size] * 2],
+                 f"layers.{i}.mlp.down.weight": ["cols"]}
+    return tags
+
+
+def to_hf(full: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+    """Our full (unsharded, unpadded) weights -> Hugging Face Llama state dict."""
+    d = m.head_dim
+    out: dict[str, Tensor] = {}
+    for name, w in full.items():
+        layer = _LAYER.match(name)
+        if layer is None:
+            out[_TOP_NAMES[name]] = w
+            continue
+        prefix, rest = f"model.layers.{layer.group(1)}.", layer.group(2)
+        if rest == "attention.qkv.weight":
+            q, k, v = w.split([m.num_attention_heads * d, m.num_query_groups * d,
+                               m.num_query_groups * d])
+            out |= {prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                    prefix + "self_attn.v_proj.weight": v}
+        elif rest == "mlp.gate_up.weight":
+            gate, up = w.chunk(2)
+            out |= {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+        else:
+            out[prefix + _LAYER_NAMES[rest]] = w
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+    """Inverse of `to_hf`: fuse q/k/v and gate/up back, rename."""
+    out: dict[str, Tensor] = {}
+    for ours, theirs in _TOP_NAMES.items():
+        if theirs in hf and (ours != "output.weight" or m.untie_embeddings_and_output_weights):
+            out[ours] = hf[theirs]
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attention.qkv.weight"] = torch.cat(
+            [hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        for theirs, ours in inverse.items():
+            out[f"layers.{i}.{ours}"] = hf[p + theirs]
+    missing = set(canonical_tags(m)) - set(out)
+    if missing:
+        raise F.CheckpointError(f"the Hugging Face weights lack {sorted(missing)[:5]}")
+    return out
+
+
+def hf_config(m: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+            "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
+            "max_position_embeddings": m.max_position_embeddings,
+            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
+            "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "initializer_range": m.init_method_std, "bos_token_id": bos, "eos_token_id": eos,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def model_config_from_hf(config: dict) -> ModelConfig:
+    """Our ModelConfig for a Hugging Face Llama config.json; refuses what we cannot run."""
+    if config.get("model_type") != "llama":
+        raise F.CheckpointError(f"model_type {config.get('model_type')!r}: only 'llama' imports")
+    rope = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    unsupported = [k for k in ("attention_bias", "mlp_bias") if config.get(k)]
+    if config.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={config['hidden_act']}")
+    if (config.get("rope_scaling") or {}).get("rope_type", "default") != "default" or \
+            rope.get("rope_type", "default") != "default":
+        unsupported.append("rope scaling")
+    heads = config["num_attention_heads"]
+    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        unsupported.append("head_dim != hidden_size / num_attention_heads")
+    if unsupported:
+        raise F.CheckpointError(f"this Llama config uses {unsupported}, which megatron_lite's "
+                                "model does not implement")
+    return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                       ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
+                       num_query_groups=config.get("num_key_value_heads", heads),
+                       seq_length=min(config.get("max_position_embeddings", 2048), 4096),
+                       max_position_embeddings=config.get("max_position_embeddings", 2048),
+                       vocab_size=config["vocab_size"],
+                       untie_embeddings_and_output_weights=not config.get(
+                           "tie_word_embeddings", False),
+                       norm_epsilon=config.get("rms_norm_eps", 1e-6), rotary_base=theta)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '300MB' / '20KB' / '1000' -> bytes (decimal units, as transformers uses)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    if not match:
+        raise ValueError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count")
+    scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9}
+    return int(float(match.group(1)) * scale[match.group(2)])
+
+
+def write_safetensors_dir(out: Path, tensors: dict[str, Tensor], max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index above the limit."""
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def read_safetensors_dir(hf_dir: Path) -> dict[str, Tensor]:
+    """All weights of a Hugging Face directory (single file or index); safetensors only."""
+    from safetensors.torch import load_file
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        pickled = [p.name for p in hf_dir.glob("*.bin")] + [p.name for p in hf_dir.glob("*.pt")]
+        raise F.CheckpointError(
+            f"{hf_dir} has no model.safetensors (or index); found {pickled or 'nothing'}. "
+            "Pickled weights are never loaded (they can run code): convert them to "
+            "safetensors with a tool you trust first")
+    out: dict[str, Tensor] = {}
+    for name in names:
+        out |= load_file(str(hf_dir / name))
+    return out
+
+
+def export(ckpt_root: Path, output: Path, *, step: int | None = None,
+           tokenizer_model: str | None = None, dtype: str = "fp32",
+           max_shard_size: str = "5GB") -> Path:
+    """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
+    ckpt_dir = F.resolve_checkpoint_dir(ckpt_root, step)
+    if ckpt_dir is None:
+        raise F.CheckpointError(f"--load {ckpt_root}: no checkpoint there")
+    reader = CheckpointReader(ckpt_dir)
+    m = ModelConfig(**reader.model_cfg)
+    full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
+    output.mkdir(parents=True, exist_ok=True)
+    write_safetensors_dir(output, to_hf(full, m), parse_size(max_shard_size))
+    tok_path = tokenizer_model or reader.meta["config"]["data"].get("tokenizer_model")
+    bos = eos = None
+    if tok_path and Path(tok_path).is_file():
+        from tokenizer.tokenizer import Tokenizer
+
+        tok = Tokenizer(tok_path)
+        bos, eos = tok.bos_id, tok.eos_id
+        shutil.copyfile(tok_path, output / "tokenizer.model")
+    elif tokenizer_model:
+        raise F.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
+    (output / "config.json").write_text(json.dumps(hf_config(m, DTYPES[dtype], bos, eos),
+                                                   indent=1))
+    return ckpt_dir
+
+
+def import_hf(hf_dir: Path, save_dir: Path) -> Path:
+    """Write a model-only megatron_lite checkpoint (iteration 0) from a Hugging Face dir."""
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise F.CheckpointError(f"--from-hf {hf_dir}: no config.json there")
+    m = model_config_from_hf(json.loads(config_path.read_text()))
+    weights = from_hf(read_safetensors_dir(hf_dir), m)
+    tags = canonical_tags(m)
+    cfg = Config(model=m)
+    tok = hf_dir / "tokenizer.model"
+    if tok.is_file():
+        cfg.data.tokenizer_model = str(save_dir / "tokenizer.model")
+    save_dir.mkdir(parents=True, exist_ok=True)
+    F.clear_stale(save_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=F.iter_dir_name(0) + ".", suffix=".tmp", dir=save_dir))
+    name = F.model_file(0, 0)
+    size = F.write_tensors(tmp / name, {k: weights[k].contiguous() for k in tags},
+                           {"tp_split": tags, "tp_rank": 0, "pp_rank": 0})
+    meta = {"consumed_samples": 0, "has_optimizer": False, "config": dataclasses.asdict(cfg),
+            "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1,
+                       "use_distributed_optimizer": False},
+            "partition": [[list(range(m.num_layers))]], "seed": cfg.train.seed,
+            "imported_from": str(hf_dir), "files": {name: size}}
+    final = F.commit(save_dir, tmp, 0, meta, None)
+    if tok.is_file():
+        shutil.copyfile(tok, save_dir / "tokenizer.model")
+    return final
+
+
+def single_process_state(device: torch.device | None = None) -> ParallelState:
+    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
+                         pp_rank=0, dp_size=1, dp_rank=0, device=device or torch.device("cpu"),
+                         backend=None)
+
+
+@torch.no_grad()
+def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | None = None
+               ) -> tuple[ModelConfig, LlamaChunk]:
+    """The whole model of a checkpoint (any layout) as one TP=PP=1 chunk, fp32, eval mode."""
+    ckpt_dir = F.resolve_checkpoint_dir(Path(ckpt_root), step)
+    if ckpt_dir is None:
+        raise F.CheckpointError(f"{ckpt_root}: no checkpoint there")
+    reader = CheckpointReader(ckpt_dir)
+    m = ModelConfig(**reader.model_cfg)
+    ps = single_process_state(device)
+    chunk = LlamaChunk(m, ps, range(m.num_layers), pre_process=True, post_process=True,
+                       opts=BuildOptions(seed=0))
+    for name, p in chunk.named_parameters():
+        p.copy_(local_slice(reader.full_weight(name).float(), p, ps))
+    return m, chunk.eval()
+
+
+@torch.no_grad()
+def model_logits(chunk: LlamaChunk, tokens: Tensor, vocab_size: int) -> Tensor:
+    """Logits [b, s, vocab] of a whole-model chunk (TP=1) for token ids [b, s]."""
+    x = chunk.embedding(tokens)
+    for layer in chunk.layers:
+        x = layer(x, chunk.rope_cos, chunk.rope_sin)
+    logits = chunk.output.logits(chunk.final_norm(x))
+    return logits.transpose(0, 1)[..., :vocab_size]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_lite.export",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", help="checkpoint directory to export (latest or --ckpt-step)")
+    parser.add_argument("--output", help="Hugging Face directory to write")
+    parser.add_argument("--ckpt-step", type=int, help="export this iteration instead of latest")
+    parser.add_argument("--tokenizer-model", help="sentencepiece model to ship (default: the "
+                        "checkpoint's --tokenizer-model when the file exists)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="split model.safetensors above this size (default: 5GB)")
+    parser.add_argument("--from-hf", help="import this Hugging Face Llama directory instead")
+    parser.add_argument("--save", help="with --from-hf: checkpoint directory to write")
+    args = parser.parse_args(argv)
+    try:
+        if args.from_hf:
+            if not args.save:
+                parser.error("--from-hf needs --save CKPT_DIR")
+            final = import_hf(Path(args.from_hf), Path(args.save))
+            print(f"imported {args.from_hf} -> {final} (model only; fresh optimizer state)")
+        else:
+            if not (args.load and args.output):
+                parser.error("export needs --load CKPT_DIR and --output HF_DIR")
+            used = export(Path(args.load), Path(args.output), step=args.ckpt_step,
+                          tokenizer_model=args.tokenizer_model, dtype=args.dtype,
+                          max_shard_size=args.max_shard_size)
+            print(f"exported {used} -> {args.output}")
+    except (F.CheckpointError, ValueError) as e:
+        print(f"megatron_lite.export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Generate text from a checkpoint (any parallel layout) on one process.
+
+    python scripts/generate.py --load CKPT_DIR --tokenizer-model TOK.model \
+        --prompt "def main(" --max-new-tokens 64 [--top-k 0] [--temperature 1.0]
+
+The checkpoint is gathered into one TP=PP=1 model (megatron_lite.export.load_model).
+--top-k 0 is greedy decoding. No KV cache: each new token reruns the (short) context, which
+is plenty for the small models this is meant to inspect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lite.export import load_model, model_logits
+from tokenizer.tokenizer import Tokenizer
+
+
+def sample_next(logits: torch.Tensor, top_k: int, temperature: float,
+                generator: torch.Generator) -> int:
+    """Greedy when top_k == 0, else sample among the k most likely tokens."""
+    if top_k <= 0:
+        return int(logits.argmax())
+    values, ids = logits.topk(min(top_k, logits.numel()))
+    probs = torch.softmax(values / max(temperature, 1e-6), dim=-1)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])
+
+
+def generate(chunk, prompt_ids: list[int], *, vocab_size: int, context: int,
+             max_new_tokens: int, top_k: int = 0, temperature: float = 1.0,
+             eos_id: int | None = None, seed: int = 0) -> list[int]:
+    ids = list(prompt_ids)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-context:]])
+        next_id = sample_next(model_logits(chunk, window, vocab_size)[0, -1], top_k,
+                              temperature, generator)
+        ids.append(next_id)
+        if next_id == eos_id:
+            break
+    return ids[len(prompt_ids):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", required=True, help="checkpoint directory (latest is used)")
+    parser.add_argument("--ckpt-step", type=int, help="use this iteration instead of latest")
+    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = greedy")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model_cfg, chunk = load_model(Path(args.load), args.ckpt_step)
+    tok = Tokenizer(args.tokenizer_model)
+    if tok.vocab_size != model_cfg.vocab_size:
+        parser.error(f"--tokenizer-model has {tok.vocab_size} tokens but the checkpoint's model "
+                     f"has a vocabulary of {model_cfg.vocab_size}: pass the training tokenizer")
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.bos_id or tok.eod_id]
+    out = generate(chunk, prompt, vocab_size=model_cfg.vocab_size,
+                   context=model_cfg.max_position_embeddings,
+                   max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                   temperature=args.temperature, eos_id=tok.eos_id, seed=args.seed)
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
