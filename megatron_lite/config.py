@@ -276,6 +276,56 @@ class CheckpointConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """Preemption, hangs, NaN/Inf and loss spikes (see megatron_lite/reliability)."""
+
+    exit_duration_in_mins: float | None = None
+    """Save and exit cleanly once this many minutes have passed since start (Slurm limits)."""
+    hang_timeout_seconds: float | None = None
+    """Dump every thread's stack and exit non-zero when one phase of an iteration (or a save)
+    takes longer than this; set it above the slowest save. None = off."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Check the local loss and local gradients for NaN/Inf before any reduction."""
+    on_nan: str = field(default="skip", metadata={"choices": ["skip", "stop"]})
+    """On NaN/Inf: skip the step on every rank (no update), or stop the run."""
+    spike_threshold: float | None = None
+    """A loss above the mean of the last 50 accepted losses plus this many of their standard
+    deviations (at least 1% of the mean) is a spike; needs 10 losses first. None = off."""
+    on_spike: str = field(default="skip", metadata={"choices": ["skip", "rollback"]})
+    """On a spike: skip the step, or after --spike-patience in a row roll back to the last
+    checkpoint."""
+    spike_patience: int = 3
+    """Consecutive spikes that trigger a rollback (--on-spike rollback)."""
+    spike_skip_samples: int | None = None
+    """After a rollback, skip this many samples past the spike (default: the spiking steps')."""
+    spike_lr_factor: float = 0.5
+    """After a rollback, multiply the LR by this for --spike-lr-iters iterations."""
+    spike_lr_iters: int = 0
+    """Iterations the lowered LR lasts after a rollback."""
+    skip_iterations: list[int] = field(default_factory=list)
+    """Consume these iterations' data without training on it (known bad batches)."""
+    no_ckpt_fallback: bool = False
+    """Stop when the newest checkpoint fails verification instead of loading the previous one."""
+    mtbf_hours: float | None = None
+    """Job-level mean time between failures; logs the Young/Daly save interval next to yours."""
+
+    def __post_init__(self) -> None:
+        for name in ("exit_duration_in_mins", "hang_timeout_seconds", "spike_threshold",
+                     "mtbf_hours"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{_dash(name)} must be > 0, got {value}")
+        if self.spike_patience < 1:
+            raise ConfigError(f"--spike-patience must be >= 1, got {self.spike_patience}")
+        if not 0 < self.spike_lr_factor <= 1:
+            raise ConfigError(f"--spike-lr-factor must be in (0, 1], got {self.spike_lr_factor}")
+        if self.spike_skip_samples is not None and self.spike_skip_samples < 0:
+            raise ConfigError(f"--spike-skip-samples must be >= 0, got {self.spike_skip_samples}")
+        if self.spike_lr_iters < 0:
+            raise ConfigError(f"--spike-lr-iters must be >= 0, got {self.spike_lr_iters}")
+
+
+@dataclass
 class Config:
     """Everything one run needs; frozen in spirit once validated (treat as read-only)."""
 
@@ -286,6 +336,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

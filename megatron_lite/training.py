@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from megatron_lite.checkpoint import Checkpointer
+from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.config import Config, num_microbatches, validate
 from megatron_lite.data.builder import build_data_loaders
 from megatron_lite.data.loader import MicroBatchLoader
@@ -38,6 +39,7 @@ from megatron_lite.pipeline import engine
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
 from megatron_lite.pipeline.partition import partition_layers, stage_chunks
 from megatron_lite.pipeline.schedule import stage_schedule
+from megatron_lite.reliability import Guard
 
 
 @dataclass
@@ -132,15 +134,39 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
 
 
 def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
-               pstate: ParallelState, lr: float) -> tuple[float, float, bool]:
-    """One optimizer step: (loss, grad norm, skipped)."""
+               pstate: ParallelState, lr: float, guard: Guard | None = None
+               ) -> tuple[float, float, bool]:
+    """One optimizer step: (loss, grad norm, skipped).
+
+    With a `guard` the local loss (and, through `optimizer.grad_check`, the local gradients)
+    is checked before any reduction, and all ranks agree whether to update at all.
+    """
     batches = loader.next_step()
     num_tokens = global_token_count(batches, pstate)
     optimizer.zero_grad()
     local = runner(batches, num_tokens)
+    if guard is not None:
+        local = guard.check_loss(local)
     optimizer.finalize_grads()
+    loss = reduce_loss(local, pstate)
+    if guard is not None and guard.decide(loss).skip:
+        return loss, math.nan, True
     result = optimizer.step(lr)
-    return reduce_loss(local, pstate), result.grad_norm, result.skipped
+    if guard is not None and not result.skipped:
+        guard.accept(loss)
+    return loss, result.grad_norm, result.skipped
+
+
+def _roll_back(checkpointer: Checkpointer, guard: Guard, iteration: int,
+               loader: MicroBatchLoader) -> int:
+    """--on-spike rollback: reload the last checkpoint; the iteration to continue after."""
+    consumed = loader.consumed_samples
+    checkpointer.wait()
+    if not checkpoint_files.list_iterations(checkpointer.save_dir):
+        return iteration  # nothing saved yet: the spikes were skipped, keep going
+    restored = checkpointer.load()
+    guard.after_rollback(iteration, restored, consumed, loader)
+    return restored
 
 
 @torch.no_grad()
@@ -220,17 +246,25 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
 
 def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer: Optimizer,
                train_loader: MicroBatchLoader, valid_loader: MicroBatchLoader | None,
-               logger: MetricsLogger, checkpointer: Checkpointer, start_iteration: int = 0
-               ) -> TrainResult:
+               logger: MetricsLogger, checkpointer: Checkpointer, guard: Guard,
+               start_iteration: int = 0) -> TrainResult:
     result = TrainResult(iteration=start_iteration)
     t = cfg.train
     tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
     window: list[tuple[float, float, float, float]] = []  # loss, grad norm, s, fwd-bwd s
     skipped = 0
-    for iteration in range(start_iteration + 1, t.train_iters + 1):
+    iteration = start_iteration
+    while iteration < t.train_iters:
+        iteration += 1
         start = time.perf_counter()
-        lr = lr_at(iteration - 1, cfg.optim, t.train_iters)
-        loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate, lr)
+        guard.begin(iteration)
+        lr = lr_at(iteration - 1, cfg.optim, t.train_iters) * guard.lr_scale(iteration)
+        if guard.skip_data(iteration, train_loader.consumed_samples):
+            train_loader.next_step()
+            loss, grad_norm, was_skipped = math.nan, math.nan, True
+        else:
+            loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate,
+                                                      lr, guard)
         skipped += was_skipped
         window.append((loss, grad_norm, time.perf_counter() - start, runner.timer.pop_seconds()))
         result.losses.append(loss)
@@ -245,13 +279,28 @@ def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer
             window.clear()
         if valid_loader is not None and t.eval_iters > 0 and (
                 iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            guard.phase("evaluation")
             eval_loss = evaluate(cfg, runner, valid_loader, pstate)
             result.eval_losses.append(eval_loss)
             logger.log_eval(iteration, eval_loss)
         result.iteration = iteration
-        if checkpointer.after_step(iteration):
+        decision = guard.decision
+        if decision.rollback:
+            iteration = result.iteration = _roll_back(checkpointer, guard, iteration,
+                                                      train_loader)
+            continue
+        guard.phase("checkpoint")
+        saving = time.perf_counter()
+        with guard.faults.around_save(iteration, checkpoint_files):
+            stop = checkpointer.after_step(iteration)
+        if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
+            guard.advise_interval(time.perf_counter() - saving, saving - start)
+        if stop or decision.exit_reason:
             break
+    guard.phase("checkpoint")
     checkpointer.finish(result.iteration)
+    if guard.decision.exit_reason:
+        guard.log_exit(result.iteration, guard.decision.exit_reason)
     return result
 
 
@@ -266,10 +315,14 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
     log_startup(cfg, pstate, chunks, peak, launch_source)
     logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
+    guard = Guard(cfg, pstate).start()
+    optimizer.grad_check = guard.check_grads
     try:
         result = train_loop(cfg, pstate, StepRunner(cfg, pstate, chunks), optimizer,
-                            train_loader, valid_loader, logger, checkpointer, start_iteration)
+                            train_loader, valid_loader, logger, checkpointer, guard,
+                            start_iteration)
     finally:
+        guard.close()
         logger.close()
     if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
         print("warning: the final loss is not finite", flush=True)

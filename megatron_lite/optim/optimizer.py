@@ -25,7 +25,7 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -110,6 +110,9 @@ class Optimizer:
         self._arrivals = [0] * len(self.params)
         self._waiting = {key: len(m) for key, m in self._members.items()}
         self._finalized = False
+        self.grad_check: Callable[[torch.Tensor], None] | None = None
+        """Called with each bucket's local gradients right before its DP reduction (NaN/Inf
+        checks that can name the rank; see megatron_lite/reliability)."""
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
         if par.overlap_param_gather:
@@ -209,6 +212,8 @@ class Optimizer:
         buffer = self.buffers[key[0]]
         bucket = buffer.layout.buckets[key[1]]
         grad = buffer.bucket_grad(bucket)
+        if self.grad_check is not None:
+            self.grad_check(grad)
         if self.sharded:
             own = bucket.shard(ps.dp_size, ps.dp_rank)
             self._handles[key] = comms.reduce_scatter_flat(

@@ -110,6 +110,23 @@ def _new_groups(all_ranks: list[list[int]], my_rank: int, timeout: timedelta
     return mine
 
 
+def _elastic_store(env: LaunchEnv, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun: its rendezvous store, with keys prefixed by the restart count.
+
+    torchrun --max-restarts keeps one store for all attempts, so a restarted group would read
+    the previous attempt's gloo addresses and fail ("connectFullMesh ... Connect timeout");
+    a fresh prefix per attempt lets the new group form. None outside torchrun (env://).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # agent hosts the store
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=not agent and env.rank == 0, timeout=timeout,
+                          multi_tenant=not agent)
+    return dist.PrefixStore(f"megatron_lite/attempt_{attempt}", store)
+
+
 def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | None = None
                ) -> ParallelState:
     """Start torch.distributed (when more than one process) and build all groups.
@@ -137,12 +154,13 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
         return ParallelState(backend=None, **common)
 
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    if init_method is None:
+    store = _elastic_store(env, timeout) if init_method is None else None
+    if init_method is None and store is None:
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         init_method = "env://"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timeout,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
+                            world_size=world, timeout=timeout,
                             device_id=device if use_cuda else None)
     tp_lists = [grid[p][d] for p in range(pp) for d in range(dp)]
     dp_lists = [[grid[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)]

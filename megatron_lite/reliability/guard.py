@@ -1,0 +1,291 @@
+"""The training loop's reliability companion: one object, called at a few fixed points.
+
+Per iteration the loop calls, in order:
+
+    guard.begin(iteration)            watchdog heartbeat; injected process faults
+    guard.skip_data(iteration)        --skip-iterations: consume the batch, train nothing
+    local = guard.check_loss(local)   before any reduction of the loss
+      (the optimizer calls guard.check_grads(bucket) before each bucket's DP reduction)
+    decision = guard.decide(loss)     ONE small all-reduce: exit flags + NaN/Inf;
+                                      then the spike rule on the reduced loss
+    guard.accept(loss)                after a step that updated the weights
+
+`decide` is the only collective. It agrees across all ranks on: a signal received anywhere,
+rank 0's wall-clock budget, and NaN/Inf found in any rank's local loss or gradients. The
+NaN/Inf message names the rank, host, iteration and whether it was the loss or a gradient
+(gathered from the ranks that found one, on the rare path only).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+from megatron_lite.reliability.faults import FaultInjector
+from megatron_lite.reliability.signals import ExitMonitor
+from megatron_lite.reliability.spikes import SpikeDetector, young_daly_interval_s
+from megatron_lite.reliability.watchdog import Watchdog
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf in a loss or gradient with --on-nan stop."""
+
+
+@dataclass
+class Decision:
+    """What every rank does with this iteration (identical on all ranks)."""
+
+    skip: bool = False
+    """Do not update the weights (the batch is consumed)."""
+    reason: str | None = None
+    rollback: bool = False
+    """--on-spike rollback: reload the last checkpoint before the next iteration."""
+    exit_reason: str | None = None
+    """Save and exit cleanly after this iteration."""
+
+
+@dataclass
+class Counters:
+    nan_skipped: int = 0
+    spike_skipped: int = 0
+    data_skipped: int = 0
+    rollbacks: int = 0
+    events: list[dict] = field(default_factory=list)
+    """Every action with its numbers (iteration, kind, values), oldest first."""
+
+
+class Guard:
+    def __init__(self, cfg: Config, pstate: ParallelState) -> None:
+        r = cfg.reliability
+        if r.on_spike == "rollback" and r.spike_threshold is not None and not cfg.checkpoint.save:
+            raise ConfigError("--on-spike rollback needs --save DIR (it reloads the last "
+                              "checkpoint); add --save or use --on-spike skip")
+        self.cfg, self.pstate, self.rel = cfg, pstate, r
+        self.faults = FaultInjector(pstate.rank)
+        self.exits = ExitMonitor(r.exit_duration_in_mins)
+        self.watchdog = (Watchdog(r.hang_timeout_seconds, pstate.rank)
+                         if r.hang_timeout_seconds else None)
+        self.spikes = SpikeDetector(r.spike_threshold) if r.spike_threshold else None
+        self.skip_set = set(r.skip_iterations)
+        self.counters = Counters()
+        self.host = socket.gethostname()
+        self._iteration = 0
+        self._loss_bad = False
+        self._grad_bad: Tensor | None = None
+        self._consecutive_spikes = 0
+        self._lr_scaled_until = 0
+        self._advised = False
+        self.decision = Decision()
+        """This iteration's agreed decision (reset by `begin`)."""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Guard:
+        self.exits.install()
+        if self.watchdog is not None:
+            self.watchdog.start()
+        return self
+
+    def close(self) -> None:
+        self.exits.uninstall()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def phase(self, name: str) -> None:
+        """Name what the loop does next (the watchdog reports it if it hangs there)."""
+        if self.watchdog is not None:
+            self.watchdog.phase(name, self._iteration)
+
+    def begin(self, iteration: int) -> None:
+        self._iteration = iteration
+        self._loss_bad, self._grad_bad = False, None
+        self.decision = Decision()
+        self.phase("forward-backward")
+        self.faults.before_step(iteration)
+
+    def _log(self, text: str, **event: object) -> None:
+        self.counters.events.append({"iteration": self._iteration, **event})
+        if self.pstate.rank == 0:
+            print(text, flush=True)
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def skip_data(self, iteration: int, consumed_samples: int) -> bool:
+        """True when --skip-iterations names this iteration (the caller consumes its batch)."""
+        if iteration not in self.skip_set:
+            return False
+        self.counters.data_skipped += 1
+        self._log(f"iteration {iteration}: skipped by --skip-iterations (samples "
+                  f"{consumed_samples}.. not trained on)", kind="skip_iteration",
+                  consumed_samples=consumed_samples)
+        return True
+
+    def lr_scale(self, iteration: int) -> float:
+        return self.rel.spike_lr_factor if iteration <= self._lr_scaled_until else 1.0
+
+    # ---- local checks (before any reduction) -----------------------------------------------
+
+    def check_loss(self, local: Tensor) -> Tensor:
+        """This rank's partial loss, checked (on the last stage, the only one that has it)."""
+        self.phase("gradient reduction and loss all-reduce")
+        local = self.faults.corrupt_loss(self._iteration, local)
+        if self.rel.check_for_nan_in_loss_and_grad and self.pstate.is_last_stage:
+            self._loss_bad = not bool(torch.isfinite(local).all())
+        return local
+
+    def check_grads(self, grad: Tensor) -> None:
+        """Optimizer hook: one bucket of this rank's gradients, before its DP reduction.
+        Accumulates on the device (no sync); `decide` reads the flag once."""
+        self.faults.corrupt_grad(self._iteration, grad)
+        if self.rel.check_for_nan_in_loss_and_grad:
+            bad = ~torch.isfinite(grad.sum())
+            self._grad_bad = bad if self._grad_bad is None else self._grad_bad | bad
+
+    # ---- the per-iteration agreement -------------------------------------------------------
+
+    def decide(self, loss: float) -> Decision:
+        """Agree with every rank on exits and NaN/Inf, then apply the spike rule."""
+        iteration = self._iteration
+        self.phase("reliability all-reduce")
+        grad_bad = bool(self._grad_bad) if self._grad_bad is not None else False
+        flags = torch.tensor([float(self.exits.received is not None),
+                              float(self.pstate.rank == 0 and self.exits.out_of_time()),
+                              float(self._loss_bad), float(grad_bad)],
+                             dtype=torch.float32, device=self.pstate.device)
+        signals, timed_out, loss_bad, grads_bad = comms.all_reduce_(
+            flags, self.pstate.world_group).tolist()
+        decision = Decision()
+        if signals:
+            decision.exit_reason = (f"exit signal received by {int(signals)} of "
+                                    f"{self.pstate.world_size} ranks")
+        elif timed_out:
+            decision.exit_reason = (f"--exit-duration-in-mins {self.rel.exit_duration_in_mins:g}"
+                                    " reached")
+        if loss_bad or grads_bad:
+            self._non_finite(iteration, decision)
+        elif self.spikes is not None:
+            self._spike_rule(iteration, loss, decision)
+        self.decision = decision
+        return decision
+
+    def _reports(self) -> list[str]:
+        """'rank R (host H): the loss' lines from every rank that found NaN/Inf."""
+        mine = [w for w, bad in (("the loss", self._loss_bad),
+                                 ("a gradient", bool(self._grad_bad) if self._grad_bad
+                                  is not None else False)) if bad]
+        local = f"rank {self.pstate.rank} (host {self.host}): {' and '.join(mine)}" if mine \
+            else None
+        gathered = [local]
+        if self.pstate.distributed:
+            gathered = [None] * self.pstate.world_size
+            dist.all_gather_object(gathered, local, group=self.pstate.world_group)
+        return [g for g in gathered if g]
+
+    def _non_finite(self, iteration: int, decision: Decision) -> None:
+        found = "; ".join(self._reports())
+        where = (f"NaN/Inf at iteration {iteration}, found before any reduction in {found}")
+        if self.rel.on_nan == "stop":
+            print(f"rank {self.pstate.rank}: {where}; stopping (--on-nan stop): the last "
+                  "checkpoint is left unchanged", file=sys.stderr, flush=True)
+            raise NonFiniteError(f"{where}; stopped by --on-nan stop without saving. Resume "
+                                 "from the last checkpoint (consider --skip-iterations "
+                                 f"{iteration} if the batch is bad)")
+        self.counters.nan_skipped += 1
+        decision.skip, decision.reason = True, "nan"
+        self._log(f"{where}; step skipped on every rank (--on-nan skip), "
+                  f"{self.counters.nan_skipped} skipped so far", kind="nan_skip", found=found)
+
+    def _spike_rule(self, iteration: int, loss: float, decision: Decision) -> None:
+        assert self.spikes is not None
+        limit = self.spikes.limit()
+        if not self.spikes.is_spike(loss):
+            self._consecutive_spikes = 0
+            return
+        self._consecutive_spikes += 1
+        decision.skip, decision.reason = True, "spike"
+        self.counters.spike_skipped += 1
+        rollback = (self.rel.on_spike == "rollback"
+                    and self._consecutive_spikes >= self.rel.spike_patience)
+        action = (f"rolling back ({self._consecutive_spikes} in a row)" if rollback else
+                  f"step skipped (spike {self._consecutive_spikes} in a row)")
+        self._log(f"iteration {iteration}: loss spike {loss:.4f} > limit {limit:.4f} "
+                  f"(--spike-threshold {self.rel.spike_threshold:g}); {action}",
+                  kind="spike", loss=loss, limit=limit, rollback=rollback)
+        decision.rollback = rollback
+
+    def accept(self, loss: float) -> None:
+        if self.spikes is not None:
+            self.spikes.accept(loss)
+
+    # ---- rollback ----------------------------------------------------------------------------
+
+    def after_rollback(self, at_iteration: int, restored_iteration: int,
+                       consumed_at_spike_end: int, loader: object) -> None:
+        """The loop has reloaded the last checkpoint into `loader` & co.: skip the samples
+        from the checkpoint through the spikes (or --spike-skip-samples), lower the LR."""
+        restored = loader.consumed_samples  # type: ignore[attr-defined]
+        skip = self.rel.spike_skip_samples
+        if skip is None:
+            skip = consumed_at_spike_end - restored
+        loader.consumed_samples = restored + skip  # type: ignore[attr-defined]
+        self._lr_scaled_until = restored_iteration + self.rel.spike_lr_iters
+        self._consecutive_spikes = 0
+        self.counters.rollbacks += 1
+        self._log(f"loss spike rollback at iteration {at_iteration}: reloaded iteration "
+                  f"{restored_iteration}, consumed_samples {restored} -> {restored + skip} "
+                  f"({skip} samples skipped), LR x{self.rel.spike_lr_factor:g} through "
+                  f"iteration {self._lr_scaled_until}", kind="rollback",
+                  restored_iteration=restored_iteration, skipped_samples=skip,
+                  consumed_samples=restored + skip, lr_until=self._lr_scaled_until)
+
+    def log_exit(self, iteration: int, reason: str) -> None:
+        saved = (f"checkpoint of iteration {iteration} in {self.cfg.checkpoint.save}"
+                 if self.cfg.checkpoint.save else "nothing saved (no --save)")
+        self._log(f"exiting cleanly after iteration {iteration}: {reason}; {saved}",
+                  kind="exit", reason=reason)
+
+    # ---- checkpoint interval advice ----------------------------------------------------------
+
+    def advise_interval(self, save_seconds: float, iter_seconds: float) -> None:
+        """Once, after the first save: log the measured save time and, with --mtbf-hours,
+        the Young/Daly interval next to the configured one."""
+        if self._advised or self.pstate.rank != 0:
+            return
+        self._advised = True
+        interval = self.cfg.checkpoint.save_interval
+        configured = (f"every {interval} iterations = {interval * iter_seconds:.1f} s"
+                      if interval else "no --save-interval")
+        text = (f"checkpoint interval: a save blocked training {save_seconds:.3f} s; "
+                f"configured {configured}")
+        if self.rel.mtbf_hours:
+            best = young_daly_interval_s(save_seconds, 3600 * self.rel.mtbf_hours)
+            iters = max(1, round(best / iter_seconds)) if iter_seconds > 0 else 1
+            text += (f"; Young/Daly for --mtbf-hours {self.rel.mtbf_hours:g}: every "
+                     f"{best:.1f} s = about {iters} iterations")
+        print(text, flush=True)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        c = self.counters
+        return {"nan_skipped": c.nan_skipped, "spike_skipped": c.spike_skipped,
+                "data_skipped": c.data_skipped, "rollbacks": c.rollbacks,
+                "events": list(c.events), "lr_scaled_until": self._lr_scaled_until,
+                "spikes": self.spikes.state_dict() if self.spikes is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counters = Counters(state["nan_skipped"], state["spike_skipped"],
+                                 state["data_skipped"], state["rollbacks"],
+                                 list(state["events"]))
+        self._lr_scaled_until = int(state["lr_scaled_until"])
+        if self.spikes is not None and state.get("spikes"):
+            self.spikes.load_state_dict(state["spikes"])
+
