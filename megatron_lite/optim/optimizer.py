@@ -306,6 +306,13 @@ class Optimizer:
 
     # ---- state -----------------------------------------------------------------------------
 
+    def reload_model_params(self) -> None:
+        """Take the fp32 masters from the model's current weights: call after loading model
+        weights without optimizer state (the masters were copied at construction)."""
+        self.finish_param_sync()
+        for shard in self.shards:
+            shard.copy_params_to_master()
+
     def memory(self) -> MemoryReport:
         """What this rank's optimizer holds (the lead prints `describe()` at start-up)."""
         return MemoryReport(

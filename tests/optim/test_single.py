@@ -81,3 +81,15 @@ def test_state_dict_round_trip_and_layout_check() -> None:
     bad = {**saved, "dp_size": 2}
     with pytest.raises(ValueError, match="dp_size: saved 2, running 1"):
         opt2.load_state_dict(bad)
+
+
+def test_reload_model_params_after_loading_weights() -> None:
+    cfg, ps = make_config(micro=2), single_state()
+    other = make_config(micro=2)
+    other.train.seed = 99
+    expected = train_ours(ps, other, steps=2)["params"]
+    chunks = build_model(cfg, ps)
+    opt = Optimizer(cfg, chunks, ps)
+    chunks[0].load_state_dict(build_model(other, ps)[0].state_dict())
+    opt.reload_model_params()
+    assert_same_params(run_steps(chunks, opt, ps, cfg, range(2))["params"], expected, tol=0.0)
