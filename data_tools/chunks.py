@@ -1,4 +1,4 @@
-"""Cut the inputs into ~1 MiB chunks of whole documents, in a fixed order.
+"""Cut the inputs into ~256 KiB chunks of whole documents, in a fixed order.
 
 The parent process only reads bytes and finds cut points; parsing and tokenizing happen in the
 workers. Chunks depend on the inputs alone (never on the worker count), which is what makes the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizer.corpus import is_jsonl, open_binary
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18  # small enough that the last tasks balance across workers
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 
