@@ -151,3 +151,28 @@ def test_shard_assignment():
     assert fmt.shards_for_dp_rank(5, 1, 2) == [1, 3]
     with pytest.raises(fmt.ShardError, match="--num-shards >= 4"):
         fmt.shards_for_dp_rank(3, 0, 4)
+
+
+def test_every_truncation_and_index_byte_flip_is_caught(shard):
+    """No truncated .idx/.bin and no single corrupted .idx byte (outside the document index's
+    unused tail) opens silently: each raises ShardError, never another exception."""
+    prefix, docs = shard
+    idx, bin_ = prefix.parent / "s.idx", prefix.parent / "s.bin"
+    good_idx, good_bin = idx.read_bytes(), bin_.read_bytes()
+    for cut in range(len(good_idx)):
+        idx.write_bytes(good_idx[:cut])
+        with pytest.raises(fmt.ShardError):
+            fmt.IndexedShard(prefix)
+    idx.write_bytes(good_idx)
+    for cut in range(0, len(good_bin), 3):
+        bin_.write_bytes(good_bin[:cut])
+        with pytest.raises(fmt.ShardError):
+            fmt.IndexedShard(prefix)
+    bin_.write_bytes(good_bin)
+    doc_index_start = 34 + 12 * len(docs)
+    for pos in range(doc_index_start):
+        raw = bytearray(good_idx)
+        raw[pos] ^= 0x10
+        idx.write_bytes(bytes(raw))
+        with pytest.raises(fmt.ShardError):
+            fmt.IndexedShard(prefix)
