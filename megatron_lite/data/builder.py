@@ -73,7 +73,7 @@ def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:
         needed = [n // dp_size for n in needed]
     try:
         datasets = build_datasets(d.data_path, d.split, cfg.model.seq_length, t.seed, needed,
-                                  d.data_cache_path, node_local)
+                                  d.data_cache_path, node_local, cfg.model.vocab_size)
         if d.verify_checksums:
             _verify(cfg, node_local)
     except (ShardError, ValueError) as e:

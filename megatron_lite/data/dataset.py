@@ -148,8 +148,8 @@ class Source:
     global_tokens: int
 
 
-def open_source(path: str, dp_rank: int = 0, dp_size: int = 1,
-                node_local: bool = False) -> Source:
+def open_source(path: str, dp_rank: int = 0, dp_size: int = 1, node_local: bool = False,
+                vocab_size: int | None = None) -> Source:
     """Open and validate the shards this rank reads (all of them unless node-local)."""
     prefixes, manifest = resolve_prefixes(path)
     hint = manifest.hint() if manifest else None
@@ -159,6 +159,9 @@ def open_source(path: str, dp_rank: int = 0, dp_size: int = 1,
                              f"{path} (made by data_tools.preprocess --num-shards)")
         prefixes = [prefixes[i] for i in shards_for_dp_rank(len(prefixes), dp_rank, dp_size)]
     corpus = Corpus([IndexedShard(p, hint) for p in prefixes])
+    if vocab_size is not None:
+        for shard in corpus.shards:
+            shard.check_vocab(vocab_size)
     total = manifest.total_tokens if manifest else int(corpus.sizes.sum(dtype=np.int64))
     return Source(path, corpus, manifest, total)
 
@@ -204,15 +207,17 @@ def _default_cache(src: Source) -> str | None:
 
 def build_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: int,
                    num_samples: Sequence[int], cache_dir: str | None = None,
-                   node_local: tuple[int, int] | None = None) -> list:
+                   node_local: tuple[int, int] | None = None,
+                   vocab_size: int | None = None) -> list:
     """[train, valid, test] (None where a split is empty or not needed).
 
     `num_samples` are the samples THIS rank will request per split (global counts in global
-    mode; global / dp in node-local mode, with `node_local=(dp_rank, dp_size)`).
+    mode; global / dp in node-local mode, with `node_local=(dp_rank, dp_size)`). With
+    `vocab_size`, a sample of every shard's token ids is checked against it.
     """
     blend = parse_blend(data_path)
-    sources = [open_source(p, *(node_local or (0, 1)), node_local=node_local is not None)
-               for _, p in blend]
+    sources = [open_source(p, *(node_local or (0, 1)), node_local=node_local is not None,
+                           vocab_size=vocab_size) for _, p in blend]
     out: list = []
     for which, n in enumerate(num_samples):
         if len(sources) == 1:

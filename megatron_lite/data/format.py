@@ -253,6 +253,17 @@ class IndexedShard:
         self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r")
                      if bin_size else np.zeros(0, self.dtype))
 
+    def check_vocab(self, vocab_size: int, sample: int = 1 << 16) -> None:
+        """Tokens at the start and end of the shard must be ids below `vocab_size` (a cheap
+        sample that catches shards made with another tokenizer)."""
+        head, tail = self._bin[:sample], self._bin[max(0, self.num_tokens - sample):]
+        top = max(int(head.max(initial=0)), int(tail.max(initial=0)))
+        low = min(int(head.min(initial=0)), int(tail.min(initial=0)))
+        if top >= vocab_size or low < 0:
+            raise _fail(self.bin_path, f"token id {top if top >= vocab_size else low} is outside "
+                        f"the vocabulary [0, {vocab_size}); the shard was made with another "
+                        "tokenizer (pass that --tokenizer-model)", None)
+
     def __len__(self) -> int:
         return len(self.lengths)
 

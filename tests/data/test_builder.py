@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -80,4 +82,17 @@ def test_checksums_on_request(tmp_path):
     build_data_loaders(cfg, 0, 1)
     cfg.data.verify_checksums = True
     with pytest.raises(ConfigError, match="checksum mismatch"):
+        build_data_loaders(cfg, 0, 1)
+
+
+def test_token_ids_beyond_the_vocab_are_caught(tmp_path):
+    """Shards made with a 500-token tokenizer, trained with a 300-token one."""
+    prefix = _corpus(tmp_path / "c", vocab=500)
+    cfg = _cfg(prefix)
+    cfg.model.vocab_size = 300
+    manifest = tmp_path / "c.manifest.json"
+    data = json.loads(manifest.read_text())
+    data["tokenizer"]["vocab_size"] = 300  # a manifest that lies: only the ids can tell
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"c_0000\d\.bin: token id \d+ is outside"):
         build_data_loaders(cfg, 0, 1)
