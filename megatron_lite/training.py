@@ -257,7 +257,7 @@ def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer
     while iteration < t.train_iters:
         iteration += 1
         start = time.perf_counter()
-        guard.begin(iteration)
+        guard.begin(iteration, train_loader.consumed_samples)
         lr = lr_at(iteration - 1, cfg.optim, t.train_iters) * guard.lr_scale(iteration)
         if guard.skip_data(iteration, train_loader.consumed_samples):
             train_loader.next_step()

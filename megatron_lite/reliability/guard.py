@@ -78,6 +78,7 @@ class Guard:
         self.counters = Counters()
         self.host = socket.gethostname()
         self._iteration = 0
+        self._consumed = 0
         self._loss_bad = False
         self._grad_bad: Tensor | None = None
         self._consecutive_spikes = 0
@@ -104,8 +105,9 @@ class Guard:
         if self.watchdog is not None:
             self.watchdog.phase(name, self._iteration)
 
-    def begin(self, iteration: int) -> None:
-        self._iteration = iteration
+    def begin(self, iteration: int, consumed_samples: int) -> None:
+        """Start of an iteration whose batch starts at sample `consumed_samples`."""
+        self._iteration, self._consumed = iteration, consumed_samples
         self._loss_bad, self._grad_bad = False, None
         self.decision = Decision()
         self.phase("forward-backward")
@@ -217,8 +219,9 @@ class Guard:
         action = (f"rolling back ({self._consecutive_spikes} in a row)" if rollback else
                   f"step skipped (spike {self._consecutive_spikes} in a row)")
         self._log(f"iteration {iteration}: loss spike {loss:.4f} > limit {limit:.4f} "
-                  f"(--spike-threshold {self.rel.spike_threshold:g}); {action}",
-                  kind="spike", loss=loss, limit=limit, rollback=rollback)
+                  f"(--spike-threshold {self.rel.spike_threshold:g}); {action}; its batch "
+                  f"(from sample {self._consumed}) is not trained on", kind="spike", loss=loss,
+                  limit=limit, rollback=rollback, consumed_samples=self._consumed)
         decision.rollback = rollback
 
     def accept(self, loss: float) -> None:

@@ -1,0 +1,167 @@
+"""NaN/Inf, loss spikes, --skip-iterations, SIGTERM, time limits and a corrupt checkpoint,
+on 2 gloo ranks (DP=2). Every scenario runs in one spawn of two processes (start-up dominates
+the cost on a small CPU box); each test checks one scenario against a reference run."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from tests.distributed import run_ranks
+from tests.reliability.common import Outcome, run_train
+
+S16 = ["--train-iters", "16", "--spike-threshold", "5"]
+BASE = ["--train-iters", "20", "--save-interval", "5"]
+
+
+def _scenarios(pstate, tmp: str) -> dict:
+    t = Path(tmp)
+    r: dict = {"baseline": run_train(pstate, [*BASE, "--save", f"{t}/base"])}
+    # A step skipped by --skip-iterations, by NaN/Inf (gradient / loss) and by a spike must
+    # all leave the same state behind: batch consumed, no update, no Adam step.
+    r["skip"] = run_train(pstate, [*S16, "--skip-iterations", "6", "14",
+                                   "--log-jsonl", f"{t}/skip.jsonl"])
+    for kind in ("nan_grad", "nan_loss"):
+        r[kind] = run_train(pstate, [*S16, "--save", f"{t}/{kind}", "--save-interval", "1"],
+                            fault=f"rank1:iter6:{kind},rank1:iter14:spike")
+    r["stop"] = run_train(pstate, [*BASE, "--save", f"{t}/stop", "--on-nan", "stop"],
+                          fault="rank1:iter8:nan_grad")
+    term = [*BASE, "--save", f"{t}/term"]
+    r["term1"] = run_train(pstate, term, fault="rank1:iter7:sigterm")
+    r["term2"] = run_train(pstate, term, fault="rank0:iter10:sigterm_in_save")
+    r["term3"] = run_train(pstate, term)
+    r["time"] = run_train(pstate, ["--train-iters", "20", "--exit-duration-in-mins", "1e-6",
+                                   "--save", f"{t}/time"])
+    r["rollback"] = run_train(pstate, [
+        "--train-iters", "16", "--save", f"{t}/rb", "--save-interval", "5",
+        "--spike-threshold", "5", "--on-spike", "rollback", "--spike-patience", "2",
+        "--spike-lr-iters", "2"], fault="rank1:iter12-13:spike")
+    if pstate.rank == 0:  # a truncated file in the newest checkpoint
+        victim = t / "base" / "iter_0000020" / "model_tp0_pp0.safetensors"
+        victim.write_bytes(victim.read_bytes()[:-10])
+    dist.barrier()
+    r["corrupt"] = run_train(pstate, ["--train-iters", "25", "--save", f"{t}/base"])
+    return r
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[list[dict], Path]:
+    tmp = tmp_path_factory.mktemp("reliability")
+    return run_ranks(_scenarios, 2, tmp, tmp=str(tmp), timeout=240), tmp
+
+
+def _ok(o: Outcome) -> Outcome:
+    assert o.error is None, o.error + "\n" + o.output[-3000:]
+    return o
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    """Bitwise-equal tensors (safetensors headers may order their metadata differently)."""
+    ta, tb = load_file(a), load_file(b)
+    assert ta.keys() == tb.keys(), (a, b)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), (a, k)
+
+
+def test_skipped_steps_are_equivalent(runs) -> None:
+    """NaN in a gradient / in the loss on rank 1 at iteration 6 and a x20 spike at 14 are
+    skipped on both ranks: afterwards the losses equal --skip-iterations 6 14 bit for bit."""
+    ranks, tmp = runs
+    for r in ranks:
+        skip = _ok(r["skip"]).losses
+        assert math.isnan(skip[5]) and math.isnan(skip[13])
+        for kind in ("nan_grad", "nan_loss"):
+            got = _ok(r[kind]).losses
+            assert got[:5] == skip[:5]
+            assert got[6:13] == skip[6:13] and got[14:] == skip[14:], (kind, got, skip)
+        assert math.isnan(r["nan_loss"].losses[5]) and math.isfinite(r["nan_grad"].losses[5])
+        assert r["nan_grad"].losses[13] > 5 * skip[12]  # the spike itself
+    assert r["nan_grad"].losses[6] != ranks[0]["baseline"].losses[6]  # skipping changed things
+    consumed = {rec["iteration"]: rec["consumed_samples"]
+                for rec in map(json.loads, (tmp / "skip.jsonl").read_text().splitlines())}
+    assert consumed[6] == 24 and consumed[16] == 64  # skipped batches are consumed
+
+
+def test_nan_skip_message_and_weights_unchanged(runs) -> None:
+    ranks, tmp = runs
+    host = socket.gethostname()
+    for kind, what in (("nan_grad", "a gradient"), ("nan_loss", "the loss")):
+        log = ranks[0][kind].output
+        assert (f"NaN/Inf at iteration 6, found before any reduction in rank 1 (host {host}): "
+                f"{what}; step skipped on every rank") in log, log[-2000:]
+        before, after = tmp / kind / "iter_0000005", tmp / kind / "iter_0000006"
+        for name in ("model_tp0_pp0.safetensors", "optim_tp0_pp0_dp0.safetensors"):
+            _assert_same_tensors(before / name, after / name)
+        assert "loss spike" in log and "(from sample 52) is not trained on" in log
+
+
+def test_nan_stop_names_rank_and_keeps_last_checkpoint(runs) -> None:
+    ranks, tmp = runs
+    for r in ranks:
+        err = r["stop"].error
+        assert err is not None and err.startswith("NonFiniteError: NaN/Inf at iteration 8")
+        assert f"rank 1 (host {socket.gethostname()}): a gradient" in err
+    stop, base = tmp / "stop", tmp / "base"
+    assert (stop / "latest").read_text().strip() == "iter_0000005"
+    assert sorted(p.name for p in stop.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000005"]
+    for f in (stop / "iter_0000005").glob("*.safetensors"):
+        if not f.name.startswith("rank_"):
+            _assert_same_tensors(f, base / "iter_0000005" / f.name)
+
+
+def test_sigterm_saves_same_iteration_and_resumes_exactly(runs) -> None:
+    """SIGTERM on rank 1 only, between steps: both ranks stop after iteration 7 and save it.
+    SIGTERM during the save of iteration 10: the save completes, exit after 11. Resume
+    reproduces the uninterrupted losses."""
+    ranks, tmp = runs
+    for r in ranks:
+        base = _ok(r["baseline"]).losses
+        assert _ok(r["term1"]).iteration == 7 and r["term1"].losses == base[:7]
+        assert _ok(r["term2"]).iteration == 11 and r["term2"].losses == base[7:11]
+        assert _ok(r["term3"]).losses == base[11:]
+    assert "exiting cleanly after iteration 7: exit signal received by 1 of 2 ranks" in \
+        ranks[0]["term1"].output
+    assert "received SIGTERM" in ranks[1]["term1"].output
+    assert "received SIGTERM" in ranks[0]["term2"].output
+    for it in (7, 10, 11):
+        assert (tmp / "term" / f"iter_{it:07d}" / "metadata.json").is_file()
+
+
+def test_exit_duration(runs) -> None:
+    ranks, tmp = runs
+    for r in ranks:
+        assert _ok(r["time"]).iteration == 1
+    assert "--exit-duration-in-mins 1e-06 reached" in ranks[0]["time"].output
+    assert (tmp / "time" / "latest").read_text().strip() == "iter_0000001"
+
+
+def test_spike_rollback(runs) -> None:
+    """Spikes at 12 and 13 (patience 2): reload iteration 10, skip the 12 samples seen since
+    (40 -> 52), halve the LR through 12; the data position is in the next checkpoint."""
+    ranks, tmp = runs
+    for r in ranks:
+        o = _ok(r["rollback"])
+        assert o.iteration == 16 and len(o.losses) == 13 + 6
+        assert o.losses[:5] == r["skip"].losses[:5]  # same schedule (16 iterations)
+        assert o.losses[11] > 5 * o.losses[10] and o.losses[12] > 5 * o.losses[10]
+    assert ("loss spike rollback at iteration 13: reloaded iteration 10, consumed_samples 40 "
+            "-> 52 (12 samples skipped), LR x0.5 through iteration 12") in \
+        ranks[0]["rollback"].output
+    meta = json.loads((tmp / "rb" / "iter_0000015" / "metadata.json").read_text())
+    assert meta["consumed_samples"] == 52 + 5 * 4
+
+
+def test_corrupt_checkpoint_fails_on_every_rank(runs) -> None:
+    ranks, _ = runs
+    for r in ranks:
+        assert r["corrupt"].error is not None
+        assert "model_tp0_pp0.safetensors" in r["corrupt"].error, r["corrupt"].error
+        assert "truncated" in r["corrupt"].error
