@@ -2,7 +2,8 @@
 # The real data path end to end, on any machine, with no download:
 #   1. train a sentencepiece tokenizer on the Python standard library's .py sources,
 #   2. preprocess them into Megatron .bin/.idx shards plus a manifest,
-#   3. train a small Llama on the CPU for a few minutes, evaluating on the held-out split.
+#   3. train a small Llama on the CPU for a few minutes, evaluating on the held-out split,
+#   4. save a checkpoint and generate text from it.
 # Usage: bash scripts/demo.sh [--quick]     (--quick: a few iterations, for CI)
 # Outputs go to demo/ (gitignored); a rerun reuses the tokenizer and shards found there.
 set -euo pipefail
@@ -36,9 +37,14 @@ fi
 ITERS=300
 EVAL_INTERVAL=100
 if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; fi
+rm -rf "$OUT/ckpt"  # a fresh run each time (a kept checkpoint would be resumed instead)
 "$PYTHON" pretrain.py --data-path "$OUT/stdlib" --tokenizer-model "$OUT/tok.model" \
     --vocab-size "$VOCAB" --split 98,2,0 \
     --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 16 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4 \
     --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
-    --log-jsonl "$OUT/metrics.jsonl"
+    --log-jsonl "$OUT/metrics.jsonl" --save "$OUT/ckpt"
+
+# 4. sample from the trained model (the checkpoint gathered onto one process)
+"$PYTHON" scripts/generate.py --load "$OUT/ckpt" --tokenizer-model "$OUT/tok.model" \
+    --prompt "def " --max-new-tokens 48 --top-k 8 --seed 0
