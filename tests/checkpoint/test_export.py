@@ -1,4 +1,4 @@
-"""Hugging Face export: transformers' LlamaForCausalLM gives our logits; import gives our weights."""
+"""HF export: transformers LlamaForCausalLM gives our logits; import gives our weights."""
 
 from __future__ import annotations
 
