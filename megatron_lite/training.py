@@ -39,7 +39,7 @@ from megatron_lite.pipeline import engine
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
 from megatron_lite.pipeline.partition import partition_layers, stage_chunks
 from megatron_lite.pipeline.schedule import stage_schedule
-from megatron_lite.reliability import Guard
+from megatron_lite.reliability import Guard, report_partial_checkpoints
 
 
 @dataclass
@@ -311,6 +311,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     optimizer = Optimizer(cfg, chunks, pstate)
     train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
     checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader)
+    if pstate.rank == 0:
+        report_partial_checkpoints(checkpointer.load_dir)
     start_iteration = checkpointer.load()
     peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
     log_startup(cfg, pstate, chunks, peak, launch_source)

@@ -5,7 +5,13 @@
 """
 
 from megatron_lite.reliability.faults import FAULT_ENV
-from megatron_lite.reliability.guard import Decision, Guard, NonFiniteError
+from megatron_lite.reliability.guard import (
+    Decision,
+    Guard,
+    NonFiniteError,
+    report_partial_checkpoints,
+)
 from megatron_lite.reliability.watchdog import HANG_EXIT_CODE
 
-__all__ = ["FAULT_ENV", "HANG_EXIT_CODE", "Decision", "Guard", "NonFiniteError"]
+__all__ = ["FAULT_ENV", "HANG_EXIT_CODE", "Decision", "Guard", "NonFiniteError",
+           "report_partial_checkpoints"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -292,3 +293,16 @@ class Guard:
         if self.spikes is not None and state.get("spikes"):
             self.spikes.load_state_dict(state["spikes"])
 
+
+
+def report_partial_checkpoints(load_dir: Path | None) -> list[str]:
+    """Name the directories of interrupted saves under `load_dir` (never loaded: they have
+    no committed metadata); returns their names. Call on one rank before loading."""
+    if load_dir is None or not load_dir.is_dir():
+        return []
+    partial = sorted(p.name for p in load_dir.iterdir()
+                     if p.is_dir() and p.name.startswith("iter_") and p.suffix == ".tmp")
+    for name in partial:
+        print(f"checkpoint: skipping partial {load_dir / name} (a save was interrupted before "
+              "it was committed); loading the newest complete checkpoint instead", flush=True)
+    return partial

@@ -22,6 +22,8 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
         "--seq-length", "16", "--vocab-size", "97", "--make-vocab-size-divisible-by", "8",
         "--micro-batch-size", "2", "--lr", "2e-3", "--eval-iters", "0", "--peak-tflops", "1"]
 """Two DP ranks, global batch 4 samples."""
+BASE = ["--train-iters", "20", "--save-interval", "5"]
+"""The uninterrupted reference run (and the interrupted ones' schedule)."""
 
 
 @dataclass

@@ -9,52 +9,10 @@ import math
 import socket
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
-from tests.distributed import run_ranks
-from tests.reliability.common import Outcome, run_train
-
-S16 = ["--train-iters", "16", "--spike-threshold", "5"]
-BASE = ["--train-iters", "20", "--save-interval", "5"]
-
-
-def _scenarios(pstate, tmp: str) -> dict:
-    t = Path(tmp)
-    r: dict = {"baseline": run_train(pstate, [*BASE, "--save", f"{t}/base"])}
-    # A step skipped by --skip-iterations, by NaN/Inf (gradient / loss) and by a spike must
-    # all leave the same state behind: batch consumed, no update, no Adam step.
-    r["skip"] = run_train(pstate, [*S16, "--skip-iterations", "6", "14",
-                                   "--log-jsonl", f"{t}/skip.jsonl"])
-    for kind in ("nan_grad", "nan_loss"):
-        r[kind] = run_train(pstate, [*S16, "--save", f"{t}/{kind}", "--save-interval", "1"],
-                            fault=f"rank1:iter6:{kind},rank1:iter14:spike")
-    r["stop"] = run_train(pstate, [*BASE, "--save", f"{t}/stop", "--on-nan", "stop"],
-                          fault="rank1:iter8:nan_grad")
-    term = [*BASE, "--save", f"{t}/term"]
-    r["term1"] = run_train(pstate, term, fault="rank1:iter7:sigterm")
-    r["term2"] = run_train(pstate, term, fault="rank0:iter10:sigterm_in_save")
-    r["term3"] = run_train(pstate, term)
-    r["time"] = run_train(pstate, ["--train-iters", "20", "--exit-duration-in-mins", "1e-6",
-                                   "--save", f"{t}/time"])
-    r["rollback"] = run_train(pstate, [
-        "--train-iters", "16", "--save", f"{t}/rb", "--save-interval", "5",
-        "--spike-threshold", "5", "--on-spike", "rollback", "--spike-patience", "2",
-        "--spike-lr-iters", "2"], fault="rank1:iter12-13:spike")
-    if pstate.rank == 0:  # a truncated file in the newest checkpoint
-        victim = t / "base" / "iter_0000020" / "model_tp0_pp0.safetensors"
-        victim.write_bytes(victim.read_bytes()[:-10])
-    dist.barrier()
-    r["corrupt"] = run_train(pstate, ["--train-iters", "25", "--save", f"{t}/base"])
-    return r
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[list[dict], Path]:
-    tmp = tmp_path_factory.mktemp("reliability")
-    return run_ranks(_scenarios, 2, tmp, tmp=str(tmp), timeout=240), tmp
+from tests.reliability.common import Outcome
 
 
 def _ok(o: Outcome) -> Outcome:
