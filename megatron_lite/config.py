@@ -304,8 +304,6 @@ class ReliabilityConfig:
     """Iterations the lowered LR lasts after a rollback."""
     skip_iterations: list[int] = field(default_factory=list)
     """Consume these iterations' data without training on it (known bad batches)."""
-    no_ckpt_fallback: bool = False
-    """Stop when the newest checkpoint fails verification instead of loading the previous one."""
     mtbf_hours: float | None = None
     """Job-level mean time between failures; logs the Young/Daly save interval next to yours."""
 
