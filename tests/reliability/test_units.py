@@ -1,0 +1,79 @@
+"""Pure pieces, no processes: the fault syntax, the spike rule, Young/Daly, the exit flag."""
+
+from __future__ import annotations
+
+import math
+import signal
+import statistics
+
+import pytest
+
+from megatron_lite.config import ConfigError, ReliabilityConfig
+from megatron_lite.reliability.faults import FAULT_ENV, Fault, FaultInjector, parse_faults
+from megatron_lite.reliability.signals import ExitMonitor
+from megatron_lite.reliability.spikes import MIN_HISTORY, SpikeDetector, young_daly_interval_s
+
+
+def test_fault_syntax() -> None:
+    assert parse_faults("rank1:iter13:exit, rank0:iter4-6:spike:attempt1") == [
+        Fault(1, 13, 13, "exit"), Fault(0, 4, 6, "spike", 1)]
+    for bad in ("rank1:13:exit", "rank1:iter13:explode", "iter13:exit"):
+        with pytest.raises(ValueError, match=FAULT_ENV):
+            parse_faults(bad)
+
+
+def test_faults_fire_once_on_their_rank_and_attempt() -> None:
+    env = {FAULT_ENV: "rank1:iter2-3:nan_grad,rank1:iter5:exit:attempt1"}
+    assert FaultInjector(0, env).faults == []
+    first = FaultInjector(1, env)
+    assert [f.kind for f in first.faults] == ["nan_grad"]
+    assert [first.take(i, "nan_grad") for i in (1, 2, 2, 3)] == [False, True, False, True]
+    restarted = FaultInjector(1, {**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert [f.kind for f in restarted.faults] == ["exit"]
+
+
+def test_spike_rule_against_statistics() -> None:
+    det = SpikeDetector(threshold=3.0)
+    losses = [5.0 - 0.1 * i + 0.05 * (-1) ** i for i in range(MIN_HISTORY)]
+    for i, x in enumerate(losses):
+        assert det.limit() is None or i >= MIN_HISTORY
+        det.accept(x)
+    limit = statistics.mean(losses) + 3.0 * statistics.stdev(losses)
+    assert det.limit() == pytest.approx(limit)
+    assert det.is_spike(limit + 1e-6) and not det.is_spike(limit - 1e-6)
+    assert not det.is_spike(float("nan"))  # NaN is the NaN rule's business
+    det.accept(float("inf"))
+    assert len(det.history) == MIN_HISTORY
+    flat = SpikeDetector(threshold=3.0)
+    for _ in range(MIN_HISTORY):
+        flat.accept(2.0)
+    assert flat.limit() == pytest.approx(2.0 + 3.0 * 0.02)  # std floored at 1% of the mean
+
+
+def test_young_daly_matches_worked_numbers() -> None:
+    """RELIABILITY.md 1.6: C=40 s, M=7 days -> 1.92 h (Daly); Young alone sqrt(2CM) = 1.93 h."""
+    week = 7 * 24 * 3600.0
+    assert math.sqrt(2 * 40 * week) / 3600 == pytest.approx(1.93, abs=0.01)
+    assert young_daly_interval_s(40, week) / 3600 == pytest.approx(1.92, abs=0.01)
+    assert young_daly_interval_s(60, 54 * 24 * 3600 / 419) / 60 == pytest.approx(19, abs=1)
+    assert young_daly_interval_s(100, 40) == 40  # save slower than failures: every M
+
+
+def test_exit_monitor_signal_and_time() -> None:
+    mon = ExitMonitor(exit_duration_mins=None)
+    mon.install()
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+    finally:
+        mon.uninstall()
+    assert mon.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert ExitMonitor(1e-9).out_of_time() and not ExitMonitor(60).out_of_time()
+
+
+def test_config_checks() -> None:
+    for kwargs, flag in (({"spike_patience": 0}, "--spike-patience"),
+                         ({"spike_lr_factor": 1.5}, "--spike-lr-factor"),
+                         ({"hang_timeout_seconds": 0}, "--hang-timeout-seconds")):
+        with pytest.raises(ConfigError, match=flag):
+            ReliabilityConfig(**kwargs)
