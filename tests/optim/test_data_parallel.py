@@ -47,13 +47,21 @@ def _variants(pstate: ParallelState, variants: dict[str, dict], steps: int,
             for name, flags in variants.items()}
 
 
+def _dp2_suite(pstate: ParallelState) -> dict:
+    """Everything the DP=2 tests need, in one spawn of two ranks."""
+    return {"main": _variants(pstate, VARIANTS, STEPS),
+            "count": _variants(pstate, COUNT_VARIANTS, steps=2),
+            "bf16": _bf16_pair(pstate), "resume": _resume(pstate)}
+
+
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory) -> list[dict[str, dict]]:
-    # A fresh directory per spawn: the harness names its rendezvous file after pid and fn.
-    return (run_ranks(_variants, 2, tmp_path_factory.mktemp("dp2"), variants=VARIANTS,
-                      steps=STEPS),
-            run_ranks(_variants, 2, tmp_path_factory.mktemp("count"), variants=COUNT_VARIANTS,
-                      steps=2))
+def dp2_suite(tmp_path_factory) -> list[dict]:
+    return run_ranks(_dp2_suite, 2, tmp_path_factory.mktemp("dp2"), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def dp2(dp2_suite) -> tuple[list[dict], list[dict]]:
+    return [r["main"] for r in dp2_suite], [r["count"] for r in dp2_suite]
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +163,8 @@ def _bf16_pair(pstate: ParallelState) -> dict:
     return out
 
 
-def test_bf16_params_fp32_masters(tmp_path) -> None:
-    ranks = run_ranks(_bf16_pair, 2, tmp_path)
-    for rank in ranks:
+def test_bf16_params_fp32_masters(dp2_suite) -> None:
+    for rank in (r["bf16"] for r in dp2_suite):
         assert rank["dtypes"] == ({torch.bfloat16}, {torch.float32}, {torch.float32})
         # Same fp32 sums and the same master update: the two layouts agree bit for bit.
         assert_same_params(rank["zero1"]["params"], rank["plain"]["params"], tol=0.0)
@@ -183,8 +190,8 @@ def _resume(pstate: ParallelState) -> dict:
             "owned": [b["owned"] for b in saved_opt["buffers"]]}
 
 
-def test_distributed_optimizer_state_resumes_exactly(tmp_path) -> None:
-    ranks = run_ranks(_resume, 2, tmp_path)
+def test_distributed_optimizer_state_resumes_exactly(dp2_suite) -> None:
+    ranks = [r["resume"] for r in dp2_suite]
     for rank in ranks:
         assert_same_params(rank["resumed"], rank["straight"], tol=0.0)
     assert ranks[0]["owned"] != ranks[1]["owned"]  # each DP rank saved its own slice
