@@ -249,6 +249,8 @@ def read_wandb_records(path: Path) -> list:
             pos += left
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST chunk ends a record
@@ -257,6 +259,18 @@ def read_wandb_records(path: Path) -> list:
             records.append(record)
             pending = b""
     return records
+
+
+def _read_complete_run(path: Path, timeout: float = 60.0) -> list:
+    """wandb-core may still be writing the file when `finish()` returns (seen under load):
+    wait for the run's final "exit" record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path}: no exit record after {timeout} s"
+        time.sleep(0.2)
 
 
 def test_wandb_offline_training_run_files(monkeypatch, tmp_path) -> None:
@@ -275,9 +289,9 @@ def test_wandb_offline_training_run_files(monkeypatch, tmp_path) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train(cfg, _single_state(cfg))
-    (run_file,) = (tmp_path / "wb").rglob("run-*.wandb")
+    (run_file,) = (tmp_path / "wb").rglob("offline-run-*/run-*.wandb")
     assert f"wandb sync {run_file.parent}" in out.getvalue()
-    records = read_wandb_records(run_file)
+    records = _read_complete_run(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["model"]["num_layers"] == 2 and config["logging"]["log_interval"] == 2
@@ -296,14 +310,14 @@ def test_wandb_offline_training_run_files(monkeypatch, tmp_path) -> None:
 
 
 def _train_with_a_sleeping_rank(pstate: ParallelState, flags: list[str]) -> str:
-    """Rank 1's forward/backward takes 60 ms longer, like a throttled GPU."""
+    """Rank 1's forward/backward takes 150 ms longer, like a throttled GPU."""
     from megatron_lite.pipeline import engine
 
     if pstate.rank == 1:
         real = engine.forward_backward
 
         def slow(*args, **kwargs):
-            time.sleep(0.06)
+            time.sleep(0.15)
             return real(*args, **kwargs)
 
         engine.forward_backward = slow
