@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.parallel.state import ParallelState
@@ -26,6 +28,15 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
 
 def _train(pstate: ParallelState, flags: list[str]) -> list[float]:
     return train(parse_config(flags), pstate).losses
+
+
+@functools.cache
+def _single_process_losses(flags: tuple[str, ...]) -> list[float]:
+    """The reference run, in this process (no spawn), cached across layouts."""
+    pstate = ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0,
+                           pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
+                           device=torch.device("cpu"), backend=None)
+    return train(parse_config(list(flags)), pstate).losses
 
 
 def _rel(a: float, b: float) -> float:
@@ -50,7 +61,7 @@ def test_loss_curve_matches_single_process(tmp_path, layout: str) -> None:
     """The training loop (model, schedule, optimizer) under a parallel layout vs one process."""
     extra, world, pp = LAYOUTS[layout]
     single_flags = [*FLAGS, "--num-layers", "4"] if "--num-layers" in extra else FLAGS
-    single = run_ranks(_train, 1, tmp_path, flags=single_flags)[0]
+    single = _single_process_losses(tuple(single_flags))
     tp = world // pp
     parallel = run_ranks(_train, world, tmp_path, tp=tp, pp=pp, flags=[*FLAGS, *extra])
     for rank_losses in parallel:

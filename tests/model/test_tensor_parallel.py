@@ -62,7 +62,10 @@ def test_tp_matches_single_process(tmp_path, tp: int, sp: bool, untie: bool) -> 
                 full = padded
             expected = shard_full(full, split, tp, rank)
             if split is None and sp:
-                # Replicated norm weights see only this rank's sequence slice under SP; the
-                # optimizer sums their gradients over TP before the step.
+                # Replicated norm weights see only this rank's sequence slice under SP: their
+                # partial gradients must add up over TP (the optimizer sums them before the
+                # step), the cause of Megatron-LM issue 1446 when forgotten.
+                total = sum(r["grads"][name] for r in ranks)
+                assert _rel_err(total, full) <= 1e-5, f"summed SP gradient of {name} differs"
                 continue
             assert _rel_err(grad, expected) <= 1e-5, f"rank {rank}: gradient of {name} differs"
