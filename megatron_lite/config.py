@@ -417,6 +417,9 @@ def validate(cfg: Config, world_size: int) -> None:
             )
     if not world_size % (tp * pp):
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
+                      "all-gather; add --use-distributed-optimizer or drop it")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

@@ -8,7 +8,8 @@ Pure arithmetic (imports only `megatron_lite.config`). Two users:
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
 params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
-runs hold fp32 params (4), fp32 grads (4) and m, v (8) = 16 (the params are their own master).
+runs hold fp32 params (4), fp32 grads (4) and a separate fp32 master + m + v (12) = 20 (the
+optimizer keeps its own master copy so ZeRO-1 can shard it).
 ZeRO-1 (`--use-distributed-optimizer`) splits master + m + v over DP, padded to a multiple of
 dp, so bf16 costs 6 + 12/dp. The textbook ZeRO stages (16 bytes/param, Rajbhandari et al.
 2019) are `zero_state_bytes`.
@@ -27,7 +28,7 @@ from megatron_lite.config import Config, ConfigError, ModelConfig, num_microbatc
 
 GIB = 2**30
 
-STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 8)}
+STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 12)}
 """bf16 -> (param, grad, optimizer) bytes per parameter; optimizer = master (bf16 only) + m + v."""
 
 SP_LINEAR_SAVES_GATHERED_INPUT = True

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import math
 import platform
-import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -23,9 +22,10 @@ from torch import Tensor, nn
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.config import Config, num_microbatches, validate
-from megatron_lite.data.builder import build_data_loaders
+from megatron_lite.data.builder import build_data_loaders, resolve_tokenizer
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
+from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
@@ -39,6 +39,7 @@ from megatron_lite.pipeline import engine
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
 from megatron_lite.pipeline.partition import partition_layers, stage_chunks
 from megatron_lite.pipeline.schedule import stage_schedule
+from megatron_lite.provenance import git_commit
 from megatron_lite.reliability import Guard, report_partial_checkpoints
 
 
@@ -95,8 +96,10 @@ class StepRunner:
     interleaved 1F1B. Schedules are cached per (micro-batches, forward-only).
     """
 
-    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk]) -> None:
+    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
+                 on_grads_ready: Callable[[int], None] | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        self.on_grads_ready = on_grads_ready  # starts a chunk's DP reduction (overlap)
         self._schedules: dict[tuple[int, bool], list] = {}
         self.comm = None
         self.timer = ComputeTimer(pstate.device)  # this rank's training fwd/bwd, for stragglers
@@ -120,7 +123,7 @@ class StepRunner:
         losses = engine.forward_backward(
             self.chunks, self._schedules[key], [_to_device(b, device) for b in batches],
             self.comm, lambda token_losses, b: (token_losses * b["loss_mask"]).sum() / num_tokens,
-            forward_only=not backward)
+            on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
         return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
@@ -188,17 +191,6 @@ def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
     return total / cfg.train.eval_iters
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
     """Parameters of the whole model (each counted once across TP and PP)."""
     seen: set[int] = set()
@@ -239,9 +231,18 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
           f"batch: micro {t.micro_batch_size} samples x {nmb} accumulation steps x dp "
           f"{pstate.dp_size} = global {gbs} samples = {gbs * m.seq_length:,} tokens per step\n"
           f"kernels: {'triton ' + ', '.join(KERNEL_NAMES) if use_triton else 'torch reference'}"
-          f"\nprovenance: git {_git_commit()}, torch {torch.__version__}, triton "
+          f"\nprovenance: git {git_commit()}, torch {torch.__version__}, triton "
           f"{triton_version}, python {platform.python_version()}, device {device}\n"
           f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})", flush=True)
+
+
+def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
+               optimizer: Optimizer) -> None:
+    """Rank 0: bytes held by parameters, gradients and optimizer, measured vs planned."""
+    report = optimizer.memory()
+    text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes)
+    if pstate.rank == 0:
+        print(report.describe() + "\n" + text, flush=True)
 
 
 def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer: Optimizer,
@@ -316,11 +317,13 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     start_iteration = checkpointer.load()
     peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
     log_startup(cfg, pstate, chunks, peak, launch_source)
+    log_memory(cfg, pstate, chunks, optimizer)
     logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
     guard = Guard(cfg, pstate).start()
     optimizer.grad_check = guard.check_grads
     try:
-        result = train_loop(cfg, pstate, StepRunner(cfg, pstate, chunks), optimizer,
+        runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+        result = train_loop(cfg, pstate, runner, optimizer,
                             train_loader, valid_loader, logger, checkpointer, guard,
                             start_iteration)
     finally:
@@ -334,6 +337,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
+    resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     validate(cfg, env.world_size)
     pstate = parallel_state.initialize(cfg, env)
     try:

@@ -26,6 +26,7 @@ CASES = [
      ["--global-batch-size 6", "--micro-batch-size 2", "data-parallel size 2"]),
     (["--seq-length", "128", "--max-position-embeddings", "64"], 1,
      ["--seq-length 128", "--max-position-embeddings 64"]),
+    (["--overlap-param-gather"], 2, ["--overlap-param-gather", "--use-distributed-optimizer"]),
 ]
 
 

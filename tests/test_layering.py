@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # component -> megatron_lite components it may import (itself is always allowed)
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
+    "provenance": set(),
     "arguments": {"config"},
     "parallel": {"config"},
     "kernels": set(),
@@ -23,11 +24,13 @@ ALLOWED: dict[str, set[str]] = {
     "planner": {"config"},
     "memory": {"config", "parallel", "pipeline", "planner"},
     "metrics": {"config", "parallel"},
-    "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline"},
+    "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
+                   "provenance"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels"},
     "reliability": {"config", "parallel"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
-                 "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory"},
+                 "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
+                 "provenance"},
 }
 NO_TORCH = ("tokenizer", "data_tools")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import platform
 import random
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.provenance import git_commit
 
 
 def layout_partition(cfg: Config, pp_size: int) -> list[list[list[int]]]:
@@ -55,14 +55,6 @@ def layout_partition(cfg: Config, pp_size: int) -> list[list[list[int]]]:
                             p.decoder_first_pipeline_num_layers,
                             p.decoder_last_pipeline_num_layers)
     return [[list(spec.layer_ids) for spec in stage_chunks(part, s)] for s in range(pp_size)]
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _sha256(path: str | Path | None) -> str | None:
@@ -177,7 +169,7 @@ class Checkpointer:
             "versions": {"torch": torch.__version__, "numpy": np.__version__,
                          "safetensors": safetensors.__version__,
                          "python": platform.python_version()},
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "data": data_fingerprint(self.cfg),
         }
 
