@@ -7,7 +7,7 @@
 # Usage: bash scripts/demo.sh [--quick]     (--quick: a few iterations, for CI)
 # Outputs go to demo/ (gitignored); a rerun reuses the tokenizer and shards found there.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"   # creates .venv on first use; cds to the repo
 PYTHON=${PYTHON:-python}
 QUICK=0
 [[ "${1:-}" == "--quick" ]] && QUICK=1
@@ -37,13 +37,22 @@ fi
 ITERS=300
 EVAL_INTERVAL=100
 if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; fi
-rm -rf "$OUT/ckpt"  # a fresh run each time (a kept checkpoint would be resumed instead)
+rm -rf "$OUT/ckpt" "$OUT/metrics.jsonl"  # a fresh run each time (a kept checkpoint would be resumed)
 "$PYTHON" pretrain.py --data-path "$OUT/stdlib" --tokenizer-model "$OUT/tok.model" \
-    --vocab-size "$VOCAB" --split 98,2,0 \
+    --split 98,2,0 \
     --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 16 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4 \
     --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
     --log-jsonl "$OUT/metrics.jsonl" --save "$OUT/ckpt"
+
+"$PYTHON" - "$OUT/metrics.jsonl" "$VOCAB" <<'PY'
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+train = [r["loss"] for r in rows if "loss" in r]
+evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+print(f"demo: train loss {train[0]:.3f} -> {train[-1]:.3f} (ln vocab = "
+      f"{math.log(int(sys.argv[2])):.3f}); held-out eval loss {evals[-1]:.3f}")
+PY
 
 # 4. sample from the trained model (the checkpoint gathered onto one process)
 "$PYTHON" scripts/generate.py --load "$OUT/ckpt" --tokenizer-model "$OUT/tok.model" \

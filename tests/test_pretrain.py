@@ -95,3 +95,18 @@ def test_torchrun_tp2_sp_equals_single_process(tmp_path) -> None:
     record = json.loads(two.read_text().splitlines()[0])
     assert list(record) == ["iteration", "consumed_samples", "loss", "lr", "grad_norm",
                             "iter_time_ms", "tokens_per_sec", "tflops_per_device", "mfu"]
+
+
+def test_torchrun_pp4_interleaved_trains(tmp_path) -> None:
+    """The pipeline issue's acceptance command: PP=4, one layer per virtual stage (v=2)."""
+    log = tmp_path / "pp4.jsonl"
+    flags = [*FLAGS, "--num-layers", "8", "--pipeline-model-parallel-size", "4",
+             "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
+             "--global-batch-size", "4", "--train-iters", "12", "--log-jsonl", str(log)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+         "pretrain.py", *flags], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _read_losses(log)
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.1, losses
