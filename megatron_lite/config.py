@@ -262,6 +262,9 @@ class CheckpointConfig:
     """Save and exit cleanly when the iteration is a multiple of this (splits a run into jobs)."""
     ckpt_step: int | None = None
     """Load this iteration instead of the one `latest` points to."""
+    ckpt_fallback: bool = True
+    """When the newest checkpoint fails verification (checksums, sizes, missing files), load
+    the previous complete one; --no-ckpt-fallback stops with the error instead."""
 
     def __post_init__(self) -> None:
         for name in ("save_interval", "save_keep_last", "exit_interval"):

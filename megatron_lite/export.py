@@ -203,14 +203,21 @@ def read_safetensors_dir(hf_dir: Path) -> dict[str, Tensor]:
     return out
 
 
+def verified_reader(ckpt_root: Path, step: int | None) -> CheckpointReader:
+    """A reader of `latest` (or `step`) whose weight files match their recorded checksums."""
+    ckpt_dir = F.resolve_checkpoint_dir(Path(ckpt_root), step)
+    if ckpt_dir is None:
+        raise F.CheckpointError(f"--load {ckpt_root}: no checkpoint there")
+    meta = F.read_metadata(ckpt_dir)
+    F.verify_checksums(ckpt_dir, meta, [n for n in meta["files"] if n.startswith("model_")])
+    return CheckpointReader(ckpt_dir)
+
+
 def export(ckpt_root: Path, output: Path, *, step: int | None = None,
            tokenizer_model: str | None = None, dtype: str = "fp32",
            max_shard_size: str = "5GB") -> Path:
     """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
-    ckpt_dir = F.resolve_checkpoint_dir(ckpt_root, step)
-    if ckpt_dir is None:
-        raise F.CheckpointError(f"--load {ckpt_root}: no checkpoint there")
-    reader = CheckpointReader(ckpt_dir)
+    reader = verified_reader(ckpt_root, step)
     m = ModelConfig(**reader.model_cfg)
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)
@@ -227,7 +234,7 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
         raise F.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
     (output / "config.json").write_text(json.dumps(hf_config(m, DTYPES[dtype], bos, eos),
                                                    indent=1))
-    return ckpt_dir
+    return reader.dir
 
 
 def import_hf(hf_dir: Path, save_dir: Path) -> Path:
@@ -246,13 +253,14 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     F.clear_stale(save_dir)
     tmp = Path(tempfile.mkdtemp(prefix=F.iter_dir_name(0) + ".", suffix=".tmp", dir=save_dir))
     name = F.model_file(0, 0)
-    size = F.write_tensors(tmp / name, {k: weights[k].contiguous() for k in tags},
-                           {"tp_split": tags, "tp_rank": 0, "pp_rank": 0})
+    size, digest = F.write_tensors(tmp / name, {k: weights[k].contiguous() for k in tags},
+                                   {"tp_split": tags, "tp_rank": 0, "pp_rank": 0})
     meta = {"consumed_samples": 0, "has_optimizer": False, "config": dataclasses.asdict(cfg),
             "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1,
                        "use_distributed_optimizer": False},
             "partition": [[list(range(m.num_layers))]], "seed": cfg.train.seed,
-            "imported_from": str(hf_dir), "files": {name: size}}
+            "imported_from": str(hf_dir), "files": {name: size},
+            "sha256": {name: digest}}
     final = F.commit(save_dir, tmp, 0, meta, None)
     if tok.is_file():
         shutil.copyfile(tok, save_dir / "tokenizer.model")
@@ -269,10 +277,7 @@ def single_process_state(device: torch.device | None = None) -> ParallelState:
 def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | None = None
                ) -> tuple[ModelConfig, LlamaChunk]:
     """The whole model of a checkpoint (any layout) as one TP=PP=1 chunk, fp32, eval mode."""
-    ckpt_dir = F.resolve_checkpoint_dir(Path(ckpt_root), step)
-    if ckpt_dir is None:
-        raise F.CheckpointError(f"{ckpt_root}: no checkpoint there")
-    reader = CheckpointReader(ckpt_dir)
+    reader = verified_reader(ckpt_root, step)
     m = ModelConfig(**reader.model_cfg)
     ps = single_process_state(device)
     chunk = LlamaChunk(m, ps, range(m.num_layers), pre_process=True, post_process=True,

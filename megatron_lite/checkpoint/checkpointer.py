@@ -8,9 +8,14 @@ background thread while training continues; the commit happens at the first iter
 every rank has finished (one tiny all-reduce per iteration while a save is in flight), and
 a new save first waits for the previous one.
 
-Load: `latest` (or --ckpt-step) under --load (default --save). The same layout reads only
-its own files; any other layout gathers full tensors and re-slices them (reshard.py).
-RNG states are restored when the layout is unchanged (they are per rank).
+Load: `latest` (or --ckpt-step) under --load (default --save). Before any rank reads a
+tensor, the ranks verify the checkpoint's files against the sizes and sha256 sums in its
+metadata (each rank hashes every world_size-th file) and agree on the verdict in one small
+collective, so a bad file stops every rank at the same point instead of leaving some in a
+collective. A corrupt or partial newest checkpoint is reported by name and the next older
+complete one is tried (--no-ckpt-fallback stops instead). The same layout reads only its own
+files; any other layout gathers full tensors and re-slices them (reshard.py). RNG states are
+restored when the layout is unchanged (they are per rank).
 """
 
 from __future__ import annotations
@@ -76,14 +81,15 @@ class _SaveJob:
 
     def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]]) -> None:
         self.tmp, self.items = tmp, items
-        self.sizes: dict[str, int] = {}
+        self.written: dict[str, tuple[int, str]] = {}
+        """File name -> (bytes, sha256)."""
         self.error: str | None = None
         self.thread: threading.Thread | None = None
 
     def run(self) -> None:
         try:
             for name, tensors, meta in self.items:
-                self.sizes[name] = F.write_tensors(self.tmp / name, tensors, meta)
+                self.written[name] = F.write_tensors(self.tmp / name, tensors, meta)
         except Exception as e:  # reported to every rank at commit, never swallowed
             self.error = f"{type(e).__name__}: {e}"
         self.items = []  # free the host copies
@@ -205,14 +211,17 @@ class Checkpointer:
         else:
             blocking_wait = time.perf_counter() - start - blocking
         self._pending = None
-        reports = self._gather((job.sizes, job.error))
+        reports = self._gather((job.written, job.error))
         errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
         if errors:
             raise F.CheckpointError(f"saving iteration {iteration} to {job.tmp} failed "
                                     f"(previous checkpoint kept):\n  " + "\n  ".join(errors))
-        files = {name: size for sizes, _ in reports for name, size in sizes.items()}
+        written = {name: info for infos, _ in reports for name, info in infos.items()}
+        files = {name: size for name, (size, _) in written.items()}
         if self.pstate.rank == 0:
-            final = F.commit(self.save_dir, job.tmp, iteration, {**meta, "files": files},
+            sums = {name: digest for name, (_, digest) in written.items()}
+            final = F.commit(self.save_dir, job.tmp, iteration,
+                             {**meta, "files": files, "sha256": sums},
                              self.cfg.checkpoint.save_keep_last)
             seconds = time.perf_counter() - start
             gb = sum(files.values()) / 1e9
@@ -269,7 +278,7 @@ class Checkpointer:
         if self.load_dir is None:
             return 0
         start = time.perf_counter()
-        ckpt_dir = F.resolve_checkpoint_dir(self.load_dir, c.ckpt_step)
+        ckpt_dir = self._verified_checkpoint()
         if ckpt_dir is None:
             if c.load and c.load != c.save:
                 raise F.CheckpointError(f"--load {c.load}: no checkpoint there (no `latest`, no "
@@ -295,6 +304,38 @@ class Checkpointer:
                   f"{'restored' if restored_rng else 'not restored (layout changed)'}",
                   flush=True)
         return iteration
+
+    def _verify(self, ckpt_dir: Path) -> str | None:
+        """Collective: every rank's verdict on `ckpt_dir` (None = intact). Each rank checks
+        the metadata and hashes its share of the files; one all-gather of the findings."""
+        problem = None
+        try:
+            meta = F.read_metadata(ckpt_dir)
+            names = sorted(meta["files"])[self.pstate.rank::self.pstate.world_size]
+            F.verify_checksums(ckpt_dir, meta, names)
+        except F.CheckpointError as e:
+            problem = str(e)
+        found = [p for p in self._gather(problem) if p]
+        return "; ".join(dict.fromkeys(found)) if found else None
+
+    def _verified_checkpoint(self) -> Path | None:
+        """The newest intact checkpoint to load (None: none there). A broken one is named on
+        every rank, then the next older one is tried unless --no-ckpt-fallback."""
+        assert self.load_dir is not None
+        c = self.cfg.checkpoint
+        candidates = F.checkpoint_candidates(self.load_dir, c.ckpt_step)
+        for i, ckpt_dir in enumerate(candidates):
+            problem = self._verify(ckpt_dir)
+            if problem is None:
+                return ckpt_dir
+            if not c.ckpt_fallback or i + 1 == len(candidates):
+                why = ("--no-ckpt-fallback: stopping instead of loading an older checkpoint"
+                       if not c.ckpt_fallback else "no older complete checkpoint to fall back to")
+                raise F.CheckpointError(f"{problem}\n{why}; pick one with --ckpt-step, or move "
+                                        "the broken directory away")
+            print(f"checkpoint: rank {self.pstate.rank}: {problem}; falling back to the "
+                  f"previous checkpoint {candidates[i + 1]}", flush=True)
+        return None
 
     def _validate(self, reader: CheckpointReader) -> None:
         saved = reader.meta["config"]

@@ -9,12 +9,14 @@
 Every tensor file is safetensors (tensors + a JSON string in the header), metadata is JSON:
 nothing is unpickled on load, so a checkpoint from elsewhere cannot run code. A directory is
 written as `iter_XXXXXXX.tmp/`, each file fsynced, `metadata.json` last (it lists every file
-with its byte size), then renamed and `latest` replaced: a crash at any point leaves the
-previous checkpoint and the pointer to it intact.
+with its byte size and sha256), then renamed and `latest` replaced: a crash at any point leaves
+the previous checkpoint and the pointer to it intact. On load the sizes and checksums are
+verified before any tensor is read, so a flipped bit on disk is found, not trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
 
 FORMAT = "megatron_lite.checkpoint"
@@ -85,12 +87,27 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
-def write_tensors(path: Path, tensors: dict[str, Tensor], meta: dict) -> int:
-    """One safetensors file with `meta` as JSON in its header; fsynced; returns its size."""
+def write_tensors(path: Path, tensors: dict[str, Tensor], meta: dict) -> tuple[int, str]:
+    """One safetensors file with `meta` as JSON in its header; fsynced.
+
+    Returns (bytes, sha256). The checksum is of the bytes handed to the OS, computed in
+    memory, so saving never reads the file back.
+    """
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, str(path), metadata={"format": "pt", "megatron_lite": json.dumps(meta)})
-    fsync_path(path)
-    return path.stat().st_size
+    data = save(tensors, metadata={"format": "pt", "megatron_lite": json.dumps(meta)})
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path, block: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class TensorFile:
@@ -213,6 +230,35 @@ def resolve_checkpoint_dir(root: Path, step: int | None) -> Path | None:
                               f"directory in {root}; iterations found: {iterations or 'none'}. "
                               "Fix the file or pass --ckpt-step")
     return root / name
+
+
+def checkpoint_candidates(root: Path, step: int | None) -> list[Path]:
+    """Directories to try, best first: the one `resolve_checkpoint_dir` picks, then (only
+    when it came from `latest`) every older complete iteration, newest first.
+
+    Iterations newer than `latest` are never candidates: they are stale leftovers of an
+    earlier run that a resume from an older step has since superseded.
+    """
+    chosen = resolve_checkpoint_dir(root, step)
+    if chosen is None or chosen == root or step is not None:
+        return [] if chosen is None else [chosen]
+    newest = int(_ITER_RE.match(chosen.name).group(1))  # type: ignore[union-attr]
+    return [chosen, *(root / iter_dir_name(i) for i in reversed(list_iterations(root))
+                      if i < newest)]
+
+
+def verify_checksums(ckpt_dir: Path, meta: dict, names: Iterable[str]) -> None:
+    """Compare each named file's sha256 with the one recorded at save time.
+
+    Files saved before checksums existed have none recorded: their size was checked by
+    `read_metadata`, which is all that can be checked.
+    """
+    recorded = meta.get("sha256", {})
+    for name in names:
+        if name in recorded and file_sha256(ckpt_dir / name) != recorded[name]:
+            raise CheckpointError(f"checkpoint file {ckpt_dir / name} is corrupt: its sha256 "
+                                  "differs from the one recorded in metadata.json when it was "
+                                  "saved (bad disk, bad copy, or edited)")
 
 
 def read_metadata(ckpt_dir: Path) -> dict:

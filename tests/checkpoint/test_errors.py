@@ -5,6 +5,7 @@ Single process, in-process: each training run is a few steps of the tiny model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.checkpoint import files as F
 from megatron_lite.export import single_process_state
-from tests.checkpoint.common import run_train
+from tests.checkpoint.common import flip_tensor_byte, run_train
 
 SHORT = ["--train-iters", "2", "--num-layers", "2"]
 
@@ -34,8 +35,8 @@ def ckpt(tmp_path) -> Path:
     return tmp_path / "ck"
 
 
-def _load(ckpt: Path, *flags: str) -> None:
-    _train("--load", str(ckpt), "--save", str(ckpt.parent / "other"), *flags)
+def _load(ckpt: Path, *flags: str) -> list[float]:
+    return _train("--load", str(ckpt), "--save", str(ckpt.parent / "other"), *flags)
 
 
 def test_model_change_lists_each_field(ckpt) -> None:
@@ -76,6 +77,31 @@ def test_latest_missing_or_junk_and_newer_version(ckpt) -> None:
         _load(ckpt, "--ckpt-step", "2")
 
 
+def test_checksums_recorded_and_verified(tmp_path, capsys) -> None:
+    """Every file's sha256 is in the metadata; a flipped bit fails an explicit --ckpt-step
+    and the export with the file named, and `latest` falls back to the previous one."""
+    ckpt = tmp_path / "ck"
+    _train("--save", str(ckpt), "--save-interval", "1")
+    newest = ckpt / "iter_0000002"
+    meta = json.loads((newest / "metadata.json").read_text())
+    assert sorted(meta["sha256"]) == sorted(meta["files"])
+    for name, digest in meta["sha256"].items():
+        assert hashlib.sha256((newest / name).read_bytes()).hexdigest() == digest, name
+    victim = newest / F.model_file(0, 0)
+    flip_tensor_byte(victim)
+    with pytest.raises(CheckpointError, match=rf"{victim} is corrupt.*\nno older complete"):
+        _load(ckpt, "--ckpt-step", "2")
+    from megatron_lite.export import main as export_main
+
+    capsys.readouterr()
+    assert export_main(["--load", str(ckpt), "--output", str(tmp_path / "hf")]) == 2
+    assert f"{victim} is corrupt" in capsys.readouterr().err
+    assert len(_load(ckpt, "--train-iters", "3")) == 2  # iterations 2 and 3, from 1
+    out = capsys.readouterr().out
+    assert f"falling back to the previous checkpoint {ckpt / 'iter_0000001'}" in out
+    assert "checkpoint: loaded iteration 1 " in out
+
+
 def test_explicit_load_of_empty_dir_fails(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         _train("--load", str(tmp_path / "typo"))
@@ -97,7 +123,9 @@ def test_pickle_payload_never_runs(ckpt, tmp_path) -> None:
     target.write_bytes(blob)
     meta_path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta["files"][target.name] = len(blob)  # pass the size check: the parser must refuse
+    # Consistent size and checksum pass verification: the parser itself must refuse.
+    meta["files"][target.name] = len(blob)
+    meta["sha256"][target.name] = hashlib.sha256(blob).hexdigest()
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
         _load(ckpt)

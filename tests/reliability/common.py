@@ -24,6 +24,9 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
 """Two DP ranks, global batch 4 samples."""
 BASE = ["--train-iters", "20", "--save-interval", "5"]
 """The uninterrupted reference run (and the interrupted ones' schedule)."""
+CORRUPTED = "optim_tp0_pp0_dp0.safetensors"
+"""Hashed by rank 1 of 2 (files are shared out in name order): rank 0 learns of it only
+through the agreement."""
 
 
 @dataclass

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.checkpoint.common import flip_tensor_byte
 from tests.distributed import run_ranks
-from tests.reliability.common import BASE, run_train
+from tests.reliability.common import BASE, CORRUPTED, run_train
 
 S16 = ["--train-iters", "16", "--spike-threshold", "5"]
 
@@ -36,11 +37,12 @@ def _scenarios(pstate, tmp: str) -> dict:
         "--train-iters", "16", "--save", f"{t}/rb", "--save-interval", "5",
         "--spike-threshold", "5", "--on-spike", "rollback", "--spike-patience", "2",
         "--spike-lr-iters", "2"], fault="rank1:iter12-13:spike")
-    if pstate.rank == 0:  # a truncated file in the newest checkpoint
-        victim = t / "base" / "iter_0000020" / "model_tp0_pp0.safetensors"
-        victim.write_bytes(victim.read_bytes()[:-10])
+    if pstate.rank == 0:  # one flipped bit inside the tensor data of the newest checkpoint
+        flip_tensor_byte(t / "base" / "iter_0000020" / CORRUPTED)
     dist.barrier()
-    r["corrupt"] = run_train(pstate, ["--train-iters", "25", "--save", f"{t}/base"])
+    again = ["--train-iters", "20", "--save", f"{t}/base"]
+    r["corrupt_stop"] = run_train(pstate, [*again, "--no-ckpt-fallback"])
+    r["corrupt"] = run_train(pstate, again)
     return r
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.reliability.common import Outcome
+from tests.reliability.common import CORRUPTED, Outcome
 
 
 def _ok(o: Outcome) -> Outcome:
@@ -117,9 +117,21 @@ def test_spike_rollback(runs) -> None:
     assert meta["consumed_samples"] == 52 + 5 * 4
 
 
-def test_corrupt_checkpoint_fails_on_every_rank(runs) -> None:
-    ranks, _ = runs
-    for r in ranks:
-        assert r["corrupt"].error is not None
-        assert "model_tp0_pp0.safetensors" in r["corrupt"].error, r["corrupt"].error
-        assert "truncated" in r["corrupt"].error
+def test_corrupt_newest_checkpoint_falls_back(runs) -> None:
+    """A flipped bit in the newest checkpoint (iteration 20): with --no-ckpt-fallback every
+    rank stops with the file named; by default every rank names it, loads iteration 15 and
+    retrains 16-20 to the uninterrupted losses."""
+    ranks, tmp = runs
+    victim = tmp / "base" / "iter_0000020" / CORRUPTED
+    for rank, r in enumerate(ranks):
+        err = r["corrupt_stop"].error
+        assert err is not None and err.startswith("CheckpointError"), (rank, err)
+        assert f"{victim} is corrupt: its sha256 differs" in err, err
+        assert "--no-ckpt-fallback: stopping" in err
+        o = _ok(r["corrupt"])
+        assert (f"checkpoint: rank {rank}: checkpoint file {victim} is corrupt" in o.output
+                and f"falling back to the previous checkpoint {victim.parent.parent}"
+                "/iter_0000015" in o.output), o.output[-2000:]
+        assert o.losses == r["baseline"].losses[15:20]
+    assert "checkpoint: loaded iteration 15" in ranks[0]["corrupt"].output
+    assert (tmp / "base" / "latest").read_text().strip() == "iter_0000020"
