@@ -167,7 +167,7 @@ def _roll_back(checkpointer: Checkpointer, guard: Guard, iteration: int,
     checkpointer.wait()
     if not checkpoint_files.list_iterations(checkpointer.save_dir):
         return iteration  # nothing saved yet: the spikes were skipped, keep going
-    restored = checkpointer.load()
+    restored = checkpointer.load(restore_extra=False)
     guard.after_rollback(iteration, restored, consumed, loader)
     return restored
 
@@ -311,7 +311,9 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     chunks = build_model(cfg, pstate)
     optimizer = Optimizer(cfg, chunks, pstate)
     train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
-    checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader)
+    guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
+    checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
+                                extra_state={"reliability": guard})
     if pstate.rank == 0:
         report_partial_checkpoints(checkpointer.load_dir)
     start_iteration = checkpointer.load()
@@ -319,7 +321,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     log_startup(cfg, pstate, chunks, peak, launch_source)
     log_memory(cfg, pstate, chunks, optimizer)
     logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
-    guard = Guard(cfg, pstate).start()
+    guard.start()
     optimizer.grad_check = guard.check_grads
     try:
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)

@@ -26,6 +26,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import safetensors
@@ -99,13 +100,28 @@ class _SaveJob:
         return self.thread is None or not self.thread.is_alive()
 
 
+class Stateful(Protocol):
+    """Run state kept in the checkpoint metadata; `state_dict()` must be JSON-able and the
+    same on every rank (rank 0's is stored)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class Checkpointer:
-    """--save / --load / intervals for one run; every method is called by every rank."""
+    """--save / --load / intervals for one run; every method is called by every rank.
+
+    `extra_state` objects (e.g. {"reliability": guard}) are saved in the metadata as JSON
+    and restored on load when the checkpoint has them.
+    """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
-                 optimizer: Optimizer, train_loader: MicroBatchLoader) -> None:
+                 optimizer: Optimizer, train_loader: MicroBatchLoader,
+                 extra_state: dict[str, Stateful] | None = None) -> None:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
         self.optimizer, self.loader = optimizer, train_loader
+        self.extra_state = dict(extra_state or {})
         c = cfg.checkpoint
         self.save_dir = Path(c.save) if c.save else None
         self.load_dir = Path(c.load or c.save) if (c.load or c.save) else None
@@ -177,6 +193,7 @@ class Checkpointer:
                          "python": platform.python_version()},
             "git_commit": git_commit(),
             "data": data_fingerprint(self.cfg),
+            "extra_state": {k: v.state_dict() for k, v in self.extra_state.items()},
         }
 
     def save(self, iteration: int) -> None:
@@ -271,9 +288,10 @@ class Checkpointer:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def load(self) -> int:
+    def load(self, *, restore_extra: bool = True) -> int:
         """Restore from --load (or --save) if a checkpoint is there; the iteration to resume
-        after (0 for a fresh start)."""
+        after (0 for a fresh start). A rollback within a run passes `restore_extra=False`:
+        what happened since the checkpoint (e.g. the spikes) stays in the run's history."""
         c = self.cfg.checkpoint
         if self.load_dir is None:
             return 0
@@ -291,6 +309,10 @@ class Checkpointer:
         self._load_weights(reader)
         self._load_optimizer(reader)
         restored_rng = self._load_rank_state(reader)
+        saved_extra = reader.meta.get("extra_state", {}) if restore_extra else {}
+        for key, obj in self.extra_state.items():
+            if key in saved_extra:
+                obj.load_state_dict(saved_extra[key])
         iteration = int(reader.meta["iteration"])
         if self.save_dir is not None and ckpt_dir.parent.resolve() == self.save_dir.resolve():
             self._on_disk = iteration

@@ -279,10 +279,13 @@ class Guard:
     # ---- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """Counters, the event log, spike statistics and the lowered-LR window: stored in
+        every checkpoint's metadata, so a resumed run carries on with the same history."""
         c = self.counters
         return {"nan_skipped": c.nan_skipped, "spike_skipped": c.spike_skipped,
                 "data_skipped": c.data_skipped, "rollbacks": c.rollbacks,
                 "events": list(c.events), "lr_scaled_until": self._lr_scaled_until,
+                "consecutive_spikes": self._consecutive_spikes,
                 "spikes": self.spikes.state_dict() if self.spikes is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -290,6 +293,7 @@ class Guard:
                                  state["data_skipped"], state["rollbacks"],
                                  list(state["events"]))
         self._lr_scaled_until = int(state["lr_scaled_until"])
+        self._consecutive_spikes = int(state.get("consecutive_spikes", 0))
         if self.spikes is not None and state.get("spikes"):
             self.spikes.load_state_dict(state["spikes"])
 

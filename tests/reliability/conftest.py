@@ -33,10 +33,14 @@ def _scenarios(pstate, tmp: str) -> dict:
     r["term3"] = run_train(pstate, term)
     r["time"] = run_train(pstate, ["--train-iters", "20", "--exit-duration-in-mins", "1e-6",
                                    "--save", f"{t}/time"])
-    r["rollback"] = run_train(pstate, [
-        "--train-iters", "16", "--save", f"{t}/rb", "--save-interval", "5",
-        "--spike-threshold", "5", "--on-spike", "rollback", "--spike-patience", "2",
-        "--spike-lr-iters", "2"], fault="rank1:iter12-13:spike")
+    rollback = ["--train-iters", "16", "--save-interval", "5", "--spike-threshold", "5",
+                "--on-spike", "rollback", "--spike-patience", "2", "--spike-lr-iters", "6"]
+    r["rollback"] = run_train(pstate, [*rollback, "--save", f"{t}/rb", "--log-jsonl",
+                                       f"{t}/rb.jsonl"], fault="rank1:iter12-13:spike")
+    # Resumed inside the lowered-LR window (through 16): the guard's state comes back.
+    r["rollback_resumed"] = run_train(pstate, [*rollback, "--load", f"{t}/rb", "--ckpt-step",
+                                               "15", "--save", f"{t}/rb2", "--log-jsonl",
+                                               f"{t}/rb2.jsonl"])
     if pstate.rank == 0:  # one flipped bit inside the tensor data of the newest checkpoint
         flip_tensor_byte(t / "base" / "iter_0000020" / CORRUPTED)
     dist.barrier()

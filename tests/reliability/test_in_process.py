@@ -103,7 +103,7 @@ def test_exit_duration(runs) -> None:
 
 def test_spike_rollback(runs) -> None:
     """Spikes at 12 and 13 (patience 2): reload iteration 10, skip the 12 samples seen since
-    (40 -> 52), halve the LR through 12; the data position is in the next checkpoint."""
+    (40 -> 52), halve the LR through 16; the data position is in the next checkpoint."""
     ranks, tmp = runs
     for r in ranks:
         o = _ok(r["rollback"])
@@ -111,10 +111,35 @@ def test_spike_rollback(runs) -> None:
         assert o.losses[:5] == r["skip"].losses[:5]  # same schedule (16 iterations)
         assert o.losses[11] > 5 * o.losses[10] and o.losses[12] > 5 * o.losses[10]
     assert ("loss spike rollback at iteration 13: reloaded iteration 10, consumed_samples 40 "
-            "-> 52 (12 samples skipped), LR x0.5 through iteration 12") in \
+            "-> 52 (12 samples skipped), LR x0.5 through iteration 16") in \
         ranks[0]["rollback"].output
     meta = json.loads((tmp / "rb" / "iter_0000015" / "metadata.json").read_text())
     assert meta["consumed_samples"] == 52 + 5 * 4
+
+
+def _lrs(path: Path) -> dict[int, float]:
+    return {rec["iteration"]: rec["lr"] for rec in map(json.loads, path.read_text().splitlines())
+            if "lr" in rec}
+
+
+def test_reliability_state_survives_resume(runs) -> None:
+    """Resumed from iteration 15 (inside the lowered-LR window): iteration 16 trains with the
+    halved LR, and the saved state (counters, events, spike statistics) equals the
+    uninterrupted run's."""
+    ranks, tmp = runs
+    for r in ranks:
+        assert _ok(r["rollback_resumed"]).losses == r["rollback"].losses[-1:]
+    full, resumed = _lrs(tmp / "rb.jsonl"), _lrs(tmp / "rb2.jsonl")
+    assert resumed[16] == full[16]
+    plain = _lrs(tmp / "skip.jsonl")  # same 16-iteration schedule, no rollback
+    assert plain[16] > 0 and full[16] == 0.5 * plain[16]
+    states = [json.loads((tmp / d / "iter_0000016" / "metadata.json").read_text())
+              ["extra_state"]["reliability"] for d in ("rb", "rb2")]
+    assert states[0] == states[1]
+    state = states[0]
+    assert (state["spike_skipped"], state["rollbacks"], state["lr_scaled_until"]) == (2, 1, 16)
+    assert len(state["spikes"]["history"]) >= 10
+    assert [e["kind"] for e in state["events"]] == ["spike", "spike", "rollback"]
 
 
 def test_corrupt_newest_checkpoint_falls_back(runs) -> None:
