@@ -321,6 +321,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     log_startup(cfg, pstate, chunks, peak, launch_source)
     log_memory(cfg, pstate, chunks, optimizer)
     logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
+    checkpointer.on_save = logger.log_checkpoint
     guard.start()
     optimizer.grad_check = guard.check_grads
     try:

@@ -25,6 +25,7 @@ import platform
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -122,6 +123,9 @@ class Checkpointer:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
         self.optimizer, self.loader = optimizer, train_loader
         self.extra_state = dict(extra_state or {})
+        self.on_save: Callable[[int, float, float], None] | None = None
+        """Called on every rank after each committed save with (iteration, seconds, GB);
+        the training loop points it at MetricsLogger.log_checkpoint."""
         c = cfg.checkpoint
         self.save_dir = Path(c.save) if c.save else None
         self.load_dir = Path(c.load or c.save) if (c.load or c.save) else None
@@ -240,8 +244,11 @@ class Checkpointer:
             final = F.commit(self.save_dir, job.tmp, iteration,
                              {**meta, "files": files, "sha256": sums},
                              self.cfg.checkpoint.save_keep_last)
-            seconds = time.perf_counter() - start
-            gb = sum(files.values()) / 1e9
+        seconds = time.perf_counter() - start
+        gb = sum(files.values()) / 1e9
+        if self.on_save is not None:
+            self.on_save(iteration, seconds, gb)
+        if self.pstate.rank == 0:
             print(f"checkpoint: saved iteration {iteration} to {final}: {gb:.4f} GB from "
                   f"{len(files)} files in {seconds:.3f} s ({gb / seconds:.3f} GB/s); training "
                   f"blocked {blocking + blocking_wait:.3f} s", flush=True)

@@ -196,12 +196,20 @@ def test_sigkill_during_save_keeps_previous(tmp_path) -> None:
 
 def test_async_save_equals_sync_and_keep_last(tmp_path) -> None:
     sync, asyn = tmp_path / "sync", tmp_path / "async"
-    a = _train("--train-iters", "6", "--save-interval", "2", "--save", str(sync))
+    log = tmp_path / "metrics.jsonl"
+    a = _train("--train-iters", "6", "--save-interval", "2", "--save", str(sync),
+               "--log-jsonl", str(log))
     b = _train("--train-iters", "6", "--save-interval", "2", "--save", str(asyn),
                "--async-save", "--save-keep-last", "2")
     assert a == b
     assert F.list_iterations(sync) == [2, 4, 6]
     assert F.list_iterations(asyn) == [4, 6]
+    saves = [r for r in map(json.loads, log.read_text().splitlines()) if "checkpoint_save_s" in r]
+    assert [r["iteration"] for r in saves] == [2, 4, 6]  # every save reaches the metrics
+    for r in saves:
+        files = json.loads((sync / F.iter_dir_name(r["iteration"]) / "metadata.json")
+                           .read_text())["files"]
+        assert r["checkpoint_gbytes"] == sum(files.values()) / 1e9 and r["checkpoint_save_s"] > 0
     for name in json.loads((sync / "iter_0000004" / "metadata.json").read_text())["files"]:
         ta = load_file(sync / "iter_0000004" / name)
         tb = load_file(asyn / "iter_0000004" / name)
