@@ -13,7 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from megatron_lite.arguments import parse_config
+from megatron_lite.data.format import ShardWriter, shard_name, write_manifest
 from megatron_lite.reliability import FAULT_ENV
 from megatron_lite.training import train
 
@@ -40,14 +43,41 @@ class Outcome:
     error: str | None = None
 
 
+def bad_corpora(root: Path) -> dict[str, Path]:
+    """Two 2-shard corpora for TINY's vocabulary of 97: shard 1 of "ids" holds token ids up
+    to 499 under a manifest that claims 97 (only the ids can tell); "truncated" has one token
+    cut off the end of shard 1's .bin. Returns name -> the file the error must name."""
+    rng = np.random.default_rng(0)
+    bad = {}
+    for name, top in (("ids", 500), ("truncated", 97)):
+        prefix = root / name
+        entries = []
+        for s in range(2):
+            writer = ShardWriter(shard_name(prefix, s), np.uint16)
+            for _ in range(20):
+                hi = top if s == 1 else 97  # shard 0 is fine: the error must name shard 1
+                doc = np.append(rng.integers(3, hi, size=int(rng.integers(2, 30))), 2)
+                writer.add_documents(doc, np.array([len(doc)]))
+            entries.append(writer.finalize())
+        write_manifest(f"{prefix}.manifest.json", {
+            "shards": entries, "total_documents": 40, "tokenizer": {"vocab_size": 97, "eod_id": 2},
+            "total_tokens": sum(e["tokens"] for e in entries)})
+        bad[name] = Path(shard_name(prefix, 1) + ".bin")
+    with open(bad["truncated"], "r+b") as f:
+        f.truncate(bad["truncated"].stat().st_size - 2)
+    return bad
+
+
 def run_train(pstate, flags: list[str], fault: str | None = None) -> Outcome:
-    """Train on `pstate`, capturing what this rank prints; errors are returned, not raised."""
+    """Train on `pstate`, capturing what this rank prints; errors are returned, not raised.
+    With `--data-path` in `flags` the run uses it instead of mock data."""
     out = io.StringIO()
     if fault:
         os.environ[FAULT_ENV] = fault
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            result = train(parse_config([*TINY, *flags]), pstate)
+            base = [f for f in TINY if f != "--mock-data" or "--data-path" not in flags]
+            result = train(parse_config([*base, *flags]), pstate)
         return Outcome(result.losses, result.iteration, out.getvalue())
     except Exception as e:  # the scenario decides whether an error is expected
         return Outcome([], -1, out.getvalue(), f"{type(e).__name__}: {e}")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tests.checkpoint.common import flip_tensor_byte
 from tests.distributed import run_ranks
-from tests.reliability.common import BASE, CORRUPTED, run_train
+from tests.reliability.common import BASE, CORRUPTED, bad_corpora, run_train
 
 S16 = ["--train-iters", "16", "--spike-threshold", "5"]
 
@@ -47,12 +47,17 @@ def _scenarios(pstate, tmp: str) -> dict:
     again = ["--train-iters", "20", "--save", f"{t}/base"]
     r["corrupt_stop"] = run_train(pstate, [*again, "--no-ckpt-fallback"])
     r["corrupt"] = run_train(pstate, again)
+    for name in ("ids", "truncated"):
+        r[f"data_{name}"] = run_train(pstate, ["--train-iters", "2", "--data-path",
+                                               f"{t}/data/{name}", "--split", "100,0,0"])
     return r
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory) -> tuple[list[dict], Path]:
     tmp = tmp_path_factory.mktemp("reliability")
+    (tmp / "data").mkdir()
+    bad_corpora(tmp / "data")
     return run_ranks(_scenarios, 2, tmp, tmp=str(tmp), timeout=240), tmp
 
 

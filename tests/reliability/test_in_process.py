@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 from pathlib import Path
 
@@ -160,3 +161,16 @@ def test_corrupt_newest_checkpoint_falls_back(runs) -> None:
         assert o.losses == r["baseline"].losses[15:20]
     assert "checkpoint: loaded iteration 15" in ranks[0]["corrupt"].output
     assert (tmp / "base" / "latest").read_text().strip() == "iter_0000020"
+
+
+def test_bad_data_is_named_on_every_rank_at_start(runs) -> None:
+    """Token ids beyond the vocabulary and a truncated .bin: both ranks stop before the first
+    step (no loss), each naming the shard; the spawn's timeout proves nobody hung."""
+    ranks, tmp = runs
+    ids, truncated = tmp / "data" / "ids_00001.bin", tmp / "data" / "truncated_00001.bin"
+    for r in ranks:
+        for name, path, what in (("ids", ids, r"token id \d+ is outside the vocabulary "
+                                  r"\[0, 97\)"), ("truncated", truncated, "truncated")):
+            o = r[f"data_{name}"]
+            assert o.error is not None and o.losses == [], (name, o.output[-2000:])
+            assert re.search(rf"{path}: .*{what}", o.error), (name, o.error)
