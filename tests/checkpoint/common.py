@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.checkpoint import CheckpointReader
+from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.export import load_model, main, model_logits
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.launch import LaunchEnv
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import train
 
@@ -29,6 +35,21 @@ LAYOUTS = {
                 4, 2, 2),
 }
 """name -> (extra flags, world size, tp, pp)."""
+
+
+def relayout(pstate: ParallelState, tp: int, pp: int) -> ParallelState:
+    """Another (TP, PP) layout of the same, already initialised ranks: the production group
+    construction (`parallel_state.initialize`) minus starting torch.distributed again, so one
+    spawn can train several layouts one after the other."""
+    cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                         pipeline_model_parallel_size=pp,
+                                         distributed_backend="gloo"))
+    env = LaunchEnv(rank=pstate.rank, local_rank=pstate.local_rank,
+                    world_size=pstate.world_size, local_world_size=pstate.world_size,
+                    master_addr="127.0.0.1", master_port=0, source="test", node_rank=0,
+                    num_nodes=1)
+    with mock.patch.object(dist, "init_process_group", lambda *a, **k: None):
+        return parallel_state.initialize(cfg, env, init_method="file:///unused")
 
 
 def run_train(pstate: ParallelState, flags: list[str]) -> list[float]:
@@ -62,3 +83,31 @@ def flip_tensor_byte(path: Path) -> None:
     header = 8 + int.from_bytes(data[:8], "little")
     data[(header + len(data)) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+def check_hf_round_trip(ckpt: Path, iteration: int, tmp_path: Path, *extra: str) -> Path:
+    """Export `ckpt`; transformers' LlamaForCausalLM gives our logits (fp32, 1e-4) after a
+    complete load; importing the export gives back the same weights. Returns the HF dir."""
+    import transformers
+
+    hf = tmp_path / "hf"
+    assert main(["--load", str(ckpt), "--output", str(hf), *extra]) == 0
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    cfg, chunk = load_model(ckpt)
+    ours = model_logits(chunk, tokens, cfg.vocab_size)
+    model, info = transformers.LlamaForCausalLM.from_pretrained(
+        hf, output_loading_info=True, dtype=torch.float32)
+    # A missing weight would be silently random-initialised: require a complete load.
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    assert theirs.shape == ours.shape == (2, 16, 97)
+    assert (theirs - ours).abs().max().item() <= 1e-4
+    back = tmp_path / "back"
+    assert main(["--from-hf", str(hf), "--save", str(back)]) == 0
+    a = CheckpointReader(ckpt / f"iter_{iteration:07d}")
+    b = CheckpointReader(back / "iter_0000000")
+    assert sorted(a.where) == sorted(b.where)
+    for name in a.where:
+        assert torch.equal(a.full_weight(name), b.full_weight(name)), name
+    return hf
