@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -115,3 +116,37 @@ def torchrun(flags: list[str], *, fault: str | None = None, max_restarts: int = 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     return Launch(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_plain_ranks(flags: list[str], fault: str, timeout: float = 120
+                     ) -> tuple[list[int], list[float], str]:
+    """Two `python pretrain.py` processes (no torchrun, so nothing kills the survivor for
+    us): return codes, exit times (monotonic seconds) and the combined output."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, FAULT_ENV: fault}
+        procs.append(subprocess.Popen([sys.executable, "pretrain.py", *TINY, *flags], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    ended: list[float | None] = [None, None]
+    deadline = time.monotonic() + timeout
+    while None in ended and time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    output = "".join(p.communicate()[0] for p in procs)
+    assert None not in ended, f"a rank did not exit within {timeout} s:\n{output[-3000:]}"
+    return [p.returncode for p in procs], ended, output  # type: ignore[return-value]

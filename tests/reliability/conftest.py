@@ -1,5 +1,5 @@
-"""The in-process scenarios run once per session (one spawn of two ranks): test_in_process
-checks them, and the torchrun tests compare against their uninterrupted baseline."""
+"""The in-process scenarios run once per session (one spawn of two ranks); test_scenarios
+checks them and compares its whole-process faults with their uninterrupted baseline."""
 
 from __future__ import annotations
 

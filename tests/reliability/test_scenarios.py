@@ -1,6 +1,8 @@
-"""NaN/Inf, loss spikes, --skip-iterations, SIGTERM, time limits and a corrupt checkpoint,
-on 2 gloo ranks (DP=2). Every scenario runs in one spawn of two processes (start-up dominates
-the cost on a small CPU box); each test checks one scenario against a reference run."""
+"""NaN/Inf, loss spikes, --skip-iterations, SIGTERM, time limits, corrupt checkpoints and bad
+data on 2 gloo ranks (DP=2), all from one spawn of two processes (start-up dominates the cost
+on a small CPU box); then the faults that kill whole processes (a rank SIGKILLed mid-save, a
+torchrun restart), compared bit for bit with that spawn's uninterrupted baseline. They share
+one file so that `pytest --dist loadfile` runs the spawn once."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.reliability.common import CORRUPTED, Outcome
+from tests.reliability.common import (
+    BASE,
+    CORRUPTED,
+    Outcome,
+    jsonl_losses,
+    torchrun,
+    two_plain_ranks,
+)
 
 
 def _ok(o: Outcome) -> Outcome:
@@ -174,3 +183,46 @@ def test_bad_data_is_named_on_every_rank_at_start(runs) -> None:
             o = r[f"data_{name}"]
             assert o.error is not None and o.losses == [], (name, o.output[-2000:])
             assert re.search(rf"{path}: .*{what}", o.error), (name, o.error)
+
+
+# ---- whole processes, compared with the in-process baseline ----------------------------------
+
+PG_TIMEOUT_S = 30
+
+
+def test_rank_killed_during_save_then_resume(runs, tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed while writing the checkpoint of iteration 15 (saves every 5): the
+    survivor exits non-zero within the collective timeout + 10 s, the partial checkpoint is
+    skipped with a message, and the resume from iteration 10 reproduces iterations 11-20."""
+    baseline = runs[0][0]["baseline"].losses
+    save, log = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    flags = [*BASE, "--save", str(save), "--log-jsonl", str(log),
+             "--distributed-timeout-minutes", str(PG_TIMEOUT_S / 60)]
+    codes, ended, output = two_plain_ranks(flags, "rank1:iter15:kill_in_save")
+    assert codes[1] == -9 and codes[0] not in (0, None), (codes, output[-3000:])
+    assert ended[0] - ended[1] < PG_TIMEOUT_S + 10
+    assert (save / "latest").read_text().strip() == "iter_0000010"
+    partial = save / "iter_0000015.tmp"
+    assert partial.is_dir() and not (partial / "metadata.json").exists()
+
+    resumed = torchrun(flags)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"checkpoint: skipping partial {partial}" in resumed.output
+    assert "checkpoint: loaded iteration 10" in resumed.output
+    losses = jsonl_losses(log)
+    assert [losses[i] for i in range(11, 21)] == baseline[10:20]
+
+
+def test_torchrun_restart_reforms_group_and_matches(runs, tmp_path: Path) -> None:
+    """torchrun --max-restarts 1; rank 1 dies at iteration 13 of attempt 0 only. Attempt 1
+    re-forms the gloo group (store prefixed by the restart count), resumes from iteration 10
+    and finishes with the uninterrupted losses."""
+    baseline = runs[0][0]["baseline"].losses
+    log = tmp_path / "m.jsonl"
+    out = torchrun([*BASE, "--save", str(tmp_path / "ckpt"), "--log-jsonl", str(log)],
+                   fault="rank1:iter13:exit", max_restarts=1, timeout=180)
+    assert out.returncode == 0, out.output[-3000:]
+    assert "fault injection: rank 1 iteration 13: exit" in out.output
+    assert "checkpoint: loaded iteration 10" in out.output
+    losses = jsonl_losses(log)
+    assert [losses[i] for i in range(1, 21)] == baseline

@@ -1,0 +1,26 @@
+"""A hang on one rank: the watchdog ends the run with every thread's stack (torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_lite.reliability import HANG_EXIT_CODE
+from tests.reliability.common import torchrun
+
+
+def test_hang_is_detected_with_stacks(tmp_path: Path) -> None:
+    """Rank 1 hangs at iteration 3: the watchdog on each rank dumps every thread's stack and
+    exits with HANG_EXIT_CODE after --hang-timeout-seconds; the run ends, it does not hang."""
+    timeout_s = 8
+    out = torchrun(["--train-iters", "6", "--hang-timeout-seconds", str(timeout_s),
+                    "--distributed-timeout-minutes", "1"], fault="rank1:iter3:hang",
+                   timeout=90)
+    assert out.returncode != 0
+    assert f"exitcode  : {HANG_EXIT_CODE}" in out.output, out.output[-3000:]
+    for rank in (0, 1):
+        assert f"hang watchdog: rank {rank} on host" in out.output, out.output[-3000:]
+    assert "iteration 3: phase 'forward-backward'" in out.output
+    assert "in before_step" in out.output  # rank 1's own stack shows where it is stuck
+    assert "in all_reduce_" in out.output  # rank 0 waits for it in a collective
+    assert "Thread 0x" in out.output or "Current thread 0x" in out.output
+    assert out.seconds < 60
