@@ -161,7 +161,9 @@ def open_source(path: str, dp_rank: int = 0, dp_size: int = 1, node_local: bool 
     corpus = Corpus([IndexedShard(p, hint) for p in prefixes])
     if vocab_size is not None:
         for shard in corpus.shards:
-            shard.check_vocab(vocab_size)
+            # A manifest records the tokenizer that made the shard (checked against ours
+            # earlier), so a sample suffices; a bare .bin/.idx pair is scanned in full.
+            shard.check_vocab(vocab_size, full=manifest is None)
     total = manifest.total_tokens if manifest else int(corpus.sizes.sum(dtype=np.int64))
     return Source(path, corpus, manifest, total)
 

@@ -253,16 +253,25 @@ class IndexedShard:
         self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r")
                      if bin_size else np.zeros(0, self.dtype))
 
-    def check_vocab(self, vocab_size: int, sample: int = 1 << 16) -> None:
-        """Tokens at the start and end of the shard must be ids below `vocab_size` (a cheap
-        sample that catches shards made with another tokenizer)."""
-        head, tail = self._bin[:sample], self._bin[max(0, self.num_tokens - sample):]
-        top = max(int(head.max(initial=0)), int(tail.max(initial=0)))
-        low = min(int(head.min(initial=0)), int(tail.min(initial=0)))
-        if top >= vocab_size or low < 0:
-            raise _fail(self.bin_path, f"token id {top if top >= vocab_size else low} is outside "
-                        f"the vocabulary [0, {vocab_size}); the shard was made with another "
-                        "tokenizer (pass that --tokenizer-model)", None)
+    def check_vocab(self, vocab_size: int, full: bool = False, sample: int = 1 << 16,
+                    chunk: int = 1 << 26) -> None:
+        """Every token id must be in [0, vocab_size); the error names the token offset.
+
+        `full` scans the whole shard in chunks (a few seconds per billion tokens); without it
+        only the first and last `sample` tokens are read, the cheap check for shards whose
+        manifest already vouches for the tokenizer.
+        """
+        n = self.num_tokens
+        spans = [(0, n)] if full or n <= 2 * sample else [(0, sample), (n - sample, n)]
+        for begin, end in spans:
+            for lo in range(begin, end, chunk):
+                piece = self._bin[lo:min(end, lo + chunk)]
+                if piece.size and (int(piece.max()) >= vocab_size or int(piece.min()) < 0):
+                    bad = np.flatnonzero((piece >= vocab_size) | (piece < 0))[0]
+                    raise _fail(self.bin_path, f"token id {int(piece[bad])} at token offset "
+                                f"{lo + int(bad)} is outside the vocabulary [0, {vocab_size}); "
+                                "the shard was made with another tokenizer (pass that "
+                                "--tokenizer-model) or is corrupt", None)
 
     def __len__(self) -> int:
         return len(self.lengths)

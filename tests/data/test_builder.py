@@ -94,5 +94,6 @@ def test_token_ids_beyond_the_vocab_are_caught(tmp_path):
     data = json.loads(manifest.read_text())
     data["tokenizer"]["vocab_size"] = 300  # a manifest that lies: only the ids can tell
     manifest.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"c_0000\d\.bin: token id \d+ is outside"):
+    with pytest.raises(ConfigError,
+                       match=r"c_0000\d\.bin: token id \d+ at token offset \d+ is outside"):
         build_data_loaders(cfg, 0, 1)

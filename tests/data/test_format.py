@@ -176,3 +176,14 @@ def test_every_truncation_and_index_byte_flip_is_caught(shard):
         idx.write_bytes(bytes(raw))
         with pytest.raises(fmt.ShardError):
             fmt.IndexedShard(prefix)
+
+
+def test_full_vocab_scan_names_the_offset(tmp_path):
+    """A bad id deep inside a shard: the sampled check misses it, the full scan names it."""
+    docs = [np.arange(50, dtype=np.int64) % 40 for _ in range(400)]
+    docs[200][17] = 45  # 20,000 tokens in all; this one sits at offset 200 * 50 + 17
+    _write(tmp_path / "deep", docs)
+    shard = fmt.IndexedShard(tmp_path / "deep")
+    shard.check_vocab(41, sample=1000)  # first and last 1,000 tokens only: passes
+    with pytest.raises(fmt.ShardError, match=r"token id 45 at token offset 10017 is outside"):
+        shard.check_vocab(41, full=True, chunk=4096)

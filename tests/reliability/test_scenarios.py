@@ -178,8 +178,9 @@ def test_bad_data_is_named_on_every_rank_at_start(runs) -> None:
     ranks, tmp = runs
     ids, truncated = tmp / "data" / "ids_00001.bin", tmp / "data" / "truncated_00001.bin"
     for r in ranks:
-        for name, path, what in (("ids", ids, r"token id \d+ is outside the vocabulary "
-                                  r"\[0, 97\)"), ("truncated", truncated, "truncated")):
+        for name, path, what in (("ids", ids, r"token id \d+ at token offset \d+ is outside "
+                                  r"the vocabulary \[0, 97\)"), ("truncated", truncated,
+                                                                "truncated")):
             o = r[f"data_{name}"]
             assert o.error is not None and o.losses == [], (name, o.output[-2000:])
             assert re.search(rf"{path}: .*{what}", o.error), (name, o.error)
