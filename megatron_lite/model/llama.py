@@ -75,9 +75,13 @@ class Attention(nn.Module):
         v = v.view(s, b, self.groups, d)
         # SDPA wants [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            # The CPU flash-attention backward is ~4x slower in bf16 than in fp32 at small
+            # head dims (bench/shakespeare.py), so the CPU core runs in fp32.
+            q, k, v = q.float(), k.float(), v.float()
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.groups != self.heads)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
+        return out.to(qkv.dtype).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
