@@ -75,7 +75,7 @@ def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
     param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank,
                           fused_kernels=chunks[0].layers[0].attention.use_triton
-                          if len(chunks[0].layers) else False)
+                          if len(chunks[0].layers) else False, device_type=pstate.device.type)
     lines = [f"memory (rank {pstate.rank}, stage {pstate.pp_rank}): measured | planner",
              f"  parameters  {fmt_bytes(param_bytes)} | {fmt_bytes(est.param_bytes)}",
              f"  gradients   {fmt_bytes(grad_bytes)} | {fmt_bytes(est.grad_bytes)}",

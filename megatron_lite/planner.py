@@ -151,6 +151,8 @@ class ActivationSetup:
     bf16: bool = True
     fused_kernels: bool = True
     """Triton kernels (save inputs only) vs the plain-PyTorch references (save fp32 temporaries)."""
+    fp32_attention_core: bool = False
+    """bf16 on CPU: model/llama.py runs SDPA in fp32 there, which saves fp32 q, k, v and out."""
 
 
 def _norm_and_linear_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
@@ -184,6 +186,8 @@ def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool =
                                                      fp32 gate, up and silu(gate) copies
 
     With bf16 reference kernels add 4h per norm (fp32 weight copy) and 8·s·d (fp32 RoPE tables).
+    bf16 on CPU runs SDPA in fp32 (`fp32_attention_core`): attention is then
+    4·sb·(2q + 2k)/t (fp32 q, k, v, out) + e·sb·q/t (projection input) + log-sum-exp.
     For MHA, f = 8h/3, fused bf16: about 34.7·sbh without TP, vs 34·sbh + 5·a·s²·b in the paper.
     `selective` reruns RoPE + SDPA in backward: it keeps the qkv output, drops rotated q, k and
     the log-sum-exp (out is still saved by the projection).
@@ -195,6 +199,10 @@ def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool =
     norms = 2 * _norm_and_linear_input_bytes(m, a)
     qkv_out, rotated, out = e * s * b * (q + 2 * k), e * s * b * (q + k), e * s * b * q
     lse = 4 * m.num_attention_heads * s * b
+    if a.fp32_attention_core and a.bf16 and not selective:
+        # SDPA saves its fp32 copies of q, k, v and its fp32 out; v no longer views the bf16
+        # qkv output, so nothing keeps that alive.
+        qkv_out, rotated = 0, 4 * s * b * (2 * q + 2 * k)
     attn = (qkv_out + out + (0 if selective else rotated + lse)) / t
     if not a.fused_kernels and a.bf16 and not selective:
         attn += 8 * s * m.head_dim
@@ -327,7 +335,8 @@ def _recompute_from(cfg: Config) -> Recompute:
 
 
 def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
-                    fused_kernels: bool | None = None) -> MemoryEstimate:
+                    fused_kernels: bool | None = None, device_type: str = "cuda"
+                    ) -> MemoryEstimate:
     """Per-rank memory estimate for `cfg` on `world_size` ranks.
 
     `stage` picks a pipeline stage (default: the stage with the largest total). `fused_kernels`
@@ -341,7 +350,7 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     chunks = counts[0] // per_chunk if per_chunk else 1
     fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
     act = ActivationSetup(cfg.train.micro_batch_size, tp, p.sequence_parallel, cfg.train.bf16,
-                          fused)
+                          fused, fp32_attention_core=device_type == "cpu")
     spec = StageSpec(tp, pp, world_size // (tp * pp), chunks, num_microbatches(cfg, world_size),
                      p.use_distributed_optimizer, _recompute_from(cfg), act)
     estimates = [stage_memory(m, spec, i, n) for i, n in enumerate(counts)]

@@ -38,7 +38,8 @@ def _measure(pstate: ParallelState, flags: list[str]) -> dict:
     optimizer = Optimizer(cfg, chunks, pstate)
     report = optimizer.memory()
     params = {id(p): p for c in chunks for p in c.parameters()}
-    est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank, fused_kernels=False)
+    est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank, fused_kernels=False,
+                          device_type="cpu")
     return {"param": sum(p.numel() * p.element_size() for p in params.values()),
             "grad": report.grad_buffer_bytes, "optimizer": report.state_bytes,
             "saved": measure_saved_bytes(chunks, cfg, pstate),

@@ -99,7 +99,7 @@ def test_activation_formula_matches_saved_tensors(dtype, groups):
     measured = _saved_bytes(chunk, lambda: chunk(tokens, tokens).sum())
     cfg = Config(model=model, train=TrainConfig(micro_batch_size=b,
                                                 bf16=dtype == torch.bfloat16))
-    est = estimate_memory(cfg, 1, fused_kernels=False)
+    est = estimate_memory(cfg, 1, fused_kernels=False, device_type="cpu")
     assert est.activation_bytes_per_microbatch == pytest.approx(measured, rel=0.01)
 
 
