@@ -19,6 +19,8 @@
 #   Any other flags go to pretrain.py after ours, so they override them, e.g.
 #   `--bf16 --compile` (the fastest CPU setting, see bench/shakespeare.py) or
 #   `--train-iters 100` for a quick look.
+# On a CPU shared with other jobs, OMP_NUM_THREADS=1 avoids oversubscribed OpenMP threads
+# (2 threads per process with other processes on the cores ran ~20x slower here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
