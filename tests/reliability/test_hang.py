@@ -9,16 +9,19 @@ from tests.reliability.common import torchrun
 
 
 def test_hang_is_detected_with_stacks(tmp_path: Path) -> None:
-    """Rank 1 hangs at iteration 3: the watchdog on each rank dumps every thread's stack and
-    exits with HANG_EXIT_CODE after --hang-timeout-seconds; the run ends, it does not hang."""
+    """Rank 1 hangs at iteration 3: its watchdog dumps every thread's stack and exits with
+    HANG_EXIT_CODE after --hang-timeout-seconds; the run ends, it does not hang."""
     timeout_s = 8
     out = torchrun(["--train-iters", "6", "--hang-timeout-seconds", str(timeout_s),
                     "--distributed-timeout-minutes", "1"], fault="rank1:iter3:hang",
                    timeout=90)
     assert out.returncode != 0
     assert f"exitcode  : {HANG_EXIT_CODE}" in out.output, out.output[-3000:]
-    for rank in (0, 1):
-        assert f"hang watchdog: rank {rank} on host" in out.output, out.output[-3000:]
+    assert "hang watchdog: rank 1 on host" in out.output, out.output[-3000:]
+    # Rank 0 waits for rank 1 in a collective: its own watchdog fires at about the same time,
+    # unless rank 1's exit closes the connection first, which fails rank 0's collective.
+    assert ("hang watchdog: rank 0 on host" in out.output
+            or "Connection closed by peer" in out.output), out.output[-3000:]
     assert "iteration 3: phase 'forward-backward'" in out.output
     assert "in before_step" in out.output  # rank 1's own stack shows where it is stuck
     assert "in all_reduce_" in out.output  # rank 0 waits for it in a collective
