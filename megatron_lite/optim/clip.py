@@ -30,11 +30,14 @@ def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_
 
     Returns an fp32 scalar tensor; NaN/Inf anywhere propagates into it.
     """
-    grads = list(grads)
-    device = grads[0].device if grads else pstate.device
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    grads = [g for g in grads if g.numel()]
+    if grads:
+        # One fused pass per piece with fp32 accumulation (no fp32 copy of bf16 gradients),
+        # the same reduction torch.nn.utils.clip_grad_norm_ uses.
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32, device=pstate.device)
     group = pstate.world_group if sharded_over_dp else pstate.mp_group
     comms.all_reduce_(sq, group)
     return sq.sqrt()
