@@ -31,43 +31,50 @@ def _tp_size(tp_group) -> int:
     return dist.get_world_size(tp_group)
 
 
-def _row_stats_reference(
-    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Local fp32 logits with padding at -inf, the row max, and the target logit (0 off-rank)."""
-    logits_f = logits.float()
-    v_local = logits.shape[-1]
-    ids = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
-    logits_f = logits_f.masked_fill(ids >= vocab_size, float("-inf"))
-    row_max = logits_f.max(dim=-1).values
-    local_t = target - vocab_start
-    on_rank = (local_t >= 0) & (local_t < v_local)
-    picked = logits_f.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    return logits_f, row_max, torch.where(on_rank, picked, torch.zeros_like(picked))
-
-
 def _reference_forward(
-    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, tp_group, ignore_index: int
-) -> tuple[Tensor, Tensor]:
-    """Loss [N] and gradient [N, V_local] (logits dtype) for 2-D logits, by plain torch ops."""
-    logits_f, row_max, target_logit = _row_stats_reference(logits, target, vocab_start, vocab_size)
+    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, tp_group,
+    ignore_index: int, grad_out: Tensor | None,
+) -> Tensor:
+    """Loss [N] for 2-D logits by plain torch ops; writes the gradient into `grad_out` if given.
+
+    Padding ids are the tail of a rank's slice, so the math runs on the valid columns only (no
+    -inf mask) and the tail's gradient is zero. Five passes over the valid logits (max; shift
+    and exp, in the output; sum; divide), plus a cast when the logits are not fp32.
+    """
+    n_rows, v_local = logits.shape
+    n_valid = max(0, min(v_local, vocab_size - vocab_start))
+    x = logits[:, :n_valid].float()
+    local_t = (target - vocab_start).clamp(0, max(n_valid - 1, 0)).unsqueeze(-1)
+    on_rank = (target >= vocab_start) & (target < vocab_start + n_valid)
+    if n_valid:
+        row_max = x.amax(dim=-1)
+        target_logit = torch.where(on_rank, x.gather(-1, local_t).squeeze(-1), 0.0)
+    else:  # this rank holds only padding
+        row_max = x.new_full((n_rows,), float("-inf"))
+        target_logit = x.new_zeros(n_rows)
     if _tp_size(tp_group) > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    exp = torch.exp(logits_f - row_max.unsqueeze(-1))
-    sums = torch.stack((exp.sum(dim=-1), target_logit))
+    fp32_out = grad_out is not None and grad_out.dtype == torch.float32
+    probs = (grad_out if fp32_out else logits.new_empty(logits.shape, dtype=torch.float32))
+    probs = probs[:, :n_valid]
+    torch.sub(x, row_max.unsqueeze(-1), out=probs).exp_()
+    sums = torch.stack((probs.sum(dim=-1), target_logit))
     if _tp_size(tp_group) > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
     sum_exp, target_logit = sums
     ignored = target == ignore_index
-    loss = torch.log(sum_exp) + row_max - target_logit
-    loss = loss.masked_fill(ignored, 0.0)
-    grad = exp.div_(sum_exp.unsqueeze(-1))
-    local_t = target - vocab_start
-    on_rank = (local_t >= 0) & (local_t < logits.shape[-1]) & ~ignored
-    rows = on_rank.nonzero().squeeze(-1)
-    grad[rows, local_t[rows]] -= 1.0
-    grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
-    return loss, grad
+    loss = (torch.log(sum_exp) + row_max - target_logit).masked_fill(ignored, 0.0)
+    if grad_out is None:
+        return loss
+    # softmax - onehot; ignored rows divide by inf, which zeroes them without another pass.
+    probs.div_(sum_exp.masked_fill(ignored, float("inf")).unsqueeze(-1))
+    if n_valid:
+        hit = (on_rank & ~ignored).to(torch.float32).unsqueeze(-1)
+        probs.scatter_add_(-1, local_t, hit.neg())
+    if not fp32_out:
+        grad_out[:, :n_valid].copy_(probs)
+    grad_out[:, n_valid:] = 0.0
+    return loss
 
 
 def _triton_forward(
@@ -108,6 +115,19 @@ def _triton_forward(
     return loss
 
 
+def _traceable_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int,
+                             ignore_index: int) -> Tensor:
+    """The one-rank loss as differentiable ops, for torch.compile.
+
+    Inductor fuses the forward into one reduction over the logits and derives a one-pass
+    backward (softmax - onehot, scaled), which beats the autograd.Function's saved gradient.
+    The padding columns are sliced off, so their gradient is zero.
+    """
+    x = logits[..., :vocab_size].float()
+    picked = x.gather(-1, target.clamp(0, vocab_size - 1).unsqueeze(-1)).squeeze(-1)
+    return (torch.logsumexp(x, dim=-1) - picked).masked_fill(target == ignore_index, 0.0)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Loss forward that saves its own gradient; backward scales it by dL/dloss."""
 
@@ -123,17 +143,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if need_grad and inplace_backward and logits.is_leaf:
             raise ValueError("inplace_backward=True would overwrite a leaf tensor's data; pass "
                              "logits produced by an op (the output layer's matmul)")
-        if use_triton:
-            grad = None
-            if need_grad:
-                grad = logits_2d if inplace_backward else torch.empty_like(logits_2d)
-            loss = _triton_forward(logits_2d, target_1d, vocab_start, vocab_size, tp_group,
-                                   ignore_index, grad)
-        else:
-            loss, grad = _reference_forward(logits_2d, target_1d, vocab_start, vocab_size,
-                                            tp_group, ignore_index)
-            if need_grad:
-                grad = logits_2d.copy_(grad) if inplace_backward else grad.to(logits.dtype)
+        grad = None
+        if need_grad:
+            grad = logits_2d if inplace_backward else torch.empty_like(logits_2d)
+        forward = _triton_forward if use_triton else _reference_forward
+        loss = forward(logits_2d, target_1d, vocab_start, vocab_size, tp_group, ignore_index,
+                       grad)
         if not need_grad:
             return loss.view(shape)
         if grad.data_ptr() == logits.data_ptr():
@@ -178,5 +193,7 @@ def vocab_parallel_cross_entropy(
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be target {tuple(target.shape)} + "
                          "[V_local]")
+    if torch.compiler.is_compiling() and not use_triton and _tp_size(tp_group) == 1:
+        return _traceable_cross_entropy(logits, target, vocab_size, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, tp_group,
                                             ignore_index, use_triton, inplace_backward)

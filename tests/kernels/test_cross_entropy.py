@@ -134,3 +134,19 @@ def test_backward_twice_is_refused(device, gen):
     loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="only once"):
         loss.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiles_without_graph_breaks(dtype, gen, monkeypatch):
+    """Under torch.compile (TP 1) the loss traces into the graph, padding and ignore included."""
+    monkeypatch.undo()  # Inductor's own pattern setup allocates bool tensors the poison rejects
+    logits, target, weight = _problem((2, 3), 300, 291, gen)
+    logits = logits.to(dtype).float()
+    loss_ref, grad_ref = _expected(logits, target, weight, 291)
+    compiled = torch.compile(vocab_parallel_cross_entropy, fullgraph=True)
+    x = logits.to(dtype, copy=True).requires_grad_()
+    loss = compiled(x * 1.0, target, 0, 291, ignore_index=IGNORE)
+    (loss * weight).sum().backward()
+    assert_close(loss, loss_ref, dtype, "loss")
+    assert_close(x.grad, grad_ref.to(dtype), dtype, "dlogits")
+    assert (loss[target == IGNORE] == 0).all()
