@@ -28,12 +28,12 @@ GLOBAL_BATCH = 4
 
 
 def make_config(*, tp: int = 1, pp: int = 1, global_batch: int = GLOBAL_BATCH, micro: int = 1,
-                bf16: bool = False, **parallel: object) -> Config:
+                bf16: bool = False, lr: float | None = None, **parallel: object) -> Config:
     return Config(model=replace(MODEL),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                           pipeline_model_parallel_size=pp,
                                           distributed_backend="gloo", **parallel),
-                  optim=replace(OPTIM),
+                  optim=replace(OPTIM, lr=lr or OPTIM.lr),
                   train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch,
                                     seed=11, bf16=bf16))
 
@@ -104,14 +104,15 @@ def model_parameters(chunks: list) -> dict[str, Tensor]:
     return out
 
 
-def train_reference(steps: int, global_batch: int = GLOBAL_BATCH) -> dict:
+def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | None = None
+                    ) -> dict:
     """One process, `.grad` accumulation, torch clip + AdamW.
 
     Micro-batches of one sample, like the DP ranks': a [2, s] matmul does not round like two
     [1, s] ones, and Adam turns that noise into ~1e-5 weight differences within 10 steps.
     The only difference left is the order in which per-sample gradients are summed.
     """
-    cfg = make_config(micro=1, global_batch=global_batch)
+    cfg = make_config(micro=1, global_batch=global_batch, lr=lr)
     pstate = single_state()
     model = build_model(cfg, pstate)[0]
     params = list(model.parameters())

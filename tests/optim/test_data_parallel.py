@@ -115,17 +115,24 @@ def test_tp2_dp2_matches_single_process(tmp_path, reference) -> None:
     TP rounds differently (split matmuls, vocab-parallel loss): the first step's gradient
     norm agrees to ~1e-7, and Adam, which normalises every element, grows that into ~5e-5
     weight differences after 10 steps at this LR. So the layout-independent claim (ZeRO-1 vs
-    plain DP on the same TP model) is held to 1e-5, the comparison with one process to 1e-4.
+    plain DP on the same TP model) is held to 1e-5, the comparison with one process to 1e-4
+    at lr 1e-2 and to 1e-5 at lr 1e-3 (measured 6.2e-6).
     """
     variants = {"plain": {"sequence_parallel": True},
                 "zero1": {"use_distributed_optimizer": True, "sequence_parallel": True,
                           "overlap_grad_reduce": True, "overlap_param_gather": True,
-                          "ddp_bucket_size": 2000}}
+                          "ddp_bucket_size": 2000},
+                "zero1_lr1e-3": {"use_distributed_optimizer": True, "sequence_parallel": True,
+                                 "lr": 1e-3}}
     ranks = run_ranks(_variants, 4, tmp_path, tp=2, variants=variants, steps=STEPS,
                       common={"tp": 2})
     full = {name: [full_params([r[name] for r in ranks[d:d + 2]], tp=2) for d in (0, 2)]
             for name in variants}
-    for name in variants:
+    # At lr 1e-3 the amplified rounding stays small: the issue's 1e-5 against one process.
+    slow = train_reference(STEPS, lr=1e-3)
+    for dp_rank in (0, 1):
+        assert_same_params(full["zero1_lr1e-3"][dp_rank], slow["params"], tol=1e-5)
+    for name in ("plain", "zero1"):
         assert ranks[0][name]["norms"][0] == pytest.approx(reference["norms"][0], rel=1e-5)
         for dp_rank in (0, 1):
             assert_same_params(full[name][dp_rank], reference["params"], tol=1e-4)
