@@ -74,6 +74,11 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
               for spec in stage_chunks(part, pstate.pp_rank)]
     if cfg.train.compile:
         for chunk in chunks:
+            if pstate.tp_size == 1:
+                # Nothing inside a chunk communicates and the loss traces to plain ops
+                # (kernels/cross_entropy.py): one graph for embedding, layers, head and loss.
+                chunk.compile()
+                continue
             for layer in chunk.layers:
                 layer.compile()
     return chunks

@@ -1,8 +1,9 @@
 """--compile under tensor, sequence and pipeline parallelism: same losses as eager, no graph breaks.
 
-Each TransformerLayer is compiled in place. Dynamo traces through our TP/SP communication
-(the autograd Functions in parallel/comms.py become functional collectives inside the graph),
-so a layer is one graph even with sequence parallelism, and every layer reuses it. Compiling
+With TP each TransformerLayer is compiled in place. Dynamo traces through our TP/SP
+communication (the autograd Functions in parallel/comms.py become functional collectives inside
+the graph), so a layer is one graph even with sequence parallelism, and every layer reuses it.
+Without TP the whole chunk (embedding, layers, head and loss) is one graph per stage. Compiling
 takes ~25 s of CPU per process, so these are marked slow (not part of CI); the single-process
 compiled curve is checked in CI by tests/test_regression.py.
 """
