@@ -164,7 +164,8 @@ class TrainConfig:
     eval_iters: int = 10
     """Micro-batch rounds per evaluation."""
     compile: bool = False
-    """torch.compile each layer stack (graph breaks only at communication points)."""
+    """torch.compile each model chunk as one graph (each layer with TP > 1, whose collectives
+    sit between layers); graph breaks only at communication points."""
     recompute_granularity: str | None = field(
         default=None, metadata={"choices": ["full", "selective"]})
     """Activation recomputation: full = rerun whole layers in backward, keeping only their
