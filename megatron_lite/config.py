@@ -208,7 +208,7 @@ class DataConfig:
     data_sharding: str = field(default="global", metadata={"choices": ["global", "node-local"]})
     """global = shared storage, global shuffle; node-local = each DP rank reads its own shards."""
     num_workers: int = 1
-    """Background processes preparing batches."""
+    """Training steps of micro-batches a background thread prepares ahead (0 = none)."""
     data_cache_path: str | None = None
     """Directory for cached sample/shuffle indices (default: next to the data)."""
     eod_mask_loss: bool = False

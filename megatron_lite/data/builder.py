@@ -107,7 +107,8 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
     if cfg.data.mock_data:
         train = MockDataset(m.vocab_size, m.seq_length, t.seed, "train")
         valid = MockDataset(m.vocab_size, m.seq_length, t.seed, "valid")
-        return (MicroBatchLoader(train, consumed_samples=consumed_train_samples, **common),
+        return (MicroBatchLoader(train, consumed_samples=consumed_train_samples,
+                                 prefetch=cfg.data.num_workers, **common),
                 MicroBatchLoader(valid, **common))
     if not cfg.data.data_path:
         raise ConfigError("no data: pass --mock-data or --data-path with --tokenizer-model")
@@ -118,5 +119,6 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
     train, valid, _ = _real_datasets(cfg, dp_rank, dp_size, gbs)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")
-    return (MicroBatchLoader(train, consumed_samples=consumed_train_samples, **common),
+    return (MicroBatchLoader(train, consumed_samples=consumed_train_samples,
+                             prefetch=cfg.data.num_workers, **common),
             MicroBatchLoader(valid, **common) if valid is not None else None)

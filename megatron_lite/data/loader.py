@@ -14,6 +14,7 @@ samples per step and the position is still the one global number.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -44,7 +45,7 @@ class MicroBatchLoader:
     def __init__(self, dataset: TokenDataset, *, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, consumed_samples: int = 0,
                  eod_id: int | None = None, eod_mask_loss: bool = False,
-                 node_local: bool = False) -> None:
+                 node_local: bool = False, prefetch: int = 0) -> None:
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of micro batch x dp")
         self.dataset = dataset
@@ -53,6 +54,9 @@ class MicroBatchLoader:
         self.consumed_samples = consumed_samples
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
         self.node_local = node_local
+        self.prefetch = prefetch
+        self._pool = ThreadPoolExecutor(1, "batch-prefetch") if prefetch > 0 else None
+        self._ahead: dict[int, Future] = {}
 
     @property
     def num_microbatches(self) -> int:
@@ -68,10 +72,27 @@ class MicroBatchLoader:
         return [[(consumed + (j * dp + self.dp_rank) * mb + i) % len(self.dataset)
                  for i in range(mb)] for j in range(self.num_microbatches)]
 
+    def _build(self, consumed: int) -> list[dict[str, Tensor]]:
+        return [to_batch([self.dataset[i] for i in idx], self.eod_id, self.eod_mask_loss)
+                for idx in self.sample_indices(consumed)]
+
     def next_step(self) -> list[dict[str, Tensor]]:
-        batches = [to_batch([self.dataset[i] for i in idx], self.eod_id, self.eod_mask_loss)
-                   for idx in self.sample_indices(self.consumed_samples)]
+        """The step starting at `consumed_samples`, then advance.
+
+        With `prefetch` = N (--num-workers), a background thread prepares the next N steps.
+        Work is keyed by the position it starts at, so a position set from outside (resume,
+        evaluation restart) simply misses and is built here: batches never depend on timing.
+        """
+        future = self._ahead.pop(self.consumed_samples, None)
+        batches = future.result() if future else self._build(self.consumed_samples)
         self.consumed_samples += self.global_batch_size
+        if self._pool is not None:
+            for stale in [k for k in self._ahead if k < self.consumed_samples]:
+                self._ahead.pop(stale).cancel()
+            for ahead in range(self.prefetch):
+                start = self.consumed_samples + ahead * self.global_batch_size
+                if start not in self._ahead:
+                    self._ahead[start] = self._pool.submit(self._build, start)
         return batches
 
     def state_dict(self) -> dict:
