@@ -34,8 +34,8 @@ else
     echo "reusing $OUT/stdlib.manifest.json"
 fi
 
-ITERS=300
-EVAL_INTERVAL=100
+ITERS=600
+EVAL_INTERVAL=200
 if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; fi
 rm -rf "$OUT/ckpt" "$OUT/metrics.jsonl"  # a fresh run each time (a kept checkpoint would be resumed)
 "$PYTHON" pretrain.py --data-path "$OUT/stdlib" --tokenizer-model "$OUT/tok.model" \
