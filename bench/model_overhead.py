@@ -27,7 +27,7 @@ from megatron_lite.config import Config, ModelConfig, OptimConfig, TrainConfig
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.data.mock import MockDataset
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import single_process_state
 from megatron_lite.training import StepRunner, build_model, train_step
 
 CONFIGS = {
@@ -97,8 +97,7 @@ def _config(name: str) -> Config:
 
 
 def _time_ours(cfg: Config, steps: int) -> list[float]:
-    ps = ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                       pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"), backend=None)
+    ps = single_process_state()
     chunks = build_model(cfg, ps)
     opt = Optimizer(cfg, chunks, ps)
     loader = MicroBatchLoader(MockDataset(cfg.model.vocab_size, cfg.model.seq_length, 0),

@@ -36,7 +36,7 @@ from megatron_lite.config import Config, ModelConfig, OptimConfig, TrainConfig  
 from megatron_lite.data.loader import MicroBatchLoader  # noqa: E402
 from megatron_lite.data.mock import MockDataset  # noqa: E402
 from megatron_lite.optim.optimizer import Optimizer  # noqa: E402
-from megatron_lite.parallel.state import ParallelState  # noqa: E402
+from megatron_lite.parallel.state import single_process_state  # noqa: E402
 from megatron_lite.training import StepRunner, build_model, train_step  # noqa: E402
 
 VOCAB = 324
@@ -68,8 +68,7 @@ def shakespeare_config(*, bf16: bool = False, compile: bool = False) -> Config:
 
 def ours_step(bf16: bool, compile: bool) -> Callable[[], None]:
     cfg = shakespeare_config(bf16=bf16, compile=compile)
-    ps = ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                       pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"), backend=None)
+    ps = single_process_state()
     chunks = build_model(cfg, ps)
     opt = Optimizer(cfg, chunks, ps)
     mbs = cfg.train.micro_batch_size

@@ -32,7 +32,7 @@ from megatron_lite.checkpoint import files as F
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import single_process_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -265,12 +265,6 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     if tok.is_file():
         shutil.copyfile(tok, save_dir / "tokenizer.model")
     return final
-
-
-def single_process_state(device: torch.device | None = None) -> ParallelState:
-    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                         pp_rank=0, dp_size=1, dp_rank=0, device=device or torch.device("cpu"),
-                         backend=None)
 
 
 @torch.no_grad()

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import train
 from tests.distributed import run_ranks
 
@@ -33,9 +32,7 @@ def _train(pstate: ParallelState, flags: list[str]) -> list[float]:
 @functools.cache
 def _single_process_losses(flags: tuple[str, ...]) -> list[float]:
     """The reference run, in this process (no spawn), cached across layouts."""
-    pstate = ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0,
-                           pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
-                           device=torch.device("cpu"), backend=None)
+    pstate = single_process_state()
     return train(parse_config(list(flags)), pstate).losses
 
 

@@ -78,6 +78,13 @@ class ParallelState:
                 f"device {self.device}")
 
 
+def single_process_state(device: torch.device | None = None) -> ParallelState:
+    """The state of one process with no process group (tools, tests, benchmarks)."""
+    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
+                         pp_rank=0, dp_size=1, dp_rank=0,
+                         device=device or torch.device("cpu"), backend=None)
+
+
 def rank_grid(world_size: int, tp: int, pp: int) -> list[list[list[int]]]:
     """grid[p][d][t] = global rank, tp fastest-varying, then dp, then pp."""
     dp = world_size // (tp * pp)

@@ -8,7 +8,7 @@ import torch
 from megatron_lite.config import Config, ModelConfig, TrainConfig
 from megatron_lite.memory import measure_saved_bytes
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import single_process_state
 
 SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=64, seq_length=16, vocab_size=64)
@@ -22,15 +22,10 @@ OPTIONS = {
 }
 
 
-def _state() -> ParallelState:
-    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                         pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"),
-                         backend=None)
-
-
 def _model(option: str, num_layers: int = 4) -> LlamaChunk:
     cfg = ModelConfig(**{**SHAPE, "num_layers": num_layers})
-    return LlamaChunk(cfg, _state(), range(num_layers), pre_process=True, post_process=True,
+    return LlamaChunk(cfg, single_process_state(), range(num_layers), pre_process=True,
+                      post_process=True,
                       opts=BuildOptions(seed=3, **OPTIONS[option]))
 
 
@@ -55,7 +50,7 @@ def test_recompute_matches_no_recompute(option: str) -> None:
 def _saved(option: str, num_layers: int = 4) -> int:
     cfg = Config(model=ModelConfig(**{**SHAPE, "num_layers": num_layers}),
                  train=TrainConfig(micro_batch_size=2))
-    return measure_saved_bytes([_model(option, num_layers)], cfg, _state())
+    return measure_saved_bytes([_model(option, num_layers)], cfg, single_process_state())
 
 
 def test_saved_bytes_fall_as_expected() -> None:

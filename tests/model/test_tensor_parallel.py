@@ -8,7 +8,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.layers.init import shard_full
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from tests.distributed import run_ranks
 
 # Odd vocab (needs padding), GQA (8 query heads over 4 KV groups), ffn not a power of two.
@@ -21,12 +21,6 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 101, (3, 9), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def _single_process_state() -> ParallelState:
-    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                         pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"),
-                         backend=None)
 
 
 def _forward_backward(pstate: ParallelState, sp: bool, untie: bool) -> dict:
@@ -48,7 +42,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("tp,sp,untie", [(2, False, False), (2, True, True), (4, True, False)])
 def test_tp_matches_single_process(tmp_path, tp: int, sp: bool, untie: bool) -> None:
-    ref = _forward_backward(_single_process_state(), sp=False, untie=untie)
+    ref = _forward_backward(single_process_state(), sp=False, untie=untie)
     ranks = run_ranks(_forward_backward, tp, tmp_path, tp=tp, sp=sp, untie=untie)
     for rank, out in enumerate(ranks):
         assert _rel_err(out["losses"], ref["losses"]) <= 1e-5, f"rank {rank} losses differ"

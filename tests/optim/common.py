@@ -15,7 +15,7 @@ from torch import Tensor
 from megatron_lite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megatron_lite.layers.init import unshard
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count
 
 # GQA, ffn not a power of two, vocab divisible by 8 so TP=1/2 pad it the same way.
@@ -36,12 +36,6 @@ def make_config(*, tp: int = 1, pp: int = 1, global_batch: int = GLOBAL_BATCH, m
                   optim=replace(OPTIM, lr=lr or OPTIM.lr),
                   train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch,
                                     seed=11, bf16=bf16))
-
-
-def single_state() -> ParallelState:
-    return ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                         pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"),
-                         backend=None)
 
 
 def step_batches(step: int, dp_rank: int, dp_size: int, micro: int,
@@ -113,7 +107,7 @@ def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | No
     The only difference left is the order in which per-sample gradients are summed.
     """
     cfg = make_config(micro=1, global_batch=global_batch, lr=lr)
-    pstate = single_state()
+    pstate = single_process_state()
     model = build_model(cfg, pstate)[0]
     params = list(model.parameters())
     o = cfg.optim

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.parallel.state import single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
     make_config,
     run_steps,
-    single_state,
     step_batches,
     train_ours,
     train_reference,
@@ -24,13 +24,13 @@ from tests.optim.common import (
 def test_matches_torch_adamw_with_clipping(parallel: dict) -> None:
     ref = train_reference(steps=10)
     assert min(ref["norms"]) > OPTIM.clip_grad, "clipping must be active at every step"
-    ours = train_ours(single_state(), make_config(micro=1, **parallel), steps=10)
+    ours = train_ours(single_process_state(), make_config(micro=1, **parallel), steps=10)
     assert_same_params(ours["params"], ref["params"], tol=1e-5)
     assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
 
 
 def test_nan_gradient_skips_step_and_reports() -> None:
-    cfg, ps = make_config(micro=4), single_state()
+    cfg, ps = make_config(micro=4), single_process_state()
     chunks = build_model(cfg, ps)
     opt = Optimizer(cfg, chunks, ps)
     before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
@@ -46,7 +46,7 @@ def test_nan_gradient_skips_step_and_reports() -> None:
 
 
 def test_extra_backward_pass_with_overlap_is_an_error() -> None:
-    cfg, ps = make_config(micro=4, overlap_grad_reduce=True), single_state()
+    cfg, ps = make_config(micro=4, overlap_grad_reduce=True), single_process_state()
     chunks = build_model(cfg, ps)
     opt = Optimizer(cfg, chunks, ps)
     opt.zero_grad()
@@ -59,11 +59,11 @@ def test_extra_backward_pass_with_overlap_is_an_error() -> None:
 def test_overlap_param_gather_needs_distributed_optimizer() -> None:
     cfg = make_config(overlap_param_gather=True)
     with pytest.raises(ValueError, match="--use-distributed-optimizer"):
-        Optimizer(cfg, build_model(cfg, single_state()), single_state())
+        Optimizer(cfg, build_model(cfg, single_process_state()), single_process_state())
 
 
 def test_state_dict_round_trip_and_layout_check() -> None:
-    cfg, ps = make_config(micro=2), single_state()
+    cfg, ps = make_config(micro=2), single_process_state()
     straight = train_ours(ps, cfg, steps=4)
     chunks = build_model(cfg, ps)
     opt = Optimizer(cfg, chunks, ps)
@@ -84,7 +84,7 @@ def test_state_dict_round_trip_and_layout_check() -> None:
 
 
 def test_reload_model_params_after_loading_weights() -> None:
-    cfg, ps = make_config(micro=2), single_state()
+    cfg, ps = make_config(micro=2), single_process_state()
     other = make_config(micro=2)
     other.train.seed = 99
     expected = train_ours(ps, other, steps=2)["params"]

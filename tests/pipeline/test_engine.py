@@ -18,7 +18,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.layers.init import shard_full
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
 from megatron_lite.pipeline.partition import partition_layers, stage_chunks
@@ -106,9 +106,7 @@ def _train(pstate: ParallelState, v: int, m: int, steps: int, sp: bool) -> dict:
 
 def _reference(m: int, steps: int) -> dict:
     """The whole model in this process, a plain loop over every micro-batch of each step."""
-    pstate = ParallelState(rank=0, world_size=1, local_rank=0, tp_size=1, tp_rank=0, pp_size=1,
-                           pp_rank=0, dp_size=1, dp_rank=0, device=torch.device("cpu"),
-                           backend=None)
+    pstate = single_process_state()
     cfg = ModelConfig(**MODEL)
     model = LlamaChunk(cfg, pstate, range(cfg.num_layers), pre_process=True, post_process=True,
                        opts=BuildOptions(seed=SEED))
