@@ -25,6 +25,7 @@ import numpy as np
 
 from megatron_lite.data.format import IndexedShard, Manifest, resolve_prefixes, shards_for_dp_rank
 from megatron_lite.data.index import (
+    INDEX_ALGORITHM,
     EpochIndex,
     blend_indices,
     load_or_build,
@@ -195,7 +196,7 @@ def _dataset(src: Source, split: str, which: int, num_samples: int, seq_length: 
     name = f"{src.path}:{SPLIT_NAMES[which]}"
     description = {"shards": [s.prefix.rsplit("/", 1)[-1] for s in src.corpus.shards],
                    "doc_range": [start, end], "seq_length": seq_length, "seed": seed,
-                   "split": which, "epochs": epochs}
+                   "split": which, "epochs": epochs, "index_algorithm": INDEX_ALGORITHM}
     index = load_or_build(cache_dir or _default_cache(src), description, sizes, seq_length,
                           epochs, seed * 7 + which)
     return GPTDataset(src.corpus, (start, end), seq_length, index, name)

@@ -11,6 +11,7 @@ from megatron_lite.data.index import (
     blend_indices,
     build_sample_index,
     num_epochs_for,
+    permutation,
 )
 from megatron_lite.data.loader import MicroBatchLoader
 
@@ -172,3 +173,45 @@ def test_node_local_epochs_come_from_global_counts(tmp_path):
         first = [tuple(ds[i].tolist()) for i in range(per_epoch)]
         assert len(set(first)) == per_epoch
     assert counts == [counts[0]] * 4
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_sample_index_matches_binary_search(threads):
+    """The streaming bincount index equals a binary search per sample, across chunk seams."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(threads)
+    sizes = rng.integers(0, 12, size=700_000).astype(np.int32)  # ~1/12 empty documents
+    order = rng.permutation(len(sizes))
+    seq = 7
+    num = (int(sizes.sum()) - 1) // seq
+    ends = np.cumsum(sizes[order], dtype=np.int64)
+    want_doc = np.searchsorted(ends, np.arange(num + 1) * seq, side="right")
+    want_off = np.arange(num + 1) * seq - (ends[want_doc] - sizes[order][want_doc])
+    pool = ThreadPoolExecutor(threads) if threads else None
+    doc, off = build_sample_index(sizes, order, seq, num, pool)
+    np.testing.assert_array_equal(doc, want_doc)
+    np.testing.assert_array_equal(off, want_off)
+    assert doc.dtype == off.dtype == np.int64
+
+
+def test_permutation_is_uniform_and_independent_of_threads():
+    """Bucketed scatter-then-shuffle: every element lands in every position equally often, and
+    the result depends on the seed alone (not on whether or how many threads run it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, draws = 6, 6000
+    hits = np.zeros((n, n))
+    for s in range(draws):
+        p = permutation(n, [s, 1], bucket_size=1)  # 4 buckets even for 6 elements
+        hits[p, np.arange(n)] += 1
+    expected = draws / n
+    chi2 = ((hits - expected) ** 2 / expected).sum()
+    assert chi2 < 60, chi2  # 25 degrees of freedom: p ~ 1e-4 at 60; a biased shuffle is far above
+    big = 300_000
+    with ThreadPoolExecutor(3) as pool:
+        a = permutation(big, [7, 0, 1], pool)
+    b = permutation(big, [7, 0, 1])
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.sort(a), np.arange(big))
+    assert not np.array_equal(a, permutation(big, [7, 0, 2]))
