@@ -84,12 +84,10 @@ def rope_launch(
     block_rows = rows_per_program(block_half, seq * batch * max(n_q, n_kv), budget=2048)
     n_q_tiles = -(-seq * batch * n_q // block_rows)
     n_k_tiles = -(-seq * batch * n_kv // block_rows)
-    # 8 warps: ptxas gives 128 registers per thread for a 32x64 tile (238 at 4 warps, near the
-    # 255 cap); see tests/kernels/aot_compile.py
     kernels._rope_kernel[(n_q_tiles + n_k_tiles,)](
         q, k, qo, ko, cos, sin, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
         *ko.stride()[:3], seq, batch, n_q, n_kv, d // 2, n_q_tiles, BACKWARD=backward,
-        BLOCK_ROWS=block_rows, BLOCK_HALF=block_half, num_warps=8,
+        BLOCK_ROWS=block_rows, BLOCK_HALF=block_half, num_warps=4,
     )
     return qo, ko
 

@@ -33,8 +33,6 @@ SHAPES = {  # hidden, ffn, q heads, kv heads, head dim, vocab (per TP rank)
 }
 OPS = ("cross_entropy", "rmsnorm", "rope", "swiglu")
 TOKENS = 64  # rows per launch: enough that row tiling reaches its real-size choice
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int64: "i64", torch.int32: "i32"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,7 @@ class Launch:
     kernel: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
+    attrs: tuple[tuple[int, str], ...]  # (argument index, Triton's specialization key)
     num_warps: int
 
 
@@ -68,29 +67,28 @@ def _kernel_module(op: str):
     return importlib.import_module(f"megatron_lite.kernels._triton_{op}")
 
 
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"unsupported kernel argument {value!r}")
-
-
 def _describe(fn, args: tuple, kw: dict, num_warps: int) -> Launch:
-    signature, constexprs = [], []
+    """The launch as Triton's JIT would specialize it on a GPU: 16-byte-aligned pointers and
+    integers divisible by 16 carry `tt.divisibility` (which lets the compiler vectorize loads),
+    integers equal to 1 become constants."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, attrs = [], [], []
     positional = iter(args)
-    for p in fn.params:
+    for i, p in enumerate(fn.params):
         value = kw[p.name] if p.name in kw else next(positional)
         if p.is_constexpr:
             signature.append((p.name, "constexpr"))
             constexprs.append((p.name, value))
-        else:
-            signature.append((p.name, _arg_type(value)))
-    return Launch(fn.__name__, tuple(signature), tuple(constexprs), num_warps)
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            constexprs.append((p.name, key))
+        elif key:
+            attrs.append((i, key))
+        signature.append((p.name, kind))
+    return Launch(fn.__name__, tuple(signature), tuple(constexprs), tuple(attrs), num_warps)
 
 
 def record_launches() -> list[Launch]:
@@ -145,9 +143,20 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
             "spill_loads": number(r"(\d+) bytes spill loads")}
 
 
+def _global_accesses(ptx: str) -> dict:
+    """Global loads and stores in the PTX: 128-bit vector ones (what reaches full bandwidth) and
+    the rest (per-row scalars such as rstd are expected; per-element ones are not)."""
+    counts = {}
+    for op in ("ld", "st"):
+        found = re.findall(rf"\b{op}\.global(?:\.[a-z]+)*\.(v[248]\.)?[bfsu](\d+)\b", ptx)
+        counts[f"{op}_v128"] = sum(1 for v, bits in found if v and int(v[1]) * int(bits) == 128)
+        counts[f"{op}_other"] = len(found) - counts[f"{op}_v128"]
+    return counts
+
+
 def compile_all(launches: list[Launch], archs: list[int]) -> list[dict]:
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     rows = []
@@ -156,13 +165,16 @@ def compile_all(launches: list[Launch], archs: list[int]) -> list[dict]:
                   if hasattr(m, launch.kernel))
         for arch in archs:
             source = ASTSource(fn=fn, signature=dict(launch.signature),
-                               constexprs=dict(launch.constexprs))
+                               constexprs=dict(launch.constexprs),
+                               attrs={(i,): BaseBackend.parse_attr(key)
+                                      for i, key in launch.attrs})
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": launch.num_warps})
             rows.append({"kernel": launch.kernel, "arch": arch, "num_warps": launch.num_warps,
                          "constexprs": dict(launch.constexprs),
                          "types": sorted({t for _, t in launch.signature if t[0] == "*"}),
                          "shared_bytes": compiled.metadata.shared,
+                         **_global_accesses(compiled.asm["ptx"]),
                          **_ptxas_report(compiled.asm["ptx"], arch)})
     return rows
 
@@ -177,11 +189,12 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces triton.language")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     rows = compile_all(record_launches(), args.arch)
-    print(f"{'kernel':<24} {'sm':>3} {'warps':>5} {'regs':>4} {'spill B':>7} {'smem B':>7}  "
-          "pointers / constexprs")
+    print(f"{'kernel':<22} {'sm':>3} {'warps':>5} {'regs':>4} {'spill B':>7} {'smem B':>6} "
+          f"{'ld/st 128b':>10} {'other':>6}  pointers / constants")
     for r in rows:
-        print(f"{r['kernel']:<24} {r['arch']:>3} {r['num_warps']:>5} {r['registers']:>4} "
-              f"{r['spill_stores'] + r['spill_loads']:>7} {r['shared_bytes']:>7}  "
+        print(f"{r['kernel']:<22} {r['arch']:>3} {r['num_warps']:>5} {r['registers']:>4} "
+              f"{r['spill_stores'] + r['spill_loads']:>7} {r['shared_bytes']:>6} "
+              f"{r['ld_v128']:>4}/{r['st_v128']:<5} {r['ld_other']:>2}/{r['st_other']:<3}  "
               f"{','.join(r['types'])} {r['constexprs']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
