@@ -1,15 +1,16 @@
 """Compiles every Triton kernel for NVIDIA GPUs on a machine without one, at the launch
-configurations our launchers choose for Llama-3 8B and 70B (TP=8) shapes, and reports what ptxas
-says of each: registers per thread, spill bytes, shared memory.
+configurations our launchers choose for Llama-3 8B and 70B (TP=8) shapes, and reports for each:
+registers per thread and spill bytes (from ptxas), shared memory, and how many global loads and
+stores are 128-bit vector accesses.
 
     python -m tests.kernels.aot_compile [--arch 80 90] [--json OUT]
 
 The interpreter tests prove the math; this proves the same source builds for the GPU (the
 interpreter accepts code that the compiler rejects) and does not spill at real widths. The
 launchers run on CPU tensors with every kernel launch recorded instead of run, so the
-configurations are the launchers' own; each distinct (kernel, argument types, constexprs, warps)
-is then compiled once per architecture. Run without TRITON_INTERPRET, which swaps
-triton.language for the interpreter's version.
+configurations are the launchers' own, and the arguments are specialized as Triton's JIT would
+specialize them on a GPU; each distinct launch is then compiled once per architecture. Run
+without TRITON_INTERPRET, which swaps triton.language for the interpreter's version.
 """
 
 from __future__ import annotations
