@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 from megatron_lite.arguments import parse_config
@@ -33,4 +34,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     sys.exit(main())

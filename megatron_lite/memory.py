@@ -51,20 +51,29 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     owned = {t.untyped_storage().data_ptr() for c in chunks
              for t in [*c.parameters(), *c.buffers()]}
     seen: dict[int, int] = {}
+    kept: list[Tensor] = []  # alive until counted, so that no freed storage's address repeats
 
-    def pack(t: Tensor) -> Tensor:
+    def pack(t: Tensor) -> None:
+        # The graph keeps nothing: a saved output tensor held by its own graph node is a
+        # reference cycle through C++ that Python's collector cannot free, so the
+        # micro-batch's activations (and the process groups its nodes name) would otherwise
+        # live until the process exits.
         ptr = t.untyped_storage().data_ptr()
         if ptr not in owned:
             seen[ptr] = t.untyped_storage().nbytes()
-        return t
+            kept.append(t)
+
+    def unpack(_: None) -> Tensor:
+        raise RuntimeError("the memory-measurement forward has no backward")
 
     generator = torch.Generator().manual_seed(0)
     outputs = []
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         for chunk in chunks:
             x, labels = _chunk_inputs(chunk, cfg, pstate, generator)
             outputs.append(chunk(x, labels))
     del outputs
+    kept.clear()
     return sum(seen.values())
 
 

@@ -315,6 +315,17 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     torch.manual_seed(cfg.train.seed)
     chunks = build_model(cfg, pstate)
     optimizer = Optimizer(cfg, chunks, pstate)
+    try:
+        result = _train(cfg, pstate, chunks, optimizer, launch_source)
+    finally:
+        optimizer.close()  # frees model and process groups before interpreter shutdown
+    if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
+        print("warning: the final loss is not finite", flush=True)
+    return result
+
+
+def _train(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk], optimizer: Optimizer,
+           launch_source: str) -> TrainResult:
     train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
     guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
     checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
@@ -331,15 +342,11 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     optimizer.grad_check = guard.check_grads
     try:
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
-        result = train_loop(cfg, pstate, runner, optimizer,
-                            train_loader, valid_loader, logger, checkpointer, guard,
-                            start_iteration)
+        return train_loop(cfg, pstate, runner, optimizer, train_loader, valid_loader, logger,
+                          checkpointer, guard, start_iteration)
     finally:
         guard.close()
         logger.close()
-    if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
-        print("warning: the final loss is not finite", flush=True)
-    return result
 
 
 def run(cfg: Config) -> TrainResult:

@@ -113,10 +113,23 @@ class Optimizer:
         self.grad_check: Callable[[torch.Tensor], None] | None = None
         """Called with each bucket's local gradients right before its DP reduction (NaN/Inf
         checks that can name the rank; see megatron_lite/reliability)."""
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                       for i, p in enumerate(self.params)]
         if par.overlap_param_gather:
             self._register_gather_waits(chunks)
+
+    def close(self) -> None:
+        """Remove the hooks on the model, so that model and optimizer can be freed.
+
+        The hooks make a reference cycle (parameter -> hook -> optimizer -> parameter) that
+        Python's collector cannot break, as autograd also holds the parameters. Left alone it
+        keeps the process groups, and gloo's worker threads, alive until interpreter
+        shutdown, where a thread still releasing its last collective's tensors aborts the
+        process ("terminate called without an active exception").
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
                        grad_dtype: torch.dtype) -> None:
@@ -174,7 +187,8 @@ class Optimizer:
             for module in chunk.modules():
                 keys = {slot[id(p)] for p in module.parameters(recurse=False) if id(p) in slot}
                 if keys:
-                    module.register_forward_pre_hook(partial(self._wait_gathers, sorted(keys)))
+                    self._hooks.append(module.register_forward_pre_hook(
+                        partial(self._wait_gathers, sorted(keys))))
 
     # ---- gradients -------------------------------------------------------------------------
 
