@@ -102,13 +102,20 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
                 "max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    # /proc/self/status has this process's own peak (VmHWM). getrusage's ru_maxrss survives
+    # exec, so a process started by a big parent would report the parent's peak.
+    kib: dict[str, float] = {}
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    kib[key] = float(value.split()[0])
     except OSError:
-        rss = float("nan")
-    return {"rss_gib": rss, "max_rss_gib": max(peak, rss)}  # the two count pages differently
+        pass
+    rss = kib.get("VmRSS", float("nan")) / 2**20
+    peak = kib.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 2**20
+    return {"rss_gib": rss, "max_rss_gib": max(peak, rss)}
 
 
 def _peak_gib(mem: dict[str, float]) -> float:
