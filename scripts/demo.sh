@@ -36,13 +36,14 @@ fi
 
 ITERS=600
 EVAL_INTERVAL=200
-if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; fi
+LOG_INTERVAL=10
+if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; LOG_INTERVAL=1; fi
 rm -rf "$OUT/ckpt" "$OUT/metrics.jsonl"  # a fresh run each time (a kept checkpoint would be resumed)
 "$PYTHON" pretrain.py --data-path "$OUT/stdlib" --tokenizer-model "$OUT/tok.model" \
     --split 98,2,0 \
     --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 16 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4 \
-    --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
+    --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
     --log-jsonl "$OUT/metrics.jsonl" --save "$OUT/ckpt"
 
 "$PYTHON" - "$OUT/metrics.jsonl" "$VOCAB" <<'PY'
