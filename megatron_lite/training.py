@@ -352,7 +352,10 @@ def _train(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk], optimiz
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
-    resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
+    tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
+    if env.rank == 0:
+        for warning in tokenizer.warnings:
+            print(f"warning: {warning}", flush=True)
     validate(cfg, env.world_size)
     pstate = parallel_state.initialize(cfg, env)
     try:

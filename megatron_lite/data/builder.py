@@ -8,7 +8,7 @@ first step; a bad one stops the run with its file name and the command that rege
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.dataset import build_datasets, parse_blend
@@ -22,6 +22,8 @@ class TokenizerInfo:
     vocab_size: int | None
     eod_id: int | None
     source: str
+    warnings: list[str] = field(default_factory=list)
+    """Disagreements that do not stop training (for rank 0 to print)."""
 
 
 def resolve_tokenizer(cfg: Config) -> TokenizerInfo:
@@ -62,7 +64,12 @@ def tokenizer_info(cfg: Config) -> TokenizerInfo:
                 f"tokenizer mismatch: {ref[0]} has vocab {ref[1]}, EOD {ref[2]} but {other[0]} "
                 f"has vocab {other[1]}, EOD {other[2]}; the shards were made with another "
                 "tokenizer: pass the one used by data_tools.preprocess or re-preprocess")
-    return TokenizerInfo(ref[1], ref[2], ref[0])
+    warnings = [
+        f"{other[0]} was made with a tokenizer file of sha256 {other[3][:12]}, not {ref[0]}'s "
+        f"{ref[3][:12]}; vocab size and EOD agree, so training goes on, but the same id may "
+        "stand for another piece: pass the tokenizer that data_tools.preprocess used"
+        for other in found[1:] if other[3] and ref[3] and other[3] != ref[3]]
+    return TokenizerInfo(ref[1], ref[2], ref[0], warnings)
 
 
 def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:

@@ -14,7 +14,7 @@ from megatron_lite.data.format import ShardWriter, shard_name, write_manifest
 EOD = 2
 
 
-def _corpus(path, vocab=500, eod=EOD, shards=2):
+def _corpus(path, vocab=500, eod=EOD, shards=2, sha256=None):
     rng = np.random.default_rng(0)
     entries = []
     for s in range(shards):
@@ -26,7 +26,7 @@ def _corpus(path, vocab=500, eod=EOD, shards=2):
     write_manifest(f"{path}.manifest.json", {
         "shards": entries, "total_documents": 40 * shards,
         "total_tokens": sum(e["tokens"] for e in entries),
-        "tokenizer": {"vocab_size": vocab, "eod_id": eod}})
+        "tokenizer": {"vocab_size": vocab, "eod_id": eod, "sha256": sha256}})
     return str(path)
 
 
@@ -61,6 +61,14 @@ def test_vocab_mismatch_is_an_error(tmp_path):
     cfg = _cfg(a)  # model vocab left at the default 256
     with pytest.raises(ConfigError, match="pass --vocab-size 500"):
         build_data_loaders(cfg, 0, 1)
+
+
+def test_other_tokenizer_file_with_same_vocab_is_a_warning(tmp_path):
+    a = _corpus(tmp_path / "a", sha256="a" * 64)
+    b = _corpus(tmp_path / "b", sha256="b" * 64)
+    assert resolve_tokenizer(_cfg("0.5", a, "0.5", a)).warnings == []
+    (warning,) = resolve_tokenizer(_cfg("0.5", a, "0.5", b)).warnings
+    assert "b.manifest.json" in warning and "bbbbbbbbbbbb" in warning and "aaaaaaaaaaaa" in warning
 
 
 def test_bad_shard_stops_before_training(tmp_path):
