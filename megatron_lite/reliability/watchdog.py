@@ -19,6 +19,7 @@ import faulthandler
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -70,12 +71,35 @@ class Watchdog:
                 self._fire(phase, elapsed, iteration)
 
     def _fire(self, phase: str, elapsed: float, iteration: int) -> None:
-        print(f"hang watchdog: rank {self.rank} on host {socket.gethostname()}, iteration "
-              f"{iteration}: phase '{phase}' has run for {elapsed:.1f} s, more than "
-              f"--hang-timeout-seconds {self.timeout_s:g}. A peer rank may be stuck or dead "
-              f"(its log says which); stacks of every thread of this rank follow. Exiting "
-              f"with status {HANG_EXIT_CODE} so the job can be restarted from the last "
-              f"checkpoint.", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
-        sys.__stderr__.flush()
+        header = (f"hang watchdog: rank {self.rank} on host {socket.gethostname()}, iteration "
+                  f"{iteration}: phase '{phase}' has run for {elapsed:.1f} s, more than "
+                  f"--hang-timeout-seconds {self.timeout_s:g}. A peer rank may be stuck or dead "
+                  f"(its log says which); stacks of every thread of this rank follow. Exiting "
+                  f"with status {HANG_EXIT_CODE} so the job can be restarted from the last "
+                  f"checkpoint.\n")
+        sys.stderr.flush()
+        _write_fd(sys.__stderr__.fileno(), header + self._stacks())
         os._exit(HANG_EXIT_CODE)
+
+    def _stacks(self) -> str:
+        """Every thread's stack, each line prefixed with the rank.
+
+        Usually all ranks fire at once into one stream; faulthandler writes in small pieces,
+        so their dumps would interleave mid-line. Dumped to a file first, then written whole.
+        """
+        try:
+            with tempfile.TemporaryFile(mode="w+") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.seek(0)
+                lines = f.read().splitlines()
+        except OSError:  # no temporary directory: dump unprefixed, straight to stderr
+            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+            return ""
+        return "".join(f"[rank {self.rank}] {line}\n" for line in lines)
+
+
+def _write_fd(fd: int, text: str) -> None:
+    """One write call where the OS allows it, so another rank's output cannot cut a line."""
+    data = text.encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data):]

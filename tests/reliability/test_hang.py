@@ -24,6 +24,9 @@ def test_hang_is_detected_with_stacks(tmp_path: Path) -> None:
             or "Connection closed by peer" in out.output), out.output[-3000:]
     assert "iteration 3: phase 'forward-backward'" in out.output
     assert "in before_step" in out.output  # rank 1's own stack shows where it is stuck
+    # Both ranks dump at once into one stream: whole lines, each naming its rank.
+    stuck = [line for line in out.output.splitlines() if line.endswith(" in before_step")]
+    assert stuck and all(line.startswith("[rank 1]   File ") for line in stuck), stuck
     assert "in all_reduce_" in out.output  # rank 0 waits for it in a collective
     assert "Thread 0x" in out.output or "Current thread 0x" in out.output
     assert out.seconds < 60
