@@ -1,8 +1,10 @@
 """Cut the inputs into ~256 KiB chunks of whole documents, in a fixed order.
 
-The parent process only reads bytes and finds cut points; parsing and tokenizing happen in the
-workers. Chunks depend on the inputs alone (never on the worker count), which is what makes the
-output byte-identical for any `--workers`.
+Parsing and tokenizing happen in the workers. A plain (uncompressed, regular) JSONL file is
+cut into byte ranges that each worker reads from disk itself, so the parent never reads or
+pipes its bytes; other inputs are read by the parent, which finds the cut points. Chunks depend
+on the inputs alone (never on the worker count), which is what makes the output byte-identical
+for any `--workers`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,52 @@ _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 @dataclass
 class Chunk:
-    """Work for one worker task. kind: "jsonl" | "docs" (each item one document) | "blank"."""
+    """Work for one worker task. kind: "jsonl" | "docs" (each item one document) | "blank",
+    or "range": the JSONL lines that start in bytes [start, end) of a file, read by the worker
+    (`read_range`), with items holding one (file name, start, end)."""
 
     kind: str
     items: list[tuple[str, int, bytes]]  # (file name, first line number, raw bytes)
+    span: tuple[str, int, int] | None = None  # "range": (file name, start, end)
 
     @property
     def nbytes(self) -> int:
         return sum(len(b) for _, _, b in self.items)
+
+
+def read_range(name: str, start: int, end: int) -> tuple[int, bytes]:
+    """(offset, bytes) of the whole lines of a file that start in [start, end).
+
+    A line cut by `start` belongs to the range before; one cut by `end` is read to its end.
+    """
+    with open(name, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            if f.read(1) != b"\n":
+                f.readline()  # the rest of a line that started before `start`
+        offset = f.tell()
+        if offset >= end:
+            return offset, b""
+        data = f.read(end - offset)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+        return offset, data
+
+
+def line_number(name: str, offset: int) -> int:
+    """1-based number of the line starting at byte `offset` (for error messages only)."""
+    count, done = 1, 0
+    with open(name, "rb") as f:
+        while done < offset and (block := f.read(min(1 << 20, offset - done))):
+            count += block.count(b"\n")
+            done += len(block)
+    return count
+
+
+def _range_chunks(path: Path, size: int) -> Iterator[Chunk]:
+    total = path.stat().st_size
+    for start in range(0, total, size):
+        yield Chunk("range", [], (str(path), start, min(start + size, total)))
 
 
 def _jsonl_chunks(path: Path, size: int) -> Iterator[Chunk]:
@@ -76,8 +116,12 @@ def iter_chunks(files: list[Path], split_on_blank_lines: bool,
             if pending:
                 yield Chunk("docs", pending)
                 pending, pending_bytes = [], 0
-            yield from (_jsonl_chunks(path, size) if is_jsonl(path)
-                        else _blank_line_chunks(path, size))
+            if not is_jsonl(path):
+                yield from _blank_line_chunks(path, size)
+            elif path.is_file() and not path.name.endswith(".gz"):  # seekable: workers read
+                yield from _range_chunks(path, size)
+            else:
+                yield from _jsonl_chunks(path, size)
             continue
         with open_binary(path) as f:
             data = f.read()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from data_tools.chunks import _BLANK_LINE, Chunk
+from data_tools.chunks import _BLANK_LINE, Chunk, line_number, read_range
 from tokenizer.tokenizer import Tokenizer
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -66,10 +68,12 @@ def _decode(raw: bytes, stats: Stats) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def _jsonl_texts(name: str, first_line: int, raw: bytes, opts: Options,
+def _jsonl_texts(name: str, first_line: int | Callable[[], int], raw: bytes, opts: Options,
                  stats: Stats) -> list[str]:
+    """`first_line`: the number of raw's first line, or a function that counts it (slow; only
+    called for an error message)."""
     texts = []
-    for n, line in enumerate(raw.split(b"\n"), first_line):
+    for i, line in enumerate(raw.split(b"\n")):
         if not line.strip():
             continue
         try:
@@ -79,7 +83,9 @@ def _jsonl_texts(name: str, first_line: int, raw: bytes, opts: Options,
                 raise TypeError(f"field {opts.json_key!r} is {type(text).__name__}, not a string")
         except (ValueError, KeyError, TypeError) as e:
             reason = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            msg = f"{name}:{n}: {reason}"
+            if callable(first_line):
+                first_line = first_line()
+            msg = f"{name}:{first_line + i}: {reason}"
             if not opts.skip_bad_lines:
                 raise BadInputError(msg + " (fix the line, or pass --skip-bad-lines to skip such "
                                "lines and count them)") from None
@@ -91,6 +97,11 @@ def _jsonl_texts(name: str, first_line: int, raw: bytes, opts: Options,
 
 
 def _texts(chunk: Chunk, opts: Options, stats: Stats) -> list[str]:
+    if chunk.span is not None:
+        name, start, end = chunk.span
+        offset, raw = read_range(name, start, end)
+        stats.text_bytes = len(raw)
+        return _jsonl_texts(name, partial(line_number, name, offset), raw, opts, stats)
     texts: list[str] = []
     for name, first_line, raw in chunk.items:
         if chunk.kind == "jsonl":

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_tools.chunks import line_number, read_range
 from data_tools.preprocess import main as preprocess_main
 from megatron_lite.data.format import IndexedShard, ShardError, load_manifest, resolve_prefixes
 from tokenizer import Tokenizer
@@ -77,6 +78,43 @@ def test_matches_tokenizer_and_is_identical_for_any_workers(tmp_path, tok_model)
     assert m.tokenizer["vocab_size"] == 400 and m.tokenizer["eod_id"] == 2
     assert "--workers 2" in m.command
     m.verify_checksums()
+
+
+@pytest.mark.parametrize("trailing_newline", [True, False])
+def test_byte_ranges_give_every_line_once(tmp_path, trailing_newline: bool) -> None:
+    """Workers read their own byte ranges of a JSONL file: for any range size, the lines that
+    start in each range, concatenated, are the file, and line numbers are counted right."""
+    raw = b"".join(b"x" * n + b"\n" for n in (0, 1, 5, 0, 0, 17, 2, 9))
+    raw = raw if trailing_newline else raw + b"tail"
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(raw)
+    for size in (1, 2, 3, 7, 16, len(raw), 10 * len(raw)):
+        pieces = [read_range(str(path), s, min(s + size, len(raw)))
+                  for s in range(0, len(raw), size)]
+        assert b"".join(data for _, data in pieces) == raw, size
+        for offset, data in pieces:
+            if data:
+                assert offset == 0 or raw[offset - 1:offset] == b"\n"
+                assert line_number(str(path), offset) == raw[:offset].count(b"\n") + 1
+
+
+def test_small_ranges_change_nothing(tmp_path, tok_model):
+    """Ranges that cut lines anywhere: the same bytes as one range, and errors name the line."""
+    src = _jsonl(tmp_path / "in.jsonl", _docs(60))
+    outs = []
+    for chunk in ("7", "1000000"):
+        prefix = str(tmp_path / f"c{chunk}" / "out")
+        preprocess_main(["--input", str(src), "--output-prefix", prefix, "--tokenizer-model",
+                         tok_model, "--workers", "2", "--chunk-bytes", chunk])
+        outs.append(Path(f"{prefix}_00000.bin").read_bytes() +
+                    Path(f"{prefix}_00000.idx").read_bytes())
+    assert outs[0] == outs[1]
+    lines = src.read_text().splitlines(keepends=True)
+    lines[41] = '{"text": broken\n'
+    src.write_text("".join(lines))
+    with pytest.raises(SystemExit, match=r"in\.jsonl:42: "):
+        preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "bad"),
+                         "--tokenizer-model", tok_model, "--workers", "1", "--chunk-bytes", "7"])
 
 
 def test_text_files_gz_and_blank_lines(tmp_path, tok_model):
