@@ -8,9 +8,10 @@ separated by blank lines with --split-on-blank-lines), directories of those, `.g
 Outputs: `OUT_<i:05d>.bin/.idx` for i < K and `OUT.manifest.json` (the source of global counts);
 `--data-path OUT` in pretrain.py then means all K shards. Document i goes to shard i % K.
 
-Streaming with bounded memory: the parent reads ~256 KiB chunks, at most a few per worker are in
-flight, and results are written in input order, so the output is byte-identical for any
---workers. Files get temporary names until the run completes.
+Streaming with bounded memory: the input is cut into ~256 KiB chunks (workers read plain JSONL
+byte ranges themselves; the parent reads other inputs), at most a few per worker are in flight,
+and results are written in input order, so the output is byte-identical for any --workers.
+Files get temporary names until the run completes.
 """
 
 from __future__ import annotations
