@@ -24,7 +24,7 @@ _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 class Chunk:
     """Work for one worker task. kind: "jsonl" | "docs" (each item one document) | "blank",
     or "range": the JSONL lines that start in bytes [start, end) of a file, read by the worker
-    (`read_range`), with items holding one (file name, start, end)."""
+    (`read_range`); `span` holds (file name, start, end) and items is empty."""
 
     kind: str
     items: list[tuple[str, int, bytes]]  # (file name, first line number, raw bytes)

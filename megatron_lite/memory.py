@@ -50,8 +50,8 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     """
     owned = {t.untyped_storage().data_ptr() for c in chunks
              for t in [*c.parameters(), *c.buffers()]}
-    seen: dict[int, int] = {}
-    kept: list[Tensor] = []  # alive until counted, so that no freed storage's address repeats
+    # storage address -> one tensor on it, alive until counted so that no address repeats
+    saved: dict[int, Tensor] = {}
 
     def pack(t: Tensor) -> None:
         # The graph keeps nothing: a saved output tensor held by its own graph node is a
@@ -60,8 +60,7 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
         # live until the process exits.
         ptr = t.untyped_storage().data_ptr()
         if ptr not in owned:
-            seen[ptr] = t.untyped_storage().nbytes()
-            kept.append(t)
+            saved.setdefault(ptr, t)
 
     def unpack(_: None) -> Tensor:
         raise RuntimeError("the memory-measurement forward has no backward")
@@ -73,8 +72,9 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
             x, labels = _chunk_inputs(chunk, cfg, pstate, generator)
             outputs.append(chunk(x, labels))
     del outputs
-    kept.clear()
-    return sum(seen.values())
+    total = sum(t.untyped_storage().nbytes() for t in saved.values())
+    saved.clear()  # the graph holds `pack`, whose closure holds these tensors: break the cycle
+    return total
 
 
 def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
