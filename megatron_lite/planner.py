@@ -31,10 +31,6 @@ GIB = 2**30
 STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 12)}
 """bf16 -> (param, grad, optimizer) bytes per parameter; optimizer = master (bf16 only) + m + v."""
 
-SP_LINEAR_SAVES_GATHERED_INPUT = True
-"""layers/linear.py all-gathers the SP input and F.linear saves the gathered [s, b, h] tensor.
-Megatron saves the [s/t, b, h] shard and re-gathers in backward; set False if we do the same."""
-
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -156,17 +152,18 @@ class ActivationSetup:
 
 
 def _norm_and_linear_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
-    """One RMSNorm plus the saved input of the column-parallel linear that consumes it."""
+    """One RMSNorm plus the saved input of the column-parallel linear that consumes it.
+
+    With SP both are [s/t, b, h]: the linear saves its local shard and re-gathers it in
+    backward (layers/linear.py), so the whole term shrinks by t.
+    """
     s, b, h, e = m.seq_length, a.micro_batch, m.hidden_size, 2 if a.bf16 else 4
-    sp = a.sequence_parallel and a.tp > 1
-    shard = a.tp if sp else 1
+    shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
     # fused: x (e) + rstd (4/row); reference: fp32 x, fp32 x*rstd, rstd, fp32 weight copy
     own = (e * s * b * h + 4 * s * b) if a.fused_kernels else (8 * s * b * h + 4 * s * b)
     weight_copy = 0 if (a.fused_kernels or not a.bf16) else 4 * h
     linear_in = e * s * b * h
-    if sp and not SP_LINEAR_SAVES_GATHERED_INPUT:
-        linear_in /= a.tp
-    return own / shard + weight_copy + linear_in
+    return (own + linear_in) / shard + weight_copy
 
 
 def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
@@ -177,9 +174,10 @@ def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool =
     v, out and an fp32 log-sum-exp per row). With s, b, h, f = ffn, q = heads·d, k = groups·d,
     e = 2 (bf16) or 4 (fp32), t = TP, T = t with SP else 1:
 
-      norms     2 · [ (c·sbh + 4sb)/T + e·sbh ]      c = e fused, 8 reference (fp32 x and x·rstd);
-                                                     e·sbh = the linear's saved input, full size
-                                                     even with SP (SP_LINEAR_SAVES_GATHERED_INPUT)
+      norms     2 · (c·sbh + 4sb + e·sbh)/T         c = e fused, 8 reference (fp32 x and x·rstd);
+                                                     e·sbh = the column linear's saved input,
+                                                     under SP its local [s/t, b, h] shard (the
+                                                     full input is re-gathered in backward)
       attention e·sb·(3q + 3k)/t + 4·heads·sb/t      qkv output (kept alive by the v view) +
                                                      rotated q, k + out; log-sum-exp
       MLP       (3e)·sbf/t fused | (12 + e)·sbf/t    gate|up output + product; the reference adds
@@ -220,8 +218,9 @@ def layer_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
 def head_activation_bytes(m: ModelConfig, a: ActivationSetup) -> float:
     """Last stage: final norm + output-layer input + the logits gradient the loss saves.
 
-    The vocab-parallel cross-entropy computes its gradient in forward and saves it in the
-    logits dtype: e·s·b·V/t (V padded).
+    The output layer is column-parallel like the others: under SP it saves its [s/t, b, h]
+    input shard, not the gathered input. The vocab-parallel cross-entropy computes its
+    gradient in forward and saves it in the logits dtype: e·s·b·V/t (V padded).
     """
     e = 2 if a.bf16 else 4
     vocab = m.padded_vocab_size(a.tp) // a.tp
@@ -229,9 +228,12 @@ def head_activation_bytes(m: ModelConfig, a: ActivationSetup) -> float:
 
 
 def head_transient_bytes(m: ModelConfig, a: ActivationSetup) -> float:
-    """Live only during the loss: logits (e) plus fp32 logits and exp in the loss (2 x 4)."""
+    """Live only during the loss: the logits (e), plus, in the bf16 reference loss, their fp32
+    copy and the fp32 exp (2 x 4). The fused kernel reads the logits in place and writes the
+    saved gradient directly; an fp32 reference loss works in the logits and the gradient."""
     e = 2 if a.bf16 else 4
-    return (e + 8) * m.seq_length * a.micro_batch * m.padded_vocab_size(a.tp) // a.tp
+    extra = 8 if a.bf16 and not a.fused_kernels else 0
+    return (e + extra) * m.seq_length * a.micro_batch * m.padded_vocab_size(a.tp) // a.tp
 
 
 def chunk_activation_bytes(m: ModelConfig, a: ActivationSetup, layers: int,
@@ -313,7 +315,9 @@ def stage_memory(m: ModelConfig, spec: StageSpec, stage: int, layers: int) -> Me
                                                        spec.recompute)
     last = stage == spec.pp - 1
     head = head_activation_bytes(m, spec.act) if last else 0.0
-    ids = 8 * m.seq_length * spec.act.micro_batch if stage == 0 else 0
+    # the embedding's int64 ids, plus with TP its bool mask of ids outside this rank's slice
+    id_bytes = 8 + (spec.tp > 1)
+    ids = id_bytes * m.seq_length * spec.act.micro_batch if stage == 0 else 0
     flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches)
     working = layer_activation_bytes(m, spec.act) + recompute_peak
     if last:

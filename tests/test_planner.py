@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_lite.layers import linear
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
     GIB,
@@ -32,6 +36,7 @@ from megatron_lite.planner import (
     total_params,
     zero_state_bytes,
 )
+from tests.distributed import run_ranks
 
 
 def _pstate(tp: int = 1, pp: int = 1, pp_rank: int = 0) -> ParallelState:
@@ -101,6 +106,66 @@ def test_activation_formula_matches_saved_tensors(dtype, groups):
                                                 bf16=dtype == torch.bfloat16))
     est = estimate_memory(cfg, 1, fused_kernels=False, device_type="cpu")
     assert est.activation_bytes_per_microbatch == pytest.approx(measured, rel=0.01)
+
+
+def _gather_then_linear(x: torch.Tensor, weight: torch.Tensor, group: comms.Group,
+                        sequence_parallel: bool) -> torch.Tensor:
+    """The column linear before it saved its input shard: autograd keeps the gathered input."""
+    assert sequence_parallel
+    return F.linear(comms.gather_from_sequence_region(x, group), weight)
+
+
+def _tp2_sp_saved_as(pstate: ParallelState, b: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """Saved bytes at TP=2 with SP: one layer as built, the same layer with the old
+    gather-then-F.linear column linears, and a whole chunk with embedding and head."""
+    model = _tiny(num_query_groups=2, num_layers=1)
+    opts = BuildOptions(seed=0, dtype=dtype, sequence_parallel=True)
+    layer = LlamaChunk(model, pstate, range(1), pre_process=False, post_process=False,
+                       opts=opts)
+    x = torch.randn(model.seq_length // pstate.tp_size, b, model.hidden_size, dtype=dtype,
+                    requires_grad=True)
+    shard = _saved_bytes(layer, lambda: layer(x))
+    with mock.patch.object(linear, "column_parallel_linear", _gather_then_linear):
+        gathered = _saved_bytes(layer, lambda: layer(x))
+    chunk = LlamaChunk(model, pstate, range(1), pre_process=True, post_process=True, opts=opts)
+    tokens = torch.randint(0, model.vocab_size, (b, model.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    return shard, gathered, _saved_bytes(chunk, lambda: chunk(tokens, tokens).sum())
+
+
+def _tp2_sp_saved(pstate: ParallelState, b: int) -> dict:
+    return {dtype: _tp2_sp_saved_as(pstate, b, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def test_tp2_sp_linears_save_the_input_shard(tmp_path):
+    """Under SP each column-parallel linear saves its [s/t, b, h] input, not the gathered one:
+    2·(t-1)/t·e·sbh less per layer (qkv and gate_up), and the planner says exactly that."""
+    model, b, t = _tiny(num_query_groups=2, num_layers=1), 3, 2
+    for rank, out in enumerate(run_ranks(_tp2_sp_saved, t, tmp_path, tp=t, b=b)):
+        for dtype, (shard, gathered, whole) in out.items():
+            bf16 = dtype == torch.bfloat16
+            e = 2 if bf16 else 4
+            sbh = model.seq_length * b * model.hidden_size
+            assert gathered - shard == 2 * (t - 1) * e * sbh // t, (rank, dtype)
+            a = ActivationSetup(b, t, sequence_parallel=True, bf16=bf16, fused_kernels=False,
+                                fp32_attention_core=bf16)
+            assert layer_activation_bytes(model, a) == pytest.approx(shard, rel=1e-9)
+            cfg = Config(model=model,
+                         parallel=ParallelConfig(tensor_model_parallel_size=t,
+                                                 sequence_parallel=True),
+                         train=TrainConfig(micro_batch_size=b, bf16=bf16))
+            est = estimate_memory(cfg, t, fused_kernels=False, device_type="cpu")
+            assert est.activation_bytes_per_microbatch == pytest.approx(whole, rel=1e-9)
+
+
+def test_70b_tp8_sequence_parallel_layer_bytes():
+    """Korthikanti et al.: SP shards everything outside the TP region, so a 70B layer at TP8
+    saves ~0.4x what it saves without SP (it was ~0.7x while the linears saved the gathered
+    input)."""
+    m = dataclasses.replace(PRESETS["70B"][1], seq_length=4096)
+    sp, no_sp = (layer_activation_bytes(m, ActivationSetup(1, 8, sequence_parallel=on))
+                 for on in (True, False))
+    assert sp / no_sp == pytest.approx(0.39, abs=0.01)
 
 
 def test_selective_and_full_recompute_bytes():

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
-from megatron_lite.layers.init import normal_full
+from megatron_lite.layers.init import init_shard
+from megatron_lite.layers.linear import column_parallel_linear
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
@@ -24,12 +25,11 @@ from megatron_lite.parallel.state import ParallelState
 def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
                       *, std: float, seed: int, name: str, dtype: torch.dtype) -> nn.Parameter:
     """This rank's [padded/t, h] slice of a weight whose real rows are N(0, std), pad rows 0."""
-    full = torch.zeros(padded_size, hidden)
-    full[:vocab_size] = normal_full((vocab_size, hidden), std, seed, name)
-    per_rank = padded_size // pstate.tp_size
-    local = full[pstate.tp_rank * per_rank:(pstate.tp_rank + 1) * per_rank]
-    param = nn.Parameter(local.to(device=pstate.device, dtype=dtype))
-    param.tp_split = ("vocab", (padded_size,))
+    split = ("vocab", (padded_size,))
+    param = nn.Parameter(init_shard(
+        (padded_size, hidden), split, std=std, seed=seed, name=name, tp_size=pstate.tp_size,
+        tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype, real_rows=vocab_size))
+    param.tp_split = split
     return param
 
 
@@ -88,11 +88,7 @@ class VocabParallelOutput(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [s(/t), b, h] -> this rank's logits [s, b, V/t]."""
         weight = self.shared_weight if self.shared_weight is not None else self.weight
-        if self.sequence_parallel:
-            hidden = comms.gather_from_sequence_region(hidden, self.tp_group)
-        else:
-            hidden = comms.copy_to_region(hidden, self.tp_group)
-        return F.linear(hidden, weight)
+        return column_parallel_linear(hidden, weight, self.tp_group, self.sequence_parallel)
 
     def forward(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Per-token loss [b, s] in fp32 (labels [b, s]; -100 = ignore)."""

@@ -4,6 +4,7 @@ Each weight is drawn in full from a CPU generator seeded by (run seed, parameter
 this rank keeps its slice. So a TP=1 and a TP=4 run with the same seed start from the same
 model, which is what makes their losses comparable to float precision. Drawing the full
 tensor costs time once at start-up (the same trade Megatron makes with CPU initialisation).
+On the meta device (the rank dry run) nothing is drawn: only the local shard's shape exists.
 """
 
 from __future__ import annotations
@@ -72,3 +73,34 @@ def unshard(pieces: Sequence[Tensor], tp_split: tuple | None) -> Tensor:
         parts.extend(p[offset:offset + per_rank] for p in pieces)
         offset += per_rank
     return torch.cat(parts, dim=0)
+
+
+def local_shape(full_shape: Sequence[int], tp_split: tuple | None, tp_size: int
+                ) -> tuple[int, ...]:
+    """Shape of one TP rank's slice of a full tensor with the given `tp_split` tag."""
+    rows, *rest = full_shape
+    if tp_split is None:
+        return tuple(full_shape)
+    if tp_split[0] == "cols":
+        return (rows, rest[0] // tp_size)
+    return (sum(n // tp_size for n in tp_split[1]), *rest)
+
+
+def init_shard(full_shape: Sequence[int], tp_split: tuple | None, *, std: float, seed: int,
+               name: str, tp_size: int, tp_rank: int, device: torch.device, dtype: torch.dtype,
+               real_rows: int | None = None) -> Tensor:
+    """This rank's slice of an N(0, std) weight, on `device` in `dtype`.
+
+    `real_rows` (vocab weights): only the first rows are drawn, the padding rows are zero.
+    On the meta device the slice is allocated without drawing anything, so a dry-run rank of
+    a 70B model costs no host time or memory.
+    """
+    if device.type == "meta":
+        return torch.empty(local_shape(full_shape, tp_split, tp_size), device=device,
+                           dtype=dtype)
+    if real_rows is None:
+        full = normal_full(full_shape, std, seed, name)
+    else:
+        full = torch.zeros(*full_shape)
+        full[:real_rows] = normal_full((real_rows, *full_shape[1:]), std, seed, name)
+    return shard_full(full, tp_split, tp_size, tp_rank).to(device=device, dtype=dtype)

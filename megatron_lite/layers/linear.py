@@ -19,9 +19,56 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron_lite.layers.init import normal_full, shard_cols, shard_rows
+from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
+
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """x_full W^T for a sequence-parallel input, saving only this rank's [s/t, b, in] shard.
+
+    Gathering outside the matmul would make autograd save the gathered [s, b, in] input, t
+    times the shard. Megatron-LM instead re-gathers in backward and hides that all-gather
+    behind the input-gradient GEMM, and the input gradient's reduce-scatter behind the
+    weight-gradient GEMM; so does this.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, group: comms.Group) -> Tensor:
+        x = x.contiguous()
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        x_full, _ = comms.all_gather_dim0(x, group)
+        return F.linear(x_full, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        # Dynamo cannot trace async_op=True; its functional collectives are asynchronous
+        # anyway and the compiler places their waits.
+        async_op = not torch.compiler.is_compiling()
+        x_full, gather = comms.all_gather_dim0(x, ctx.group, async_op=async_op)
+        grad_input = grad.matmul(weight)  # [s, b, in], contiguous
+        if gather is not None:
+            gather.wait()
+        grad_x, scatter = comms.reduce_scatter_dim0(grad_input, ctx.group, async_op=async_op)
+        grad_weight = grad.reshape(-1, grad.size(-1)).t().matmul(
+            x_full.reshape(-1, x_full.size(-1)))
+        if scatter is not None:
+            scatter.wait()
+        return grad_x, grad_weight, None
+
+
+def column_parallel_linear(x: Tensor, weight: Tensor, group: comms.Group,
+                           sequence_parallel: bool) -> Tensor:
+    """x [s(/t), b, in] (sequence slices iff `sequence_parallel`) -> x W^T [s, b, out/t].
+
+    Shared by ColumnParallelLinear and the vocab-parallel output layer. `sequence_parallel`
+    must already be False at TP=1.
+    """
+    if sequence_parallel:
+        return _SequenceGatherLinear.apply(x, weight, group)
+    return F.linear(comms.copy_to_region(x, group), weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -37,18 +84,14 @@ class ColumnParallelLinear(nn.Module):
                                  f"{pstate.tp_size}")
         self.tp_group = pstate.tp_group
         self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
-        full = normal_full((sum(partitions), in_features), std, seed, name)
-        self.weight = nn.Parameter(
-            shard_rows(full, partitions, pstate.tp_size, pstate.tp_rank)
-            .to(device=pstate.device, dtype=dtype))
-        self.weight.tp_split = ("rows", tuple(partitions))
+        split = ("rows", tuple(partitions))
+        self.weight = nn.Parameter(init_shard(
+            (sum(partitions), in_features), split, std=std, seed=seed, name=name,
+            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype))
+        self.weight.tp_split = split
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x = comms.gather_from_sequence_region(x, self.tp_group)
-        else:
-            x = comms.copy_to_region(x, self.tp_group)
-        return F.linear(x, self.weight)
+        return column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
@@ -63,9 +106,9 @@ class RowParallelLinear(nn.Module):
                              f"{pstate.tp_size}")
         self.tp_group = pstate.tp_group
         self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
-        full = normal_full((out_features, in_features), std, seed, name)
-        self.weight = nn.Parameter(
-            shard_cols(full, pstate.tp_size, pstate.tp_rank).to(device=pstate.device, dtype=dtype))
+        self.weight = nn.Parameter(init_shard(
+            (out_features, in_features), ("cols",), std=std, seed=seed, name=name,
+            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype))
         self.weight.tp_split = ("cols",)
 
     def forward(self, x: Tensor) -> Tensor:

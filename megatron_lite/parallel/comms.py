@@ -12,6 +12,8 @@ so each rank's slice is contiguous).
 
 from __future__ import annotations
 
+import math
+import pickle
 from dataclasses import dataclass, field
 
 import torch
@@ -166,12 +168,69 @@ def reduce_scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
     return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
 
 
+def all_gather_dim0(x: Tensor, group: Group, *, async_op: bool = False
+                    ) -> tuple[Tensor, dist.Work | None]:
+    """Non-differentiable all-gather of a contiguous `x`'s dim-0 slices, for autograd Functions
+    that place their own collectives. With `async_op` the output is valid only after the
+    returned Work's wait() (the caller keeps `x` alive until then: hence no hidden copy here)."""
+    if group_size(group) == 1:
+        return x, None
+    out = torch.empty((group_size(group) * x.size(0), *x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    return out, dist.all_gather_single(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_dim0(x: Tensor, group: Group, *, async_op: bool = False
+                        ) -> tuple[Tensor, dist.Work | None]:
+    """Non-differentiable sum of a contiguous `x` over `group`, keeping this rank's dim-0 slice.
+    With `async_op`, `x` must stay alive and unmodified, and the output unread, until the
+    returned Work's wait()."""
+    n = group_size(group)
+    if n == 1:
+        return x, None
+    if x.size(0) % n:
+        raise ValueError(f"cannot reduce-scatter dim 0 of size {x.size(0)} over {n} ranks")
+    out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+
+
 def all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
                 ) -> Tensor:
     """In-place, non-differentiable all-reduce (gradients, statistics); no-op for one rank."""
     if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def host_scalar(x: Tensor) -> float:
+    """A one-element tensor's value on the host (a device sync), NaN on the meta device.
+
+    A dry run (`--dry-run-ranks`) runs the real step on meta tensors, which carry shapes but
+    no values; whatever the step reads back for logging then reads "no value" instead.
+    """
+    return math.nan if x.is_meta else x.item()
+
+
+def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
+    """Every group member's picklable `obj`, in group-rank order, over tensors on `device`.
+
+    Unlike torch's all_gather_object (which picks the device from the backend name), the
+    bytes travel on the run's device, so a CUDA-only group (NCCL, cuda:gloo) accepts them.
+    """
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = torch.empty(n, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(sizes, size, group=group)
+    longest = int(sizes.max().item())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload
+    gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    host = gathered.cpu().view(n, longest)
+    return [pickle.loads(host[r, :int(k)].numpy().tobytes()) for r, k in enumerate(sizes.tolist())]
 
 
 # Flat-buffer collectives for data-parallel gradient and parameter sync. Unlike the regions

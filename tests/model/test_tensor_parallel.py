@@ -23,6 +23,17 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _graph_nodes(root: torch.autograd.graph.Node) -> list[str]:
+    """Names of every node in the autograd graph under `root`, each node once."""
+    seen, todo = {root}, [root]
+    while todo:
+        for nxt, _ in todo.pop().next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return [node.name() for node in seen]
+
+
 def _forward_backward(pstate: ParallelState, sp: bool, untie: bool) -> dict:
     cfg = ModelConfig(**{**MODEL, "untie_embeddings_and_output_weights": untie})
     torch.manual_seed(123)  # must not matter: init is keyed by (seed, name)
@@ -30,8 +41,10 @@ def _forward_backward(pstate: ParallelState, sp: bool, untie: bool) -> dict:
                        post_process=True, opts=BuildOptions(seed=7, sequence_parallel=sp))
     tokens, labels = _batch()
     losses = model(tokens, labels)
+    nodes = _graph_nodes(losses.grad_fn)
     losses.sum().backward()
     return {"losses": losses.detach(),
+            "sp_linears": nodes.count("_SequenceGatherLinearBackward"),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
             "splits": {n: getattr(p, "tp_split", None) for n, p in model.named_parameters()}}
 
@@ -45,6 +58,9 @@ def test_tp_matches_single_process(tmp_path, tp: int, sp: bool, untie: bool) -> 
     ref = _forward_backward(single_process_state(), sp=False, untie=untie)
     ranks = run_ranks(_forward_backward, tp, tmp_path, tp=tp, sp=sp, untie=untie)
     for rank, out in enumerate(ranks):
+        # SP runs every column-parallel linear (qkv, gate_up per layer; the head) through the
+        # Function that saves only the input shard; without SP none does.
+        assert out["sp_linears"] == (2 * MODEL["num_layers"] + 1 if sp else 0), rank
         assert _rel_err(out["losses"], ref["losses"]) <= 1e-5, f"rank {rank} losses differ"
         for name, grad in out["grads"].items():
             full = ref["grads"][name]

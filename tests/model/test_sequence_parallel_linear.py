@@ -1,0 +1,117 @@
+"""The sequence-parallel column linear (layers/linear.py) against gather-then-F.linear.
+
+It must give the same output and gradients while saving only the local [s/t, b, h] shard, keep
+doing so under selective and full recompute, and run on meta tensors over a fake group (the
+dry run), where no value is ever read.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.layers.linear import column_parallel_linear
+from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+from tests.conftest import ROOT
+from tests.distributed import run_ranks
+
+
+def _gather_then_linear(x: torch.Tensor, w: torch.Tensor, group: comms.Group) -> torch.Tensor:
+    return F.linear(comms.gather_from_sequence_region(x, group), w)
+
+
+def _both_paths(pstate: ParallelState, dtype: torch.dtype) -> dict:
+    """Output and gradients of both paths on this rank, plus what each saves for backward."""
+    g = torch.Generator().manual_seed(pstate.tp_rank)
+    # [b, s/t, h] transposed: a non-contiguous sequence-first input, as a permute would give
+    x0 = torch.randn(3, 4, 16, generator=g).to(dtype).transpose(0, 1)
+    w0 = torch.randn(10, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
+    grad_out = torch.randn(4 * pstate.tp_size, 3, 10, generator=g).to(dtype)
+    out = {}
+    for name, fn in (("new", lambda x, w: column_parallel_linear(x, w, pstate.tp_group, True)),
+                     ("old", lambda x, w: _gather_then_linear(x, w, pstate.tp_group))):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        saved: list[int] = []  # elements of each saved tensor (F.linear saves a 2-D view)
+
+        def pack(t: torch.Tensor, saved=saved, w=w) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
+                saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(x, w)
+        y.backward(grad_out)
+        out[name] = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "saved": saved}
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_gather_then_linear_and_saves_the_shard(tmp_path, dtype: torch.dtype) -> None:
+    for rank, out in enumerate(run_ranks(_both_paths, 2, tmp_path, tp=2, dtype=dtype)):
+        new, old = out["new"], out["old"]
+        assert new["saved"] == [4 * 3 * 16], rank  # the local [s/t, b, h] shard only
+        assert old["saved"] == [8 * 3 * 16], rank  # autograd's choice: the gathered input
+        for key in ("y", "dx", "dw"):
+            assert new[key].dtype == dtype, (rank, key)  # weight grad in the parameter dtype
+            tol = 0 if key == "y" else (1e-6 if dtype == torch.float32 else 2e-2)
+            torch.testing.assert_close(new[key], old[key], rtol=tol, atol=tol)
+
+
+SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+             ffn_hidden_size=64, seq_length=16, vocab_size=64)
+RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
+             "full": dict(recompute_granularity="full", recompute_num_layers=1)}
+
+
+def _recompute_grads(pstate: ParallelState) -> dict:
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for option, kw in RECOMPUTE.items():
+        model = LlamaChunk(ModelConfig(**SHAPE), pstate, range(2), pre_process=True,
+                           post_process=True,
+                           opts=BuildOptions(seed=3, sequence_parallel=True, **kw))
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        out[option] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    return out
+
+
+def test_tp2_sp_recompute_matches_no_recompute(tmp_path) -> None:
+    """The Function reruns its all-gather when a checkpointed layer is recomputed."""
+    for rank, out in enumerate(run_ranks(_recompute_grads, 2, tmp_path, tp=2)):
+        ref_loss, ref_grads = out["none"]
+        for option in ("selective", "full"):
+            loss, grads = out[option]
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7,
+                                           msg=f"rank {rank} {option}: {name}")
+
+
+def test_runs_on_meta_over_a_fake_group() -> None:
+    """The dry run's setting: shapes only, no host reads; in a child so that no process group
+    leaks into this one."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from megatron_lite.layers.linear import column_parallel_linear
+        dist.init_process_group("meta:fake", store=FakeStore(), rank=1, world_size=4)
+        x = torch.empty(4, 3, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(8, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        y = column_parallel_linear(x, w, dist.group.WORLD, True)
+        y.sum().backward()
+        print(tuple(y.shape), tuple(x.grad.shape), tuple(w.grad.shape), x.grad.device)
+        dist.destroy_process_group()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "(16, 3, 8) (4, 3, 16) (8, 16) meta"
