@@ -78,6 +78,50 @@ def data_fingerprint(cfg: Config) -> dict:
             "manifest_sha256": manifests, "tokenizer_sha256": _sha256(d.tokenizer_model)}
 
 
+class HostStaging:
+    """Host buffers that a save's tensors are copied into, kept and reused across saves.
+
+    A save must not hold a second device copy of the weights and optimizer state (12 bytes
+    per owned element: a job near capacity would run out of memory exactly when it
+    checkpoints), so each tensor goes straight from the live training tensor into a host
+    buffer allocated once per (file, name) and shape/dtype, pinned when the source is on
+    CUDA so that the copies are asynchronous DMA, waited for once in `finish()`. Meta
+    tensors (a --dry-run on the meta device) have no data: they pass through unchanged.
+
+    Reuse is safe because a buffer is only overwritten by the next save, and
+    `Checkpointer.save` first waits for the previous save's writer (also with --async-save).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, str], Tensor] = {}
+        self._cuda_device: torch.device | None = None
+        """Set while copies from this CUDA device may still be in flight."""
+
+    def stage(self, file: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Host copies (started, maybe not finished: see `finish`) of `file`'s tensors."""
+        out = {}
+        for name, src in tensors.items():
+            if src.device.type == "meta":
+                out[name] = src
+                continue
+            on_cuda = src.device.type == "cuda"
+            buf = self.buffers.get((file, name))
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=on_cuda)
+                self.buffers[(file, name)] = buf
+            buf.copy_(src.detach(), non_blocking=on_cuda)
+            if on_cuda:
+                self._cuda_device = src.device
+            out[name] = buf
+        return out
+
+    def finish(self) -> None:
+        """Wait for the asynchronous device-to-host copies (before a writer reads them)."""
+        if self._cuda_device is not None:
+            torch.cuda.synchronize(self._cuda_device)
+            self._cuda_device = None
+
+
 class _SaveJob:
     """One rank's part of one save: host copies of its tensors, written by `run()`."""
 
@@ -94,7 +138,7 @@ class _SaveJob:
                 self.written[name] = F.write_tensors(self.tmp / name, tensors, meta)
         except Exception as e:  # reported to every rank at commit, never swallowed
             self.error = f"{type(e).__name__}: {e}"
-        self.items = []  # free the host copies
+        self.items = []  # the staged tensors stay with the Checkpointer for the next save
 
     @property
     def done(self) -> bool:
@@ -134,6 +178,7 @@ class Checkpointer:
         self._pending: tuple[_SaveJob, int, dict, float, float] | None = None
         self._on_disk: int | None = None
         self._last_save_time = time.monotonic()
+        self.staging = HostStaging()
 
     # ---- collectives ---------------------------------------------------------------------
 
@@ -147,30 +192,30 @@ class Checkpointer:
         return comms.all_reduce_(t, self.pstate.world_group, op=op).item()
 
     def _gather(self, obj: object) -> list:
-        if not self.pstate.distributed:
-            return [obj]
-        out: list = [None] * self.pstate.world_size
-        dist.all_gather_object(out, obj, group=self.pstate.world_group)
-        return out
+        return comms.all_gather_objects(obj, self.pstate.world_group, self.pstate.device)
 
     # ---- saving --------------------------------------------------------------------------
 
-    def _snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
-        """This rank's files as host tensors (copies: training may change the originals)."""
+    def snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
+        """This rank's files as host tensors (copies: training may change the originals),
+        staged into the reused host buffers without any device copy. Called by `save`, and
+        by the meta-device dry run, which measures that it allocates nothing on the device."""
         ps = self.pstate
         items = []
         if ps.dp_rank == 0:
             weights, tags = {}, {}
             for name, local, p in model_parameters(self.chunks, self.tied):
                 if not is_tied_copy(local, self.tied):
-                    weights[name] = p.detach().to("cpu", copy=True)
+                    weights[name] = p.detach()
                     tags[name] = getattr(p, "tp_split", None)
-            items.append((F.model_file(ps.tp_rank, ps.pp_rank), weights,
+            file = F.model_file(ps.tp_rank, ps.pp_rank)
+            items.append((file, self.staging.stage(file, weights),
                           {"tp_split": tags, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank}))
         if self.optimizer.sharded or ps.dp_rank == 0:
             skeleton, tensors = F.flatten_state(self.optimizer.state_dict())
-            items.append((F.optim_file(ps.tp_rank, ps.pp_rank, ps.dp_rank),
-                          {k: v.to("cpu") for k, v in tensors.items()}, {"state": skeleton}))
+            file = F.optim_file(ps.tp_rank, ps.pp_rank, ps.dp_rank)
+            items.append((file, self.staging.stage(file, tensors), {"state": skeleton}))
+        self.staging.finish()
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["torch_cuda"] = torch.cuda.get_rng_state(ps.device)
@@ -203,6 +248,8 @@ class Checkpointer:
     def save(self, iteration: int) -> None:
         """Write a checkpoint of the state after `iteration` (async with --async-save)."""
         assert self.save_dir is not None
+        # The previous save's writer must be done before `snapshot` overwrites the host
+        # buffers it is writing from (HostStaging reuses them): keep this wait first.
         self.wait()
         start = time.perf_counter()
         self.optimizer.finish_param_sync()
@@ -212,7 +259,7 @@ class Checkpointer:
             F.clear_stale(self.save_dir)
             tmp.mkdir()
         self._barrier()
-        job = _SaveJob(tmp, self._snapshot())
+        job = _SaveJob(tmp, self.snapshot())
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start
         self._pending = (job, iteration, meta, start, blocking)
@@ -398,6 +445,8 @@ class Checkpointer:
             p.copy_(tensor)
 
     def _load_optimizer(self, reader: CheckpointReader) -> None:
+        """Read into host tensors, then `load_state_dict` copies them into the live buffers:
+        the template is the live state (free, shapes and layout only), never written."""
         template = self.optimizer.state_dict()
         if reader.has_optimizer:
             state = direct_optimizer_state(reader, template, self.pstate, self.partition)

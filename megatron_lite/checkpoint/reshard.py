@@ -173,10 +173,15 @@ class CheckpointReader:
 
 def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: ParallelState,
                          tied: bool, source: Callable[[str], dict[str, Tensor]]) -> dict:
-    """The running optimizer's state (`template` from its `state_dict()`, any layout) with
-    every owned element taken from `source(global name)` (full tensors per kind)."""
+    """The running optimizer's state in its layout (`template` from its `state_dict()`) with
+    every owned element taken from `source(global name)` (full tensors per kind).
+
+    A new state on the host: `template`'s tensors are the optimizer's live buffers, so they
+    are neither written nor copied here (`load_state_dict` copies into them).
+    """
     params = {f"chunk{c}.{local}": (global_name(chunk.layer_ids, local, tied), p)
               for c, chunk in enumerate(chunks) for local, p in chunk.named_parameters()}
+    tensors = {}
     for b, buf in enumerate(template["buffers"]):
         flat = {k: torch.zeros(buf["numel"], dtype=torch.float32) for k in KINDS}
         for opt_name, start, end, _shape in buf["params"]:
@@ -185,10 +190,8 @@ def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: Pa
             for k in KINDS:
                 flat[k][start:end] = local_slice(full[k].float(), param, pstate).reshape(-1)
         for k in KINDS:
-            device = template["tensors"][f"{b}.{k}"].device
-            template["tensors"][f"{b}.{k}"] = torch.cat(
-                [flat[k][s:e] for s, e in buf["owned"]]).to(device)
-    return template
+            tensors[f"{b}.{k}"] = torch.cat([flat[k][s:e] for s, e in buf["owned"]])
+    return {**template, "tensors": tensors}
 
 
 def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: ParallelState,

@@ -25,6 +25,7 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -59,18 +60,29 @@ class MemoryReport:
     state_bytes: int
     """fp32 master weights + Adam momentum + variance for the owned elements (12 B each)."""
     padding_elements: int
-    """Owned elements that are bucket padding, not parameters."""
+    """Owned elements that are padding, not parameters (their optimizer state is wasted)."""
     grad_buffer_bytes: int
     """The gradient buffer (every parameter, whatever the sharding)."""
     local_params: int
     """Parameters on this rank (after TP/PP splitting, before DP sharding)."""
+    buffer_elements: int
+    """Elements of the gradient/parameter buffers, padding included."""
+    buffer_padding_elements: int
+    """Buffer elements that are alignment padding (parameter starts, bucket ends)."""
+
+    @property
+    def buffer_padding_fraction(self) -> float:
+        """What the alignment costs: padding over the whole buffer (<= 1% at real sizes)."""
+        return self.buffer_padding_elements / max(1, self.buffer_elements)
 
     def describe(self) -> str:
         gib = 2 ** 30
         return (f"optimizer state {self.state_bytes / gib:.3f} GiB "
                 f"({self.state_bytes / max(1, self.local_params):.2f} B/param, "
                 f"{self.padding_elements} padding elements), gradient buffer "
-                f"{self.grad_buffer_bytes / gib:.3f} GiB")
+                f"{self.grad_buffer_bytes / gib:.3f} GiB (alignment padding "
+                f"{self.buffer_padding_elements} elements, "
+                f"{100 * self.buffer_padding_fraction:.3f}% of the buffer)")
 
 
 def _named_parameters(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, int]]:
@@ -283,8 +295,8 @@ class Optimizer:
         self.finish_param_sync()
         norm = global_norm([g for s in self.shards for g in s.norm_pieces()], self.pstate,
                            sharded_over_dp=self.sharded)
-        norm_value = norm.item()
-        if not torch.isfinite(norm):
+        norm_value = comms.host_scalar(norm)
+        if not (norm.is_meta or math.isfinite(norm_value)):  # meta: a dry run, no values
             return StepResult(norm_value, skipped=True)
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
@@ -333,10 +345,17 @@ class Optimizer:
             state_bytes=sum(s.nbytes() for s in self.shards),
             padding_elements=sum(s.padding() for s in self.shards),
             grad_buffer_bytes=sum(b.nbytes() for b in self.buffers),
-            local_params=sum(p.numel() for p in self.params))
+            local_params=sum(p.numel() for p in self.params),
+            buffer_elements=sum(b.layout.numel for b in self.buffers),
+            buffer_padding_elements=sum(b.layout.padding for b in self.buffers))
 
     def state_dict(self) -> dict:
-        """This DP rank's optimizer state; format in `megatron_lite.optim.zero1`."""
+        """This DP rank's optimizer state; format in `megatron_lite.optim.zero1`.
+
+        The tensors are the live shard buffers, not copies (a copy would cost 12 bytes per
+        owned element of device memory at every save): callers copy before training
+        continues, as the Checkpointer does into its host buffers.
+        """
         self.finish_param_sync()
         ps = self.pstate
         return zero1.state_dict(self.shards, self._step, ps.dp_rank, ps.dp_size, self.sharded)

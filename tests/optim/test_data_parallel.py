@@ -105,7 +105,12 @@ def test_optimizer_memory_is_sharded(dp2) -> None:
         params, padding = zero1.local_params, rank["zero1"]["padding"]
         assert plain.state_bytes == 12 * (params + rank["plain"]["padding"])
         assert zero1.state_bytes * 2 == 12 * (params + padding)  # 12 B x (params + pad) / DP
-        assert padding <= 0.01 * params / 2
+        # The report carries the buffers' alignment padding (this tiny model's 32-element
+        # norms each leave a 32-element gap; real sizes stay <= 1%, see test_buffers).
+        assert zero1.buffer_padding_elements == padding == plain.buffer_padding_elements
+        assert zero1.buffer_elements == params + padding
+        assert zero1.buffer_padding_fraction == padding / (params + padding) < 0.05
+        assert f"alignment padding {padding} elements" in zero1.describe()
         assert zero1.state_bytes / plain.state_bytes <= 0.51
 
 
