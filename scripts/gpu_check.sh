@@ -1,45 +1,92 @@
 #!/bin/bash
-# Every check that needs a CUDA GPU, in one run, with the results in one folder: the kernel tests
-# on the device (with the real-size `gpu` ones), the kernel benchmark, and a short bf16 training
-# run with the Triton kernels on and off (same loss curve, and each one's step time).
+# Every check that needs a CUDA GPU, in one run, with the results in one folder:
+#   kernel_tests   the kernel tests on the device (with the real-size `gpu` ones)
+#   kernel_bench   the kernel benchmark (bench/kernels.py)
+#   train_kernels  a short bf16 training run with the Triton kernels on and off (same loss curve,
+#                  each one's step time)
+#   multirank      two ranks sharing the GPU over cuda:gloo: TP=2 + SP and PP=2 against one
+#                  process (scripts/gpu_multirank.py)
+#   train_1b       Llama-3.2-1B shape, seq 4096, bf16, kernels on, compiled: ours against plain
+#                  PyTorch (tokens/s, TFLOP/s, MFU), planner memory against the measured peak
+#   train_3b       the same at the Llama-3.2-3B shape (bench/gpu_train.py)
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default: gpu_check/; PYTHON=... to pick python)
-# About 5-8 minutes on one H100/H200. It keeps going past a failed part and exits non-zero at the
-# end if any part failed.
+# OUT_DIR/summary.txt ends the run with every number. The parts run in the order above within a
+# time budget (GPU_CHECK_BUDGET_S, default 480 s): each is cut off when the budget runs out, and
+# one that would not fit in what is left is skipped and says so. GPU_CHECK_ONLY="multirank
+# train_1b" runs only those parts. It keeps going past a failed part and exits non-zero at the
+# end if any part failed or timed out.
 set -uo pipefail
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(mkdir -p "${1:-gpu_check}" && cd "${1:-gpu_check}" && pwd)
 PYTHON=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+ONLY=" ${GPU_CHECK_ONLY:-kernel_tests kernel_bench train_kernels multirank train_1b train_3b} "
 cd "$REPO_DIR" || exit 1
 export PYTHONUNBUFFERED=1
+START=$SECONDS
 status=0
-part() {  # part NAME COMMAND...: runs it, logs to $OUT/NAME.log, records failure
-    local name=$1; shift
+: > "$OUT/parts.tsv"
+rm -f "$OUT/summary.txt" "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt"
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/parts.tsv"; }
+
+part() {  # part NAME GROUP NEED_S COMMAND...: runs it within the budget, logs to $OUT/NAME.log
+    local name=$1 group=$2 need=$3; shift 3
+    rm -f "$OUT/$name.log"
+    if [[ $ONLY != *" $group "* ]]; then
+        record "$name" "not selected (GPU_CHECK_ONLY)" 0
+        return 1
+    fi
+    local left=$((BUDGET - (SECONDS - START)))
+    if (( left < need )); then
+        echo "== $name skipped: $left s of the $BUDGET s budget left, it needs ~$need s"
+        record "$name" "skipped: time budget ($left s left, needs ~$need s)" 0
+        return 1
+    fi
     echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
-    [[ $rc -eq 0 ]] || { echo "== $name FAILED (exit $rc)"; status=1; }
+    local began=$SECONDS
+    timeout -k 20 "$left" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]} took=$((SECONDS - began))
+    if (( rc == 0 )); then
+        record "$name" ok "$took"
+        return 0
+    fi
+    status=1
+    if (( rc == 124 )); then
+        echo "== $name TIMED OUT at the end of the budget"
+        record "$name" "TIMED OUT at the end of the budget" "$took"
+    elif (( rc == 137 )); then
+        echo "== $name KILLED (SIGKILL: 20 s past the budget, or out of host memory)"
+        record "$name" "KILLED (SIGKILL: past the budget, or out of host memory)" "$took"
+    else
+        echo "== $name FAILED (exit $rc)"
+        record "$name" "FAILED (exit $rc)" "$took"
+    fi
+    return 1
 }
 
-{ nvidia-smi -L; "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton',
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton',
 triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/device.log"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "no CUDA device visible to $PYTHON"; exit 1; }
 
-part kernel_tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels
-part kernel_bench "$PYTHON" bench/kernels.py --dtype bf16 --tokens 8192
-cp bench/results/kernels.json "$OUT/" 2>/dev/null
+part kernel_tests kernel_tests 30 "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels
+part kernel_bench kernel_bench 30 "$PYTHON" bench/kernels.py --dtype bf16 --tokens 8192 \
+    && cp bench/results/kernels.json "$OUT/"
 
 # ~0.4B-parameter Llama on mock data: 20 steps each way.
 TRAIN=(--mock-data --vocab-size 32000 --num-layers 8 --hidden-size 2048 --num-attention-heads 16
        --num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4
        --global-batch-size 8 --train-iters 20 --lr 3e-4 --lr-warmup-iters 5 --bf16
        --eval-iters 0 --log-interval 1 --wandb-mode disabled --seed 1)
+ran_both=1
 for mode in on off; do
-    part "train_kernels_$mode" "$PYTHON" pretrain.py "${TRAIN[@]}" --triton-kernels "$mode" \
-        --log-jsonl "$OUT/train_kernels_$mode.jsonl"
+    rm -f "$OUT/train_kernels_$mode.jsonl"  # the logger appends
+    part "train_kernels_$mode" train_kernels 40 "$PYTHON" pretrain.py "${TRAIN[@]}" \
+        --triton-kernels "$mode" --log-jsonl "$OUT/train_kernels_$mode.jsonl" || ran_both=0
 done
-part train_compare "$PYTHON" - "$OUT" <<'PY'
+(( ran_both )) && part train_compare train_kernels 0 "$PYTHON" - "$OUT" <<'PY'
 import json, statistics, sys
 out = sys.argv[1]
 runs = {m: [json.loads(line) for line in open(f"{out}/train_kernels_{m}.jsonl")
@@ -53,5 +100,33 @@ print(f"median step ms after 5 warm-up steps: kernels on {ms['on']:.1f}, off {ms
       f"(on is {ms['off'] / ms['on']:.3f}x the speed of off)")
 sys.exit(0 if len(on) == len(off) == 20 and worst <= 2e-2 else 1)
 PY
-echo "results in $OUT"
+
+part multirank multirank 60 "$PYTHON" scripts/gpu_multirank.py --out "$OUT"
+part train_1b train_1b 150 "$PYTHON" bench/gpu_train.py --model 1b --out "$OUT"
+part train_3b train_3b 200 "$PYTHON" bench/gpu_train.py --model 3b --out "$OUT"
+
+{
+    echo "gpu_check summary: $(date -u '+%Y-%m-%d %H:%M UTC'), git" \
+         "$(git describe --always --dirty 2>/dev/null || echo unknown)," \
+         "$((SECONDS - START)) s of a $BUDGET s budget"
+    cat "$OUT/device.log"
+    echo "parts (status, seconds):"
+    awk -F'\t' '{printf "  %-20s %-58s %5s\n", $1, $2, $3}' "$OUT/parts.tsv"
+    if [[ -s $OUT/kernel_tests.log ]]; then
+        echo "kernel tests:"
+        grep -E '^(FAILED|ERROR) ' "$OUT/kernel_tests.log" | sed 's/^/  /'
+        tail -n 1 "$OUT/kernel_tests.log" | sed 's/^/  /'
+    fi
+    if [[ -s $OUT/kernel_bench.log ]]; then
+        echo "kernel bench:"
+        grep -v '^wrote ' "$OUT/kernel_bench.log" | sed 's/^/  /'
+    fi
+    if [[ -s $OUT/train_compare.log ]]; then
+        echo "Triton kernels on vs off (0.4B, bf16, 20 steps):"
+        sed 's/^/  /' "$OUT/train_compare.log"
+    fi
+    cat "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt" 2>/dev/null
+} > "$OUT/summary.txt"
+echo "======== summary ($OUT/summary.txt)"
+cat "$OUT/summary.txt"
 exit $status

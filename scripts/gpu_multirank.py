@@ -1,0 +1,319 @@
+"""Two ranks on one GPU: TP=2 with sequence parallelism, and PP=2, trained through torchrun with
+`--distributed-backend cuda:gloo`, each compared loss for loss with one process of the same run.
+
+    python scripts/gpu_multirank.py --out DIR              # on a GPU (scripts/gpu_check.sh)
+    python scripts/gpu_multirank.py --out DIR --device cpu # the same flow over plain gloo
+
+cuda:gloo registers gloo for CUDA tensors only, so a host tensor reaching any collective fails
+the run as it would on NCCL, while both ranks share the one GPU (NCCL refuses that). gloo's CUDA
+support is partial, so a probe first runs, on two ranks, every collective these runs make, the
+way they make it (through megatron_lite.parallel.comms where it has a helper) and checks the
+values; a layout that needs an op the probe saw fail is reported "skipped: <op>: <reason>"
+instead of failed. The probe also checks that a host tensor is refused, and tries the barrier
+that checkpoint saves use. fp32, so the losses must agree to 1e-5 relative (what the CPU tests
+hold). Writes DIR/multirank.json and DIR/multirank.txt (the summary lines); exits 1 if a run
+that could run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_lite.config import Config, ParallelConfig  # noqa: E402
+from megatron_lite.parallel import comms  # noqa: E402
+from megatron_lite.parallel import state as parallel_state  # noqa: E402
+
+TOLERANCE = 1e-5
+# Odd vocabulary (padded at both TP sizes), GQA, 4 layers so PP=2 splits them evenly.
+FLAGS = {
+    "cuda": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+             "--num-query-groups", "4", "--ffn-hidden-size", "768", "--seq-length", "256",
+             "--vocab-size", "1000"],
+    "cpu": ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+            "--vocab-size", "97", "--make-vocab-size-divisible-by", "8"],
+}
+COMMON = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+          "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--seed", "1",
+          "--distributed-timeout-minutes", "2"]
+LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+           "pp2": ["--pipeline-model-parallel-size", "2"]}
+# What each layout's training step, logging and start-up call (besides what both call).
+COMMON_OPS = ("all_reduce", "all_gather_objects", "all_gather_list")
+NEEDS = {"tp2_sp": (*COMMON_OPS, "all_reduce_max", "all_gather", "all_gather_async",
+                    "reduce_scatter", "reduce_scatter_async"),
+         "pp2": (*COMMON_OPS, "send_recv")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe (one process per rank, under torchrun)
+
+
+def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[[], bool]]]:
+    """(name, run -> values right) for each op, in the order run; send/recv last (it is the
+    one most likely to take the process down)."""
+    dev, group, rank = pstate.device, pstate.world_group, pstate.rank
+    peer = 1 - rank
+
+    def all_reduce(op: dist.ReduceOp.RedOpType, expect: float) -> bool:
+        x = torch.full((8,), float(rank + 1), device=dev)
+        return bool((comms.all_reduce_(x, group, op) == expect).all())
+
+    def all_gather(async_op: bool) -> bool:
+        x = torch.full((3, 5), float(rank), device=dev)
+        out, work = comms.all_gather_dim0(x, group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        return bool((out == torch.arange(2, device=dev).repeat_interleave(3)[:, None]).all())
+
+    def reduce_scatter(async_op: bool) -> bool:
+        x = torch.arange(24.0, device=dev).view(4, 6) * (rank + 1)
+        out, work = comms.reduce_scatter_dim0(x, group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        return bool((out == 3 * torch.arange(24.0, device=dev).view(4, 6)[2 * rank:][:2]).all())
+
+    def all_gather_list() -> bool:  # metrics.py gathers per-rank timings this way
+        out = [torch.empty(2, dtype=torch.float64, device=dev) for _ in range(2)]
+        dist.all_gather(out, torch.full((2,), float(rank), dtype=torch.float64, device=dev),
+                        group=group)
+        return all(bool((t == r).all()) for r, t in enumerate(out))
+
+    def host_tensor() -> bool:
+        """Goes through only where the backend takes host tensors (plain gloo); under
+        cuda:gloo it must raise, as NCCL would, and the error is the refusal."""
+        dist.all_reduce(torch.ones(1), group=group)
+        return True
+
+    def barrier() -> bool:  # what checkpoint saves wait on
+        comms.barrier(group, dev)
+        return True
+
+    def send_recv() -> bool:  # what pipeline/p2p.py posts for one boundary exchange
+        send = torch.full((4, 3), float(rank), device=dev)
+        recv = torch.empty(4, 3, device=dev)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, tag=0),
+                                            dist.P2POp(dist.irecv, recv, peer, tag=0)]):
+            work.wait()
+        return bool((recv == peer).all())
+
+    return [("all_reduce", lambda: all_reduce(dist.ReduceOp.SUM, 3.0)),
+            ("all_reduce_max", lambda: all_reduce(dist.ReduceOp.MAX, 2.0)),
+            ("all_gather", lambda: all_gather(False)),
+            ("all_gather_async", lambda: all_gather(True)),
+            ("reduce_scatter", lambda: reduce_scatter(False)),
+            ("reduce_scatter_async", lambda: reduce_scatter(True)),
+            ("all_gather_objects",
+             lambda: comms.all_gather_objects(f"r{rank}", group, dev) == ["r0", "r1"]),
+            ("all_gather_list", all_gather_list),
+            ("host_tensor", host_tensor),
+            ("barrier", barrier),
+            ("send_recv", send_recv)]
+
+
+def run_probe(out: Path, backend: str) -> int:
+    """One rank of the probe: each op's start and outcome as a JSON line in probe_rankR.jsonl,
+    written before the next op starts (a crash or hang leaves the op it happened in)."""
+    cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=2,
+                                         distributed_backend=backend,
+                                         distributed_timeout_minutes=0.5))
+    pstate = parallel_state.initialize(cfg)
+    try:
+        with open(out / f"probe_rank{pstate.rank}.jsonl", "w", buffering=1) as log:
+            for name, fn in probe_ops(pstate):
+                log.write(json.dumps({"op": name, "status": "start"}) + "\n")
+                try:
+                    status, detail = ("ok" if fn() else "wrong values"), ""
+                    if pstate.device.type == "cuda":
+                        torch.cuda.synchronize()
+                except Exception as err:
+                    status, detail = "error", f"{type(err).__name__}: {err}".split("\n")[0]
+                log.write(json.dumps({"op": name, "status": status,
+                                      "detail": detail[:300]}) + "\n")
+    finally:
+        parallel_state.destroy(pstate)
+    return 0
+
+
+def read_probe(out: Path, rc: int) -> dict[str, dict]:
+    """op -> {"status", "detail"} over both ranks: ok only if every rank says ok; an op a rank
+    started and never finished is where the probe died or hung."""
+    ops: dict[str, dict] = {}
+    for rank in range(2):
+        path = out / f"probe_rank{rank}.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        ended = set()
+        for rec in lines:
+            if rec["status"] == "start":
+                continue
+            ended.add(rec["op"])
+            if ops.get(rec["op"], {}).get("status", "ok") == "ok":
+                ops[rec["op"]] = {"status": rec["status"],
+                                  "detail": f"rank {rank}: {rec['detail']}" if rec["detail"]
+                                  else ""}
+        for rec in lines:
+            if rec["status"] == "start" and rec["op"] not in ended:
+                ops[rec["op"]] = {"status": "error", "detail": f"rank {rank} never finished "
+                                  f"it (the probe died or hung here; exit code {rc})"}
+    return ops
+
+
+# ---------------------------------------------------------------------------------------------
+# The runs
+
+
+def read_losses(path: Path) -> list[float]:
+    if not path.exists():
+        return []
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def compare(losses: list[float], single: list[float], iters: int) -> tuple[bool, str]:
+    """(agrees, description) of a layout's losses against the one-process run's."""
+    if len(losses) != iters or len(single) != iters:
+        return False, f"{len(losses)} losses logged vs {len(single)} in one process ({iters} due)"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, single))
+    text = (f"{iters}/{iters} losses vs one process, worst relative difference {worst:.2e} "
+            f"(tolerance {TOLERANCE:g}); loss {single[0]:.4f} -> {single[-1]:.4f}")
+    if not single[-1] < single[0]:
+        return False, text + ": the loss did not fall, so agreeing proves little"
+    return worst <= TOLERANCE, text
+
+
+class Job:
+    """A child process whose output goes to OUT/multirank_NAME.log."""
+
+    def __init__(self, name: str, cmd: list[str], out: Path, env: dict[str, str]) -> None:
+        self.name, self.log = name, out / f"multirank_{name}.log"
+        print(f"== multirank {name}: {' '.join(cmd)}", flush=True)
+        self.start = time.perf_counter()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> int:
+        """Exit code (124 after killing it at the timeout); prints the log's tail on failure."""
+        try:
+            rc = self.proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - self.start)))
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # torchrun stops its workers (SIGKILL after its 30 s grace)
+            try:
+                self.proc.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            rc = 124
+        self.seconds = time.perf_counter() - self.start
+        print(f"== multirank {self.name}: exit {rc} after {self.seconds:.0f} s", flush=True)
+        if rc:
+            print("\n".join(self.log.read_text().splitlines()[-25:]), flush=True)
+        return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--iters", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    backend = "cuda:gloo" if args.device == "cuda" else "gloo"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.probe:
+        return run_probe(args.out, backend)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for stale in args.out.glob("probe_rank*.jsonl"):
+        stale.unlink()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]
+    flags = [*FLAGS[args.device], *COMMON, "--train-iters", str(args.iters)]
+
+    def jsonl(name: str) -> Path:
+        path = args.out / f"multirank_{name}.jsonl"
+        path.unlink(missing_ok=True)  # the logger appends
+        return path
+
+    # The one-process reference runs while the probe decides what the layouts can run.
+    probe = Job("probe", [*torchrun, str(Path(__file__).resolve()), "--probe", "--out",
+                          str(args.out), "--device", args.device], args.out, env)
+    single = Job("single", [sys.executable, "pretrain.py", *flags, "--log-jsonl",
+                            str(jsonl("single"))], args.out, env)
+    ops = read_probe(args.out, probe.wait(120))
+    runs: dict[str, dict] = {}
+    jobs: dict[str, Job] = {}
+    for name, extra in LAYOUTS.items():
+        broken = [op for op in NEEDS[name] if ops.get(op, {}).get("status", "ok") != "ok"]
+        if broken:
+            op = broken[0]
+            runs[name] = {"status": "skipped", "reason": f"gloo cannot run {op} on "
+                          f"{args.device} tensors here: {ops[op]['status']} "
+                          f"({ops[op]['detail']})"}
+            continue
+        jobs[name] = Job(name, [*torchrun, "pretrain.py", *flags, *extra,
+                                "--distributed-backend", backend, "--log-jsonl",
+                                str(jsonl(name))], args.out, env)
+    single_rc = single.wait(args.timeout)
+    single_losses = read_losses(args.out / "multirank_single.jsonl")
+    for name, job in jobs.items():
+        rc = job.wait(args.timeout)
+        losses = read_losses(args.out / f"multirank_{name}.jsonl")
+        if rc:
+            runs[name] = {"status": "failed", "reason": f"exit {rc} (see {job.log.name})"}
+        elif single_rc:
+            runs[name] = {"status": "failed", "reason": "the one-process run failed (exit "
+                          f"{single_rc}, see {single.log.name}); nothing to compare with"}
+        else:
+            agrees, text = compare(losses, single_losses, args.iters)
+            runs[name] = {"status": "ok" if agrees else "failed", "reason": text}
+        runs[name].update(losses=losses, seconds=job.seconds)
+
+    host = ops.get("host_tensor", {"status": "not run", "detail": ""})
+    refused = host["status"] == "error"
+    result = {"backend": backend, "device": args.device, "iters": args.iters, "flags": flags,
+              "probe": ops, "host_tensor_refused": refused, "single_losses": single_losses,
+              "single_exit": single_rc, "runs": runs}
+    lines = report_lines(result)
+    (args.out / "multirank.json").write_text(json.dumps(result, indent=1))
+    (args.out / "multirank.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    failed = any(r["status"] == "failed" for r in runs.values())
+    # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
+    return 1 if failed or (args.device == "cuda" and not refused) else 0
+
+
+def report_lines(result: dict) -> list[str]:
+    """The summary lines (also written to OUT/multirank.txt)."""
+    ops, lines = result["probe"], [
+        f"multirank ({result['backend']}, 2 ranks on one {result['device']} device, fp32, "
+        f"{result['iters']} iterations, {' '.join(result['flags'][:10])}):"]
+    lines.append("  probe: " + (", ".join(
+        f"{op} {info['status']}" + (f" ({info['detail']})" if info["detail"] else "")
+        for op, info in ops.items() if op != "host_tensor") or "no result"))
+    host = ops.get("host_tensor", {"status": "not run", "detail": ""})
+    refusal = (f"refused, as NCCL would ({host['detail']})" if result["host_tensor_refused"]
+               else f"NOT refused ({host['status']})")
+    lines.append(f"  host tensor in a collective: {refusal}")
+    for name, run in result["runs"].items():
+        lines.append(f"  {name}: {run['status']}: {run['reason']}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
