@@ -1,6 +1,7 @@
 """Pretrain a Llama-style decoder: the single entrypoint.
 
     python pretrain.py --mock-data --train-iters 20                       # one CPU process
+    python pretrain.py --dry-run --world-size 1024 --dry-run-ranks 0 ...   # check a layout
     torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 ...
     srun python pretrain.py ...                                             # one task per GPU
 
@@ -14,7 +15,7 @@ import sys
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import ConfigError
-from megatron_lite.memory import dry_run_report
+from megatron_lite.dry_run import dry_run
 from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.training import run
 
@@ -23,9 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         if cfg.train.dry_run:
-            world = cfg.parallel.world_size or detect_launch_env().world_size
-            print(dry_run_report(cfg, world))
-            return 0
+            return dry_run(cfg, cfg.parallel.world_size or detect_launch_env().world_size)
         run(cfg)
     except ConfigError as err:
         print(f"pretrain.py: error: {err}", file=sys.stderr)

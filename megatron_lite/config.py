@@ -102,8 +102,10 @@ class ParallelConfig:
     """Gradient bucket size in elements."""
     grad_reduce_in_bf16: bool = False
     """Reduce gradients in bf16 instead of fp32 (halves DP traffic, loses precision)."""
-    distributed_backend: str = field(default="auto", metadata={"choices": ["auto", "nccl", "gloo"]})
-    """Collective backend; auto = nccl with CUDA, gloo on CPU."""
+    distributed_backend: str = field(
+        default="auto", metadata={"choices": ["auto", "nccl", "gloo", "cuda:gloo"]})
+    """Collective backend; auto = nccl with CUDA, gloo on CPU; cuda:gloo = gloo over CUDA
+    tensors only (refuses host tensors like NCCL; lets several ranks share one GPU)."""
     distributed_timeout_minutes: float = 10.0
     """Timeout for every collective before the job fails instead of hanging."""
     world_size: int | None = None
@@ -177,7 +179,12 @@ class TrainConfig:
     """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
     dry_run: bool = False
     """Validate the config, print the rank grid, stage partition, parameters per rank and the
-    memory estimate, and exit without creating process groups (see --world-size)."""
+    memory estimate, and exit without creating process groups (see --world-size); with
+    --dry-run-ranks, also run one real training step of those ranks on the meta device."""
+    dry_run_ranks: list[str] = field(default_factory=list)
+    """With --dry-run: global ranks (or `all`) whose real model, optimizer and training step
+    run on the meta device under a fake process group of --world-size ranks: collectives
+    checked and matched, memory measured against the planner."""
 
     def __post_init__(self) -> None:
         if self.recompute_granularity == "full":
@@ -421,11 +428,35 @@ def validate(cfg: Config, world_size: int) -> None:
             )
     if not world_size % (tp * pp):
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
+    errors += _dry_run_errors(cfg, world_size)
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
                       "all-gather; add --use-distributed-optimizer or drop it")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def dry_run_rank_list(cfg: Config, world_size: int) -> list[int]:
+    """--dry-run-ranks as sorted global ranks (`all` = every rank)."""
+    ranks = cfg.train.dry_run_ranks
+    if ranks == ["all"]:
+        return list(range(world_size))
+    return sorted({int(r) for r in ranks})
+
+
+def _dry_run_errors(cfg: Config, world_size: int) -> list[str]:
+    ranks = cfg.train.dry_run_ranks
+    if not ranks:
+        return []
+    if not cfg.train.dry_run:
+        return ["--dry-run-ranks needs --dry-run (it never trains); add --dry-run"]
+    if ranks == ["all"]:
+        return []
+    bad = [r for r in ranks if not r.isdigit() or int(r) >= world_size]
+    if bad:
+        return [f"--dry-run-ranks {' '.join(bad)}: each must be a global rank in 0.."
+                f"{world_size - 1} (--world-size {world_size}), or the single word `all`"]
+    return []
 
 
 def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:

@@ -4,12 +4,18 @@ The planner (`planner.py`) predicts bytes from the config alone; this module mea
 run really holds so the two can be compared in the start-up log: model and optimizer state
 from the actual tensors, and the saved-for-backward bytes of one micro-batch, captured with
 `torch.autograd.graph.saved_tensors_hooks` (each storage counted once, parameters excluded).
+`LiveBytes` counts every allocation of a whole training step, which is how the meta-device
+rank dry run measures the memory a GPU rank will meet.
 """
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
+
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.config import Config, validate
 from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
@@ -25,6 +31,81 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _tensors(value: object) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages allocated on `device` while the mode is active.
+
+    Every op's outputs pass through here; a storage not seen before is counted with its size
+    and uncounted when Python frees it (a weak reference on the storage). One storage is
+    counted once however many views share it. Storages can also shrink outside the
+    dispatcher: the pipeline frees a sent activation with `UntypedStorage.resize_(0)` right
+    after a p2p op, so after any communication op the next allocation re-measures every
+    tracked storage before the peak moves.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._stale = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self._stale = True
+        for t in _tensors(out):
+            if t.device == self.device:
+                self._track(t)
+        return out
+
+    def _track(self, t: Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        if self._stale:
+            self._remeasure()
+        size = storage.nbytes()
+        self._sizes[key] = size
+        self._refs[key] = weakref.ref(storage, partial(self._freed, key))
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        self.live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _remeasure(self) -> None:
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is not None:
+                self._sizes[key] = storage.nbytes()
+        self.live = sum(self._sizes.values())
+        self._stale = False
+
+    def reset_peak(self) -> int:
+        """Start a new peak from the bytes live now; returns them."""
+        self._remeasure()
+        self.peak = self.live
+        return self.live
+
+    def bytes_of(self, tensors: list[Tensor]) -> int:
+        """Tracked bytes of the distinct storages behind `tensors` (at their current size)."""
+        self._remeasure()
+        keys = {t.untyped_storage()._cdata for t in tensors}
+        return sum(self._sizes.get(k, 0) for k in keys)
 
 
 def _chunk_inputs(chunk: nn.Module, cfg: Config, pstate: ParallelState, generator: torch.Generator

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
 # Dense bf16 peak TFLOP/s by device-name fragment (first match wins, so variants come first).
@@ -216,9 +217,7 @@ def _gather_hosts(pstate: ParallelState) -> list[str]:
     host = socket.gethostname()
     if not pstate.distributed:
         return [host]
-    hosts: list[Any] = [None] * pstate.world_size
-    dist.all_gather_object(hosts, host, group=pstate.world_group)
-    return hosts
+    return comms.all_gather_objects(host, pstate.world_group, pstate.device)
 
 
 def resolve_wandb_mode(flag: str | None, environ: dict[str, str] | os._Environ

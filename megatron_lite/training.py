@@ -138,7 +138,7 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     """Global-batch loss from the last stage's per-DP-rank partial sums, on every rank."""
     owner = pstate.is_last_stage and pstate.tp_rank == 0
     value = local.clone() if owner else torch.zeros_like(local)
-    return comms.all_reduce_(value, pstate.world_group).item()
+    return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
 
 
 def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
@@ -198,6 +198,13 @@ def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
 
 def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
     """Parameters of the whole model (each counted once across TP and PP)."""
+    return int(comms.host_scalar(reduced_parameter_count(chunks, pstate)))
+
+
+def reduced_parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> Tensor:
+    """The count as a float64 tensor summed over the model-parallel group, on the run's
+    device: an NCCL group has no CPU backend (a host tensor here once stopped every TP>1 or
+    PP>1 GPU job at start-up)."""
     seen: set[int] = set()
     local = 0
     for chunk in chunks:
@@ -205,8 +212,8 @@ def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
             if id(p) not in seen and counts_toward_norm(p, pstate):
                 seen.add(id(p))
                 local += p.numel()
-    count = torch.tensor(float(local), dtype=torch.float64)
-    return int(comms.all_reduce_(count, pstate.mp_group).item())
+    count = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
+    return comms.all_reduce_(count, pstate.mp_group)
 
 
 def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],

@@ -15,6 +15,11 @@
 #   EXTRA_ARGS        appended to the pretrain.py command line, word-split
 #   MEGATRON_LITE_TINY=1  replace the model/batch/data arrays with a tiny CPU configuration
 #                     (mock data, gloo, 2 iterations) so tests can run any script on localhost
+#   DRY_RUN="R ..."   no Slurm, no data, no GPU: run ranks R (or `all`) of this script's full
+#                     layout on the meta device (pretrain.py --dry-run), e.g.
+#                     DRY_RUN="0 7 1023" bash scripts/pretrain_llama_70b.sh
+#   WORLD_SIZE        with DRY_RUN: ranks of the job (default: #SBATCH --nodes x GPUS_PER_NODE)
+#   VOCAB_SIZE        with DRY_RUN and no TOKENIZER_MODEL file: the vocabulary (default 128256)
 
 set -euo pipefail
 
@@ -107,7 +112,21 @@ ml_master_env() {
     export MASTER_ADDR MASTER_PORT
 }
 
+# The script's layout, checked rank by rank on the meta device instead of launched.
+ml_dry_run() {
+    local nodes world vocab=(--vocab-size "${VOCAB_SIZE:-128256}")
+    nodes=$(sed -n 's/^#SBATCH --nodes=\([0-9]*\).*/\1/p' "$0")
+    world=${WORLD_SIZE:-$(( ${nodes:-1} * GPUS_PER_NODE ))}
+    [[ -f "${TOKENIZER_MODEL:-}" ]] && vocab=(--tokenizer-model "$TOKENIZER_MODEL")
+    local args=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${vocab[@]}")
+    # shellcheck disable=SC2206  # DRY_RUN and EXTRA_ARGS are meant to be word-split
+    args+=(--dry-run --world-size "$world" --dry-run-ranks ${DRY_RUN} ${EXTRA_ARGS:-})
+    cd "$REPO_DIR"
+    exec "$PYTHON" pretrain.py "${args[@]}"
+}
+
 ml_launch() {
+    if [[ -n "${DRY_RUN:-}" ]]; then ml_dry_run; fi
     ml_tiny_override
     ml_nccl_env
     ml_log_run_info

@@ -31,6 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
                  "provenance"},
+    "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
+                "checkpoint", "training"},
 }
 NO_TORCH = ("tokenizer", "data_tools")
 

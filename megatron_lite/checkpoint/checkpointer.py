@@ -184,7 +184,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.pstate.distributed:
-            dist.barrier(group=self.pstate.world_group)
+            comms.barrier(self.pstate.world_group, self.pstate.device)
 
     def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
         t = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"

@@ -22,7 +22,8 @@ KERNEL_NAMES = ("rmsnorm", "rmsnorm_residual", "rope", "swiglu", "vocab_parallel
 
 
 def resolve_use_triton(mode: str, device: torch.device) -> bool:
-    """Resolves `--triton-kernels {auto,on,off}` for `device`: auto = on exactly with CUDA.
+    """Resolves `--triton-kernels {auto,on,off}` for `device`: auto = on exactly with CUDA
+    (and on the meta device, where a dry run stands in for a GPU run).
 
     `on` with a CPU device runs the kernels under Triton's interpreter, which Triton selects when a
     kernel is defined, so this sets TRITON_INTERPRET=1 before any of our kernels is loaded; if one
@@ -31,7 +32,7 @@ def resolve_use_triton(mode: str, device: torch.device) -> bool:
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--triton-kernels must be auto, on or off, got {mode!r}")
     device = torch.device(device)
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+    if mode == "off" or (mode == "auto" and device.type not in ("cuda", "meta")):
         return False
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         if compiled_kernels_loaded():

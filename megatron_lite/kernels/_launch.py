@@ -3,6 +3,10 @@
 Triton decides at kernel-definition time whether a kernel is compiled (GPU) or interpreted
 (TRITON_INTERPRET=1, CPU tensors), so the `_triton_*` modules are imported on first use, never
 when megatron_lite is imported, and the mode they were loaded in is remembered here.
+
+On the meta device (the rank dry run) the launchers run as on a GPU, allocating every output
+and workspace, but the launch itself does nothing: meta tensors have shapes and no data, so
+the dry run sees exactly the memory the kernels' autograd Functions hold.
 """
 
 from __future__ import annotations
@@ -16,8 +20,27 @@ import torch
 _LOADED_INTERPRETED: dict[str, bool] = {}
 
 
-def load_triton_module(name: str, device: torch.device) -> ModuleType:
+class _NoLaunch:
+    """A stand-in for a `@triton.jit` kernel: `kernel[grid](*args)` does nothing."""
+
+    def __getitem__(self, grid: object) -> _NoLaunch:
+        return self
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+class _MetaKernels:
+    """What `load_triton_module` returns for meta tensors: every kernel is `_NoLaunch`."""
+
+    def __getattr__(self, name: str) -> _NoLaunch:
+        return _NoLaunch()
+
+
+def load_triton_module(name: str, device: torch.device) -> ModuleType | _MetaKernels:
     """Imports megatron_lite.kernels._triton_<name>, checking it can run on `device`."""
+    if device.type == "meta":
+        return _MetaKernels()
     interpret_now = os.environ.get("TRITON_INTERPRET") == "1"
     interpreted = _LOADED_INTERPRETED.setdefault(name, interpret_now)
     if device.type == "cpu" and not interpreted:

@@ -211,6 +211,17 @@ def host_scalar(x: Tensor) -> float:
     return math.nan if x.is_meta else x.item()
 
 
+def barrier(group: Group, device: torch.device) -> None:
+    """Wait until every member of `group` gets here, with a one-element all-reduce on `device`.
+
+    torch's barrier picks its own tensor device from the backend, which a CUDA-only group
+    (cuda:gloo, or the meta-only dry-run group) has no backend for; a reduction on the run's
+    device works on every group and is as cheap.
+    """
+    if group_size(group) > 1:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
 def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
     """Every group member's picklable `obj`, in group-rank order, over tensors on `device`.
 

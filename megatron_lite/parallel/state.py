@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, data_parallel_size
+from megatron_lite.config import Config, ConfigError, data_parallel_size
 from megatron_lite.parallel.launch import LaunchEnv, detect_launch_env
 
 
@@ -101,9 +101,24 @@ def format_grid(grid: list[list[list[int]]]) -> str:
 
 
 def _pick_backend(requested: str) -> tuple[str, bool]:
+    """(backend string for init_process_group, whether tensors live on CUDA).
+
+    "cuda:gloo" registers gloo for CUDA tensors only: a host tensor reaching a collective then
+    fails as it would on NCCL, and two ranks can share one GPU (NCCL refuses that), which is
+    how scripts/gpu_check.sh proves the multi-rank CUDA path on a single lent GPU.
+    """
     use_cuda = torch.cuda.is_available()
     backend = requested if requested != "auto" else ("nccl" if use_cuda else "gloo")
-    return backend, use_cuda and backend == "nccl"
+    if backend == "cuda:gloo" and not use_cuda:
+        raise ConfigError("--distributed-backend cuda:gloo needs a CUDA device; use gloo on CPU")
+    return backend, use_cuda and backend in ("nccl", "cuda:gloo")
+
+
+def _device_index(backend: str, local_rank: int) -> int:
+    """CUDA device of a rank: its local rank, or shared round-robin under cuda:gloo."""
+    if backend == "cuda:gloo":
+        return local_rank % torch.cuda.device_count()
+    return local_rank
 
 
 def _new_groups(all_ranks: list[list[int]], my_rank: int, timeout: timedelta
@@ -147,16 +162,12 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
     world, rank = env.world_size, env.rank
     dp = data_parallel_size(cfg, world)
     grid = rank_grid(world, tp, pp)
-    p_idx, rem = divmod(rank, dp * tp)
-    d_idx, t_idx = divmod(rem, tp)
     backend, use_cuda = _pick_backend(cfg.parallel.distributed_backend)
+    device = torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(env.local_rank)
-    device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
-    common = dict(rank=rank, world_size=world, local_rank=env.local_rank, tp_size=tp,
-                  tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp, dp_rank=d_idx,
-                  device=device, pp_ranks=tuple(grid[s][d_idx][t_idx] for s in range(pp)),
-                  grid=tuple(tuple(tuple(r) for r in stage) for stage in grid))
+        device = torch.device("cuda", _device_index(backend, env.local_rank))
+        torch.cuda.set_device(device)
+    common = _coordinates(env, grid, tp, pp, dp, device)
     if world == 1 and init_method is None:
         return ParallelState(backend=None, **common)
 
@@ -168,7 +179,52 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
         init_method = "env://"
     dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
                             world_size=world, timeout=timeout,
-                            device_id=device if use_cuda else None)
+                            device_id=device if backend == "nccl" else None)
+    return _with_groups(backend, timeout, common, grid)
+
+
+def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:
+    """Rank `rank` of a `world_size` job in this one process, on the meta device (--dry-run).
+
+    The groups are real torch.distributed groups over torch's fake backend, registered for
+    meta tensors only: collectives and p2p complete at once without moving data, and a host
+    tensor sent to one fails exactly as on NCCL. Call `destroy` before the next rank.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    env = LaunchEnv(rank=rank, local_rank=rank % 8, world_size=world_size, local_world_size=8,
+                    master_addr="", master_port=0, source="dry run", node_rank=rank // 8,
+                    num_nodes=max(1, world_size // 8))
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    dp = data_parallel_size(cfg, world_size)
+    grid = rank_grid(world_size, tp, pp)
+    common = _coordinates(env, grid, tp, pp, dp, torch.device("meta"))
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world_size,
+                            timeout=timeout)
+    # torch registers the plugin as "FAKE" but looks it up as "fake", so the group gets no
+    # default backend and destroy warns once per rank; name it ourselves.
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    return _with_groups("meta:fake", timeout, common, grid)
+
+
+def _coordinates(env: LaunchEnv, grid: list[list[list[int]]], tp: int, pp: int, dp: int,
+                 device: torch.device) -> dict:
+    """The ParallelState fields that follow from the rank grid alone."""
+    p_idx, rem = divmod(env.rank, dp * tp)
+    d_idx, t_idx = divmod(rem, tp)
+    return dict(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                tp_size=tp, tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp,
+                dp_rank=d_idx, device=device,
+                pp_ranks=tuple(grid[s][d_idx][t_idx] for s in range(pp)),
+                grid=tuple(tuple(tuple(r) for r in stage) for stage in grid))
+
+
+def _with_groups(backend: str, timeout: timedelta, common: dict,
+                 grid: list[list[list[int]]]) -> ParallelState:
+    """Create every group (same order on all ranks) once the default group exists."""
+    rank, pp, dp, tp = common["rank"], len(grid), len(grid[0]), len(grid[0][0])
     tp_lists = [grid[p][d] for p in range(pp) for d in range(dp)]
     dp_lists = [[grid[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)]
     pp_lists = [[grid[p][d][t] for p in range(pp)] for d in range(dp) for t in range(tp)]

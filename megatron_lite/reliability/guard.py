@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron_lite.config import Config, ConfigError
@@ -186,10 +185,7 @@ class Guard:
                                   is not None else False)) if bad]
         local = f"rank {self.pstate.rank} (host {self.host}): {' and '.join(mine)}" if mine \
             else None
-        gathered = [local]
-        if self.pstate.distributed:
-            gathered = [None] * self.pstate.world_size
-            dist.all_gather_object(gathered, local, group=self.pstate.world_group)
+        gathered = comms.all_gather_objects(local, self.pstate.world_group, self.pstate.device)
         return [g for g in gathered if g]
 
     def _non_finite(self, iteration: int, decision: Decision) -> None:

@@ -1,0 +1,263 @@
+"""Device discipline and a record of every collective and p2p op, for the rank dry run.
+
+Every torch.distributed call reaches the dispatcher as a `c10d` op carrying its tensors and its
+process group, so one `TorchDispatchMode` sees all of them, whoever issued them (our comms
+helpers, the pipeline's batched p2p, torch internals). `CommAudit` refuses a tensor that is not
+on the run's device, naming the op, the group and the first megatron_lite frame that issued
+it: the check an NCCL group makes at run time, made on the CPU. It also records each op, and
+`match` checks that the ranks' records fit together: every send has its receive in the same
+order on the peer, and every member of a group issues the same collectives in the same order
+with the same shapes and dtypes (NCCL's rules; breaking them deadlocks or corrupts).
+
+`match` is pure Python over the records, so it is tested without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+P2P_OPS = ("send", "recv")
+
+_OP_NAMES = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+             "_allgather_base_": "all_gather", "allgather_": "all_gather",
+             "allgather_into_tensor_coalesced_": "all_gather",
+             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast",
+             "alltoall_base_": "all_to_all", "send": "send", "recv_": "recv",
+             "recv_any_source_": "recv", "barrier": "barrier", "reduce_": "reduce",
+             "gather_": "gather", "scatter_": "scatter"}
+
+
+class DeviceDisciplineError(RuntimeError):
+    """A tensor on the wrong device was handed to a collective or p2p op."""
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective or p2p op as issued by one rank."""
+
+    op: str
+    """all_reduce | all_gather | reduce_scatter | broadcast | send | recv | ..."""
+    group: tuple[int, ...]
+    """Global ranks of the process group."""
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    """Shapes of every tensor the op was given, in argument order."""
+    nbytes: int
+    """Bytes of the largest tensor of the op: the full buffer of a gather or scatter, the
+    tensor itself of a reduction or a p2p transfer."""
+    peer: int | None = None
+    """Global rank at the other end of a send or recv."""
+    site: str = ""
+    """file:line (function) of the code that issued it (first frame outside torch and the
+    comms helpers)."""
+
+    def describe(self) -> str:
+        where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
+        return f"{self.op}{where} {self.dtype} {[list(s) for s in self.shapes]} ({self.site})"
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_HELPERS = tuple(os.path.join(_ROOT, "megatron_lite", "parallel", f) for f in ("audit.py",
+                                                                               "comms.py"))
+
+
+def _call_site() -> str:
+    """file:line (function) of the innermost frame that is not torch's, the comms helpers'
+    or a dispatch mode's: the code that handed the tensor over."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not (name.startswith(_TORCH) or name in _HELPERS
+                or frame.f_code.co_name == "__torch_dispatch__"):
+            short = os.path.relpath(name, _ROOT) if name.startswith(_ROOT) else name
+            return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "unknown"
+
+
+class CommAudit(TorchDispatchMode):
+    """While active: refuse off-device tensors in communication, record every op in `ops`."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.ops: list[CommOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._schema.name.split("::")[-1] in _OP_NAMES:
+            self.ops.append(self._inspect(func, args))
+        return func(*args, **kwargs)
+
+    def _inspect(self, func, args: tuple) -> CommOp:
+        name = _OP_NAMES[func._schema.name.split("::")[-1]]
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject)
+                     and "ProcessGroup" in str(a._type()))
+        group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(boxed)))
+        tensors = _tensors(args)
+        site = _call_site()
+        for i, t in enumerate(tensors):
+            if t.device != self.device:
+                raise DeviceDisciplineError(
+                    f"{name} over ranks {list(group)}: tensor {i} {list(t.shape)} {t.dtype} is "
+                    f"on {t.device}, but this run's tensors live on {self.device} (an NCCL "
+                    f"group has no backend for {t.device.type} tensors); create it with "
+                    f"device=pstate.device. Issued from {site}")
+        peer = None
+        if name in P2P_OPS:
+            peer = group[next(a for a in args if isinstance(a, int))]
+        biggest = max(tensors, key=lambda t: t.numel(), default=None)
+        return CommOp(name, group, str(tensors[0].dtype).removeprefix("torch.") if tensors
+                      else "-", tuple(tuple(t.shape) for t in tensors),
+                      biggest.numel() * biggest.element_size() if biggest is not None else 0,
+                      peer, site)
+
+
+def match(records: dict[int, list[CommOp]]) -> str | None:
+    """None when the ranks' records fit together, else the first mismatch in words.
+
+    `records` maps global rank -> that rank's ops in issue order, for every rank of the job.
+    """
+    problems = _match_collectives(records) + _match_p2p(records)
+    if problems:
+        return min(problems)[1]
+    return _deadlock(records)
+
+
+def _match_collectives(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
+    """All members of each group issue the same sequence on it."""
+    per_group: dict[tuple[int, ...], dict[int, list[CommOp]]] = defaultdict(dict)
+    for rank, ops in records.items():
+        for op in ops:
+            if op.op not in P2P_OPS:
+                per_group[op.group].setdefault(rank, []).append(op)
+    problems = []
+    for group, by_rank in per_group.items():
+        missing = [r for r in group if r not in records]
+        if missing:
+            problems.append((0, f"group {list(group)}: ranks {missing} were not dry-run; "
+                                "use --dry-run-ranks all to match"))
+            continue
+        lead = group[0]
+        for rank in group[1:]:
+            mine, theirs = by_rank.get(lead, []), by_rank.get(rank, [])
+            for pos in range(max(len(mine), len(theirs))):
+                a = mine[pos] if pos < len(mine) else None
+                b = theirs[pos] if pos < len(theirs) else None
+                if a is None or b is None or (a.op, a.dtype, a.shapes) != (b.op, b.dtype,
+                                                                            b.shapes):
+                    problems.append((pos, f"group {list(group)}, collective #{pos}: rank {lead} "
+                                          f"issues {a.describe() if a else 'nothing'}, rank "
+                                          f"{rank} issues {b.describe() if b else 'nothing'}"))
+                    break
+    return problems
+
+
+def _match_p2p(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
+    """The k-th send from A to B meets the k-th receive on B from A, same shape and dtype."""
+    sends: dict[tuple[int, int], list[CommOp]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[CommOp]] = defaultdict(list)
+    for rank, ops in records.items():
+        for op in ops:
+            if op.op == "send":
+                sends[(rank, op.peer)].append(op)
+            elif op.op == "recv":
+                recvs[(op.peer, rank)].append(op)
+    problems = []
+    for src, dst in sorted(set(sends) | set(recvs)):
+        if src not in records or dst not in records:
+            problems.append((0, f"p2p {src} -> {dst}: rank {src if src not in records else dst}"
+                                " was not dry-run; use --dry-run-ranks all to match"))
+            continue
+        out, inc = sends[(src, dst)], recvs[(src, dst)]
+        for pos in range(max(len(out), len(inc))):
+            a = out[pos] if pos < len(out) else None
+            b = inc[pos] if pos < len(inc) else None
+            if a is None or b is None or (a.dtype, a.shapes) != (b.dtype, b.shapes):
+                sent = "sends " + a.describe() if a else "sends nothing"
+                got = "receives " + b.describe() if b else "receives nothing"
+                problems.append((pos, f"p2p {src} -> {dst}, transfer #{pos}: rank {src} {sent}"
+                                      f", rank {dst} {got}"))
+                break
+    return problems
+
+
+def _events(rank: int, ops: list[CommOp]) -> list[tuple[str, object]]:
+    """A rank's blocking events: ("coll", (group, k)) or ("p2p", {(kind, transfer id)}).
+
+    Consecutive p2p ops form one batch (the pipeline posts each exchange as one
+    batch_isend_irecv); transfer id ((src, dst), k) names the k-th transfer from src to dst.
+    """
+    events: list[tuple[str, object]] = []
+    colls: dict[tuple[int, ...], int] = defaultdict(int)
+    transfers: dict[tuple[str, tuple[int, int]], int] = defaultdict(int)
+    batch: set | None = None
+    for op in ops:
+        if op.op in P2P_OPS:
+            pair = (rank, op.peer) if op.op == "send" else (op.peer, rank)
+            k = transfers[(op.op, pair)]
+            transfers[(op.op, pair)] += 1
+            if batch is None:
+                batch = set()
+                events.append(("p2p", batch))
+            batch.add((op.op, (pair, k)))
+        else:
+            batch = None
+            events.append(("coll", (op.group, colls[op.group])))
+            colls[op.group] += 1
+    return events
+
+
+def _deadlock(records: dict[int, list[CommOp]]) -> str | None:
+    """Play every rank's events with blocking semantics; name the ranks that never finish.
+
+    A collective completes when every member has reached it; a p2p batch completes when each
+    of its transfers has met its counterpart in the peer's current batch.
+    """
+    events = {r: _events(r, ops) for r, ops in records.items()}
+    pos = dict.fromkeys(events, 0)
+    done: set = set()
+    while True:
+        current = {r: events[r][pos[r]] for r in events if pos[r] < len(events[r])}
+        if not current:
+            return None
+        for kind, what in current.values():
+            if kind != "p2p":
+                continue
+            for op, (pair, k) in what:
+                peer = pair[1] if op == "send" else pair[0]
+                other = current.get(peer)
+                twin = ("recv" if op == "send" else "send", (pair, k))
+                if other is not None and other[0] == "p2p" and twin in other[1]:
+                    done.add((pair, k))
+        moved = []
+        for r, (kind, what) in current.items():
+            if kind == "coll":
+                ready = all(current.get(m) == ("coll", what) for m in what[0])
+            else:
+                ready = all(ident in done for _, ident in what)
+            if ready:
+                moved.append(r)
+        if not moved:
+            stuck = sorted(current)
+            shown = "; ".join(f"rank {r} at event #{pos[r]} ({current[r][0]})" for r in stuck[:4])
+            return (f"deadlock: {len(stuck)} ranks wait forever, e.g. {shown}")
+        for r in moved:
+            pos[r] += 1

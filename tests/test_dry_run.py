@@ -1,0 +1,207 @@
+"""The meta-device rank dry run: device discipline, collective matching, measured memory.
+
+Every rank runs its real model, optimizer and one training step on `torch.device("meta")`
+under a fake process group, in this one process; nothing here needs several processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lite import training
+from megatron_lite.arguments import parse_config
+from megatron_lite.dry_run import JSONL_KEYS, run_rank
+from megatron_lite.memory import LiveBytes
+from megatron_lite.parallel import comms
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.audit import CommAudit, CommOp, DeviceDisciplineError, match
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--seq-length", "32", "--vocab-size", "250",
+        "--micro-batch-size", "1"]
+LAYOUTS = {
+    "tp2-pp2-v2-dp2-zero1-overlaps": (8, ["--tensor-model-parallel-size", "2",
+                                          "--pipeline-model-parallel-size", "2",
+                                          "--num-layers-per-virtual-pipeline-stage", "1",
+                                          "--sequence-parallel", "--use-distributed-optimizer",
+                                          "--overlap-grad-reduce", "--overlap-param-gather",
+                                          "--global-batch-size", "8", "--bf16"]),
+    "tp4-sp": (4, ["--tensor-model-parallel-size", "4", "--num-query-groups", "4",
+                   "--sequence-parallel",
+                   "--global-batch-size", "2"]),
+    "pp4-1f1b-dp2-tied": (8, ["--pipeline-model-parallel-size", "4", "--global-batch-size",
+                              "8"]),
+    "dp4-zero1-full-recompute": (4, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                     "--recompute-granularity", "full", "--global-batch-size",
+                                     "8", "--bf16"]),
+}
+LLAMA_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+             "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--seq-length", "4096",
+             "--max-position-embeddings", "4096", "--rotary-base", "500000",
+             "--untie-embeddings-and-output-weights", "--bf16", "--vocab-size", "128256"]
+LLAMA_70B_LAYOUT = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size",
+                    "8", "--num-layers-per-virtual-pipeline-stage", "2",
+                    "--use-distributed-optimizer", "--overlap-grad-reduce",
+                    "--overlap-param-gather", "--micro-batch-size", "1"]
+"""The 70B shape and layout of scripts/pretrain_llama_70b.sh, with and without SP."""
+
+
+def _cfg(extra: list[str]):
+    return parse_config([*TINY, "--dry-run", *extra])
+
+
+def _all_ranks(world: int, extra: list[str]) -> dict:
+    cfg = _cfg(extra)
+    return {r: run_rank(cfg, world, r) for r in range(world)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_rank_of_a_layout_matches(layout: str) -> None:
+    world, extra = LAYOUTS[layout]
+    results = _all_ranks(world, extra)
+    assert match({r: res.ops for r, res in results.items()}) is None
+    for res in results.values():
+        assert res.collectives > 0 and res.comm_bytes > 0
+        assert res.save_growth_bytes == 0  # checkpoint assembly copies nothing on the device
+        for measured, planned in ((res.params_bytes, res.planner_params_bytes),
+                                  (res.grads_bytes, res.planner_grads_bytes),
+                                  (res.optimizer_bytes, res.planner_optimizer_bytes)):
+            assert abs(measured / planned - 1) < 0.03
+
+
+def test_a_perturbed_schedule_on_one_rank_is_named() -> None:
+    """Rank 5 runs a step with more micro-batches than its peers: its pipeline transfers
+    and its TP collectives no longer line up, and the matcher says where."""
+    world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
+    results = {r: res.ops for r, res in _all_ranks(world, extra).items()}
+    other = [*extra[:extra.index("--global-batch-size")], "--global-batch-size", "16", "--bf16"]
+    results[5] = run_rank(_cfg(other), world, 5).ops
+    problem = match(results)
+    assert problem is not None and "rank 5" in problem
+
+
+def test_matcher_names_missing_receive_shape_mismatch_and_deadlock() -> None:
+    def op(kind: str, group: tuple[int, ...], shape: tuple[int, ...] = (4,), peer=None):
+        return CommOp(kind, group, "float32", (shape,), 16, peer, "here")
+
+    world = (0, 1)
+    ok = {0: [op("all_reduce", world), op("send", world, peer=1)],
+          1: [op("all_reduce", world), op("recv", world, peer=0)]}
+    assert match(ok) is None
+    lost = {0: [op("send", world, peer=1)], 1: []}
+    assert "receives nothing" in match(lost)
+    shapes = {0: [op("all_reduce", world, (4,))], 1: [op("all_reduce", world, (8,))]}
+    assert "collective #0" in match(shapes)
+    # both wait for the other's send first: matched sequences, but a deadlock
+    locked = {r: [op("recv", world, peer=1 - r), op("all_reduce", (r,)),
+                  op("send", world, peer=1 - r)] for r in world}
+    assert "deadlock" in match(locked)
+
+
+def test_a_host_tensor_in_a_collective_is_refused(monkeypatch) -> None:
+    """The bug class NCCL finds at start-up: a count built on the host and all-reduced."""
+    def host_count(batches, pstate):
+        count = sum(b["loss_mask"].sum() for b in batches).to(torch.float32)  # stays on host
+        return comms.all_reduce_(count, pstate.dp_group)
+
+    monkeypatch.setattr(training, "global_token_count", host_count)
+    world, extra = LAYOUTS["dp4-zero1-full-recompute"]
+    with pytest.raises(DeviceDisciplineError) as err:
+        run_rank(_cfg(extra), world, 0)
+    text = str(err.value)
+    assert "all_reduce over ranks [0, 1, 2, 3]" in text and "is on cpu" in text
+    assert "tests/test_dry_run.py" in text and "host_count" in text
+
+
+def test_parameter_count_reduces_on_the_run_device() -> None:
+    """training.parameter_count once all-reduced a host float64: fatal on any NCCL group."""
+    cfg = _cfg(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--global-batch-size", "2"])
+    pstate = parallel_state.initialize_fake(cfg, 4, 3)
+    try:
+        with CommAudit(pstate.device) as audit:
+            count = training.reduced_parameter_count(training.build_model(cfg, pstate), pstate)
+    finally:
+        parallel_state.destroy(pstate)
+    assert count.is_meta and [(o.op, o.group, o.dtype) for o in audit.ops] == [
+        ("all_reduce", (0, 1, 2, 3), "float64")]
+
+
+def test_live_bytes_sees_allocations_frees_and_resized_storages() -> None:
+    x = torch.empty(1000, device="meta")
+    with LiveBytes(torch.device("meta")) as live:
+        y = torch.empty(256, device="meta")
+        z = y.clone()
+        assert live.live == 2048 and live.peak == 2048
+        del z
+        assert live.live == 1024
+        w = x + 1  # x was allocated outside: only w counts
+        assert live.live == 1024 + 4000
+        del w
+        dist_free = torch.empty(100, device="meta")
+        dist_free.untyped_storage().resize_(0)  # how the pipeline frees a sent activation
+        assert live.reset_peak() == 1024
+        assert live.bytes_of([y, y[:10]]) == 1024
+    assert live.peak == 1024
+
+
+def _rank(extra: list[str], world: int, rank: int):
+    return run_rank(parse_config([*LLAMA_70B, "--dry-run", *extra]), world, rank)
+
+
+@pytest.mark.slow
+def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path) -> None:
+    """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023."""
+    out = tmp_path / "dry.jsonl"
+    env = {**os.environ, "DRY_RUN": "0 7 1023", "PYTHON": sys.executable,
+           "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", "scripts/pretrain_llama_70b.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world size 1024 = pp 8 x dp 16 x tp 8" in proc.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["rank"] for r in records] == [0, 7, 1023]
+    for r in records:
+        for kind in ("params", "grads", "optimizer"):
+            assert abs(r[f"{kind}_bytes"] / r[f"planner_{kind}_bytes"] - 1) < 0.03, (kind, r)
+        assert abs(r["activation_bytes"] / r["planner_activation_bytes"] - 1) < 0.10, r
+
+
+@pytest.mark.slow
+def test_70b_sequence_parallel_at_most_halves_activations() -> None:
+    """TP8 with SP keeps each layer's norm and linear inputs as [s/8, b, h] shards."""
+    flags = [*LLAMA_70B_LAYOUT, "--global-batch-size", "128"]  # 8 micro-batches: quicker
+    with_sp = _rank([*flags, "--sequence-parallel"], 1024, 0)
+    without = _rank(flags, 1024, 0)
+    assert with_sp.activation_bytes <= 0.5 * without.activation_bytes
+    assert abs(with_sp.activation_bytes / with_sp.planner_activation_bytes - 1) < 0.10
+    assert abs(without.activation_bytes / without.planner_activation_bytes - 1) < 0.10
+
+
+def test_cli_matches_all_ranks_and_writes_jsonl(tmp_path) -> None:
+    world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
+    out = tmp_path / "dry.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", str(world), *extra,
+         "--dry-run-ranks", "all", "--log-jsonl", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "collectives matched" in proc.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["rank"] for r in records] == list(range(world))
+    assert all(tuple(r) == JSONL_KEYS for r in records)
+
+
+def test_cli_refuses_a_rank_outside_the_world() -> None:
+    proc = subprocess.run(
+        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", "4",
+         "--dry-run-ranks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dry-run-ranks 4" in proc.stderr
