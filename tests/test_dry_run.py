@@ -19,6 +19,7 @@ from megatron_lite import training
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import JSONL_KEYS, run_rank
 from megatron_lite.memory import LiveBytes
+from megatron_lite.optim import zero1
 from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, DeviceDisciplineError, match
@@ -75,6 +76,22 @@ def test_every_rank_of_a_layout_matches(layout: str) -> None:
                                   (res.grads_bytes, res.planner_grads_bytes),
                                   (res.optimizer_bytes, res.planner_optimizer_bytes)):
             assert abs(measured / planned - 1) < 0.03
+
+
+def test_a_device_copy_during_checkpoint_assembly_is_measured(monkeypatch) -> None:
+    """What the save path did before: clone master, exp_avg and exp_avg_sq on the device.
+    The tracker sees exactly those 12 bytes per owned element."""
+    real = zero1.state_dict
+
+    def cloning(shards, *args):
+        state = real(shards, *args)
+        state["tensors"] = {k: v.clone() for k, v in state["tensors"].items()}
+        return state
+
+    monkeypatch.setattr(zero1, "state_dict", cloning)
+    world, extra = LAYOUTS["dp4-zero1-full-recompute"]
+    res = run_rank(_cfg(extra), world, 1)
+    assert res.save_growth_bytes == res.optimizer_bytes > 0
 
 
 def test_a_perturbed_schedule_on_one_rank_is_named() -> None:

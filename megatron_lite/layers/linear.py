@@ -8,7 +8,8 @@ followed by a row layer needs one reduction in forward and one in backward.
 With sequence parallelism the input of a column layer arrives split along the sequence and
 is all-gathered first, and a row layer's output is reduce-scattered back to sequence slices
 instead of all-reduced: the same bytes on the wire, but activations outside the TP region
-are 1/t the size.
+are 1/t the size. The column layer keeps only its input shard for backward and gathers it
+again there (`_SequenceGatherLinear`), so its saved input is 1/t the size too.
 """
 
 from __future__ import annotations
