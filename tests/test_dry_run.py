@@ -174,22 +174,39 @@ def _rank(extra: list[str], world: int, rank: int):
     return run_rank(parse_config([*LLAMA_70B, "--dry-run", *extra]), world, rank)
 
 
-@pytest.mark.slow
-def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path) -> None:
-    """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023."""
-    out = tmp_path / "dry.jsonl"
-    env = {**os.environ, "DRY_RUN": "0 7 1023", "PYTHON": sys.executable,
+def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[dict]]:
+    out = tmp_path / f"{script}.jsonl"
+    env = {**os.environ, "DRY_RUN": ranks, "PYTHON": sys.executable,
            "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path)}
-    proc = subprocess.run(["bash", "scripts/pretrain_llama_70b.sh"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", f"scripts/{script}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world size 1024 = pp 8 x dp 16 x tp 8" in proc.stdout
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["rank"] for r in records] == [0, 7, 1023]
+    return proc.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _assert_near_planner(records: list[dict]) -> None:
     for r in records:
         for kind in ("params", "grads", "optimizer"):
             assert abs(r[f"{kind}_bytes"] / r[f"planner_{kind}_bytes"] - 1) < 0.03, (kind, r)
         assert abs(r["activation_bytes"] / r["planner_activation_bytes"] - 1) < 0.10, r
+
+
+@pytest.mark.slow
+def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path) -> None:
+    """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023."""
+    stdout, records = _script_dry_run("pretrain_llama_70b.sh", "0 7 1023", tmp_path)
+    assert "world size 1024 = pp 8 x dp 16 x tp 8" in stdout
+    assert [r["rank"] for r in records] == [0, 7, 1023]
+    _assert_near_planner(records)
+
+
+@pytest.mark.parametrize(("script", "ranks", "layout"), [
+    ("pretrain_llama_1b.sh", "0 15", "world size 16 = pp 1 x dp 16 x tp 1"),
+    ("pretrain_llama_8b.sh", "0 63", "world size 64 = pp 1 x dp 32 x tp 2")])
+def test_1b_and_8b_scripts_match_the_planner(script, ranks, layout, tmp_path) -> None:
+    stdout, records = _script_dry_run(script, ranks, tmp_path)
+    assert layout in stdout
+    _assert_near_planner(records)
 
 
 @pytest.mark.slow
