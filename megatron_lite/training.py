@@ -1,10 +1,10 @@
 """Composition root: builds everything from the Config, in order, and owns the training loop.
 
-Order: launch env -> validate (before any process group or tensor) -> process groups ->
-model chunks -> optimizer -> data -> loop. The loss of a step is the mean over every valid
-token of the global batch: each micro-batch contributes sum(token losses) / N, where N is the
-global-batch token count summed over micro-batches and DP ranks, so gradients are already
-normalised and the data-parallel reduction is a sum. The same loss comes out for any layout.
+Read top-down: `run` (validate, process groups) -> `train` (build model, optimizer, data,
+checkpointer, logger; resume) -> `train_loop` (one iteration: a reliability call before the
+step, the step, logging/evaluation/checkpointing at their intervals, a reliability call after)
+-> `train_step` (one optimizer step) -> `StepRunner` (the pipeline schedule over this rank's
+chunks) -> `token_mean_loss` (why every layout gives the same loss) -> helpers.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -52,46 +54,143 @@ class TrainResult:
     iteration: int = 0
 
 
-def model_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+def run(cfg: Config) -> TrainResult:
+    """Validate (before any process group exists), initialise, train, tear down."""
+    env = detect_launch_env()
+    tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
+    if env.rank == 0:
+        for warning in tokenizer.warnings:
+            print(f"warning: {warning}", flush=True)
+    validate(cfg, env.world_size)
+    pstate = parallel_state.initialize(cfg, env)
+    try:
+        return train(cfg, pstate, env.source)
+    finally:
+        parallel_state.destroy(pstate)
 
 
-def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
-    """This rank's model chunks: one per virtual stage (one without interleaving)."""
-    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                        dtype=model_dtype(cfg),
-                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device),
-                        recompute_granularity=cfg.train.recompute_granularity,
-                        recompute_method=cfg.train.recompute_method or "uniform",
-                        recompute_num_layers=cfg.train.recompute_num_layers or 1)
-    p = cfg.parallel
-    part = partition_layers(cfg.model.num_layers, pstate.pp_size,
-                            p.num_layers_per_virtual_pipeline_stage,
-                            p.decoder_first_pipeline_num_layers,
-                            p.decoder_last_pipeline_num_layers)
-    chunks = [LlamaChunk(cfg.model, pstate, spec.layer_ids, pre_process=spec.pre_process,
-                         post_process=spec.post_process, opts=opts)
-              for spec in stage_chunks(part, pstate.pp_rank)]
-    if cfg.train.compile:
-        for chunk in chunks:
-            if pstate.tp_size == 1:
-                # Nothing inside a chunk communicates and the loss traces to plain ops
-                # (kernels/cross_entropy.py): one graph for embedding, layers, head and loss.
-                chunk.compile()
-                continue
-            for layer in chunk.layers:
-                layer.compile()
-    return chunks
+@dataclass
+class Trainer:
+    """The loop's collaborators, built once by `train`."""
+
+    cfg: Config
+    pstate: ParallelState
+    runner: StepRunner
+    optimizer: Optimizer
+    train_loader: MicroBatchLoader
+    valid_loader: MicroBatchLoader | None
+    logger: MetricsLogger
+    checkpointer: Checkpointer
+    guard: Guard
 
 
-def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> TrainResult:
+    """Build model, optimizer, data, checkpointer and logger on an initialised `pstate`,
+    resume from a checkpoint if there is one, and run the loop."""
+    torch.manual_seed(cfg.train.seed)
+    chunks = build_model(cfg, pstate)
+    optimizer = Optimizer(cfg, chunks, pstate)
+    with ExitStack() as cleanup:
+        cleanup.callback(optimizer.close)  # frees model and process groups before shutdown
+        train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+        guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
+        checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
+                                    extra_state={"reliability": guard})
+        if pstate.rank == 0:
+            report_partial_checkpoints(checkpointer.load_dir)
+        start_iteration = checkpointer.load()
+        peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
+        log_startup(cfg, pstate, chunks, peak, launch_source)
+        log_memory(cfg, pstate, chunks, optimizer)
+        logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
+        cleanup.callback(logger.close)
+        checkpointer.on_save = logger.log_checkpoint
+        guard.attach(optimizer, checkpointer)
+        guard.start()
+        cleanup.callback(guard.close)
+        runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+        result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader, valid_loader,
+                                    logger, checkpointer, guard), start_iteration)
+    if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
+        print("warning: the final loss is not finite", flush=True)
+    return result
 
 
-def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) -> Tensor:
-    """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks."""
-    count = sum(b["loss_mask"].sum() for b in batches).to(pstate.device, torch.float32)
-    return comms.all_reduce_(count, pstate.dp_group)
+def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
+    """Iterations from `start_iteration` to --train-iters (or an earlier agreed exit)."""
+    cfg, guard, loader = trainer.cfg, trainer.guard, trainer.train_loader
+    result = TrainResult(iteration=start_iteration)
+    window: list[tuple[StepOutcome, float, float]] = []  # step, seconds, fwd-bwd seconds
+    skipped = 0
+    iteration = start_iteration
+    while iteration < cfg.train.train_iters:
+        iteration += 1
+        started = time.perf_counter()
+        plan = guard.before_step(iteration, loader.consumed_samples)
+        lr = lr_at(iteration - 1, cfg.optim, cfg.train.train_iters) * plan.lr_scale
+        if plan.skip_data:
+            loader.next_step()
+            step = StepOutcome(math.nan, math.nan, skipped=True)
+        else:
+            step = train_step(trainer.runner, trainer.optimizer, loader, trainer.pstate, lr,
+                              guard)
+        skipped += step.skipped
+        window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds()))
+        result.losses.append(step.loss)
+        if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
+            _log_window(trainer, iteration, lr, window, skipped)
+            window.clear()
+        if _evaluation_due(cfg, iteration) and trainer.valid_loader is not None:
+            guard.phase("evaluation")
+            result.eval_losses.append(evaluate(cfg, trainer.runner, trainer.valid_loader,
+                                               trainer.pstate))
+            trainer.logger.log_eval(iteration, result.eval_losses[-1])
+        result.iteration = iteration
+        decision = guard.after_step(step)
+        if decision.rollback:
+            iteration = result.iteration = _roll_back(trainer.checkpointer, guard, iteration,
+                                                      loader)
+            continue
+        if _save_if_due(trainer, iteration, started) or decision.exit_reason:
+            break
+    guard.phase("checkpoint")
+    trainer.checkpointer.finish(result.iteration)
+    if guard.decision.exit_reason:
+        guard.log_exit(result.iteration, guard.decision.exit_reason)
+    return result
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One iteration's result, as the loop logs it."""
+
+    loss: float
+    """The global-batch loss (NaN when the batch was skipped unseen)."""
+    grad_norm: float
+    """Before clipping; NaN when no optimizer step ran."""
+    skipped: bool
+    """The weights were not updated."""
+
+
+def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
+               pstate: ParallelState, lr: float, guard: Guard | None = None) -> StepOutcome:
+    """One optimizer step over the next global batch.
+
+    With a `guard` the local loss (and, through `optimizer.grad_check`, the local gradients)
+    is checked before any reduction, and all ranks agree whether to update at all.
+    """
+    batches = loader.next_step()
+    num_tokens = global_token_count(batches, pstate)
+    optimizer.zero_grad()
+    local = runner(batches, num_tokens)
+    if guard is not None:
+        local = guard.check_loss(local)
+    optimizer.finalize_grads()
+    loss = reduce_loss(local, pstate)
+    if guard is not None and guard.decide(loss).skip:
+        return StepOutcome(loss, math.nan, skipped=True)
+    result = optimizer.step(lr)
+    return StepOutcome(loss, result.grad_norm, result.skipped)
 
 
 class StepRunner:
@@ -127,11 +226,36 @@ class StepRunner:
             self.timer.start()
         losses = engine.forward_backward(
             self.chunks, self._schedules[key], [_to_device(b, device) for b in batches],
-            self.comm, lambda token_losses, b: (token_losses * b["loss_mask"]).sum() / num_tokens,
+            self.comm, partial(token_mean_loss, num_tokens=num_tokens),
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
         return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+
+
+def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_tokens: Tensor
+                    ) -> Tensor:
+    """One micro-batch's share of the step loss: its masked token losses summed, divided by
+    `num_tokens`, the valid-token count of the whole global batch (every micro-batch on every
+    DP rank, `global_token_count`).
+
+    Why every layout gives the same loss and gradients: the step loss is then a plain sum of
+    per-token terms over the global batch. Gradient accumulation adds micro-batches, the DP
+    reduction adds ranks (a sum, not a mean), TP and PP only split where each term is computed,
+    so any TP x PP x DP x accumulation regrouping sums the same terms. Dividing by a local
+    count instead would weight tokens by how many share their micro-batch.
+    """
+    return (token_losses * batch["loss_mask"]).sum() / num_tokens
+
+
+def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) -> Tensor:
+    """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks."""
+    count = sum(b["loss_mask"].sum() for b in batches).to(pstate.device, torch.float32)
+    return comms.all_reduce_(count, pstate.dp_group)
+
+
+def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
@@ -141,28 +265,33 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
 
 
-def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
-               pstate: ParallelState, lr: float, guard: Guard | None = None
-               ) -> tuple[float, float, bool]:
-    """One optimizer step: (loss, grad norm, skipped).
+def _evaluation_due(cfg: Config, iteration: int) -> bool:
+    t = cfg.train
+    return t.eval_iters > 0 and (iteration % t.eval_interval == 0 or iteration == t.train_iters)
 
-    With a `guard` the local loss (and, through `optimizer.grad_check`, the local gradients)
-    is checked before any reduction, and all ranks agree whether to update at all.
-    """
-    batches = loader.next_step()
-    num_tokens = global_token_count(batches, pstate)
-    optimizer.zero_grad()
-    local = runner(batches, num_tokens)
-    if guard is not None:
-        local = guard.check_loss(local)
-    optimizer.finalize_grads()
-    loss = reduce_loss(local, pstate)
-    if guard is not None and guard.decide(loss).skip:
-        return loss, math.nan, True
-    result = optimizer.step(lr)
-    if guard is not None and not result.skipped:
-        guard.accept(loss)
-    return loss, result.grad_norm, result.skipped
+
+def _log_window(trainer: Trainer, iteration: int, lr: float,
+                window: list[tuple[StepOutcome, float, float]], skipped: int) -> None:
+    """One log line / JSONL record: means over the steps since the last one."""
+    n = len(window)
+    trainer.logger.log_train(
+        iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
+        loss=sum(step.loss for step, _, _ in window) / n, lr=lr,
+        grad_norm=sum(step.grad_norm for step, _, _ in window) / n,
+        iter_time_s=sum(seconds for _, seconds, _ in window) / n,
+        tokens=trainer.train_loader.global_batch_size * trainer.cfg.model.seq_length,
+        skipped=skipped, compute_time_s=sum(compute for _, _, compute in window) / n)
+
+
+def _save_if_due(trainer: Trainer, iteration: int, step_started: float) -> bool:
+    """Interval saves after a step; True when --exit-interval says stop now."""
+    trainer.guard.phase("checkpoint")
+    saving = time.perf_counter()
+    stop = trainer.checkpointer.after_step(iteration)
+    interval = trainer.cfg.checkpoint.save_interval
+    if interval and iteration % interval == 0:
+        trainer.guard.advise_interval(time.perf_counter() - saving, saving - step_started)
+    return stop
 
 
 def _roll_back(checkpointer: Checkpointer, guard: Guard, iteration: int,
@@ -194,6 +323,38 @@ def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
     for chunk in chunks:
         chunk.train()
     return total / cfg.train.eval_iters
+
+
+def model_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
+    """This rank's model chunks: one per virtual stage (one without interleaving)."""
+    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                        dtype=model_dtype(cfg),
+                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device),
+                        recompute_granularity=cfg.train.recompute_granularity,
+                        recompute_method=cfg.train.recompute_method or "uniform",
+                        recompute_num_layers=cfg.train.recompute_num_layers or 1)
+    p = cfg.parallel
+    part = partition_layers(cfg.model.num_layers, pstate.pp_size,
+                            p.num_layers_per_virtual_pipeline_stage,
+                            p.decoder_first_pipeline_num_layers,
+                            p.decoder_last_pipeline_num_layers)
+    chunks = [LlamaChunk(cfg.model, pstate, spec.layer_ids, pre_process=spec.pre_process,
+                         post_process=spec.post_process, opts=opts)
+              for spec in stage_chunks(part, pstate.pp_rank)]
+    if cfg.train.compile:
+        for chunk in chunks:
+            if pstate.tp_size == 1:
+                # Nothing inside a chunk communicates and the loss traces to plain ops
+                # (kernels/cross_entropy.py): one graph for embedding, layers, head and loss.
+                chunk.compile()
+                continue
+            for layer in chunk.layers:
+                layer.compile()
+    return chunks
 
 
 def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
@@ -255,117 +416,3 @@ def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
     text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes)
     if pstate.rank == 0:
         print(report.describe() + "\n" + text, flush=True)
-
-
-def train_loop(cfg: Config, pstate: ParallelState, runner: StepRunner, optimizer: Optimizer,
-               train_loader: MicroBatchLoader, valid_loader: MicroBatchLoader | None,
-               logger: MetricsLogger, checkpointer: Checkpointer, guard: Guard,
-               start_iteration: int = 0) -> TrainResult:
-    result = TrainResult(iteration=start_iteration)
-    t = cfg.train
-    tokens_per_step = train_loader.global_batch_size * cfg.model.seq_length
-    window: list[tuple[float, float, float, float]] = []  # loss, grad norm, s, fwd-bwd s
-    skipped = 0
-    iteration = start_iteration
-    while iteration < t.train_iters:
-        iteration += 1
-        start = time.perf_counter()
-        guard.begin(iteration, train_loader.consumed_samples)
-        lr = lr_at(iteration - 1, cfg.optim, t.train_iters) * guard.lr_scale(iteration)
-        if guard.skip_data(iteration, train_loader.consumed_samples):
-            train_loader.next_step()
-            loss, grad_norm, was_skipped = math.nan, math.nan, True
-        else:
-            loss, grad_norm, was_skipped = train_step(runner, optimizer, train_loader, pstate,
-                                                      lr, guard)
-        skipped += was_skipped
-        window.append((loss, grad_norm, time.perf_counter() - start, runner.timer.pop_seconds()))
-        result.losses.append(loss)
-        if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
-            n = len(window)
-            logger.log_train(iteration=iteration, consumed_samples=train_loader.consumed_samples,
-                             loss=sum(w[0] for w in window) / n, lr=lr,
-                             grad_norm=sum(w[1] for w in window) / n,
-                             iter_time_s=sum(w[2] for w in window) / n,
-                             tokens=tokens_per_step, skipped=skipped,
-                             compute_time_s=sum(w[3] for w in window) / n)
-            window.clear()
-        if valid_loader is not None and t.eval_iters > 0 and (
-                iteration % t.eval_interval == 0 or iteration == t.train_iters):
-            guard.phase("evaluation")
-            eval_loss = evaluate(cfg, runner, valid_loader, pstate)
-            result.eval_losses.append(eval_loss)
-            logger.log_eval(iteration, eval_loss)
-        result.iteration = iteration
-        decision = guard.decision
-        if decision.rollback:
-            iteration = result.iteration = _roll_back(checkpointer, guard, iteration,
-                                                      train_loader)
-            continue
-        guard.phase("checkpoint")
-        saving = time.perf_counter()
-        with guard.faults.around_save(iteration, checkpoint_files):
-            stop = checkpointer.after_step(iteration)
-        if cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
-            guard.advise_interval(time.perf_counter() - saving, saving - start)
-        if stop or decision.exit_reason:
-            break
-    guard.phase("checkpoint")
-    checkpointer.finish(result.iteration)
-    if guard.decision.exit_reason:
-        guard.log_exit(result.iteration, guard.decision.exit_reason)
-    return result
-
-
-def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> TrainResult:
-    """Build model, optimizer and data on an initialised `pstate`, then run the loop."""
-    torch.manual_seed(cfg.train.seed)
-    chunks = build_model(cfg, pstate)
-    optimizer = Optimizer(cfg, chunks, pstate)
-    try:
-        result = _train(cfg, pstate, chunks, optimizer, launch_source)
-    finally:
-        optimizer.close()  # frees model and process groups before interpreter shutdown
-    if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
-        print("warning: the final loss is not finite", flush=True)
-    return result
-
-
-def _train(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk], optimizer: Optimizer,
-           launch_source: str) -> TrainResult:
-    train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
-    guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
-    checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
-                                extra_state={"reliability": guard})
-    if pstate.rank == 0:
-        report_partial_checkpoints(checkpointer.load_dir)
-    start_iteration = checkpointer.load()
-    peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
-    log_startup(cfg, pstate, chunks, peak, launch_source)
-    log_memory(cfg, pstate, chunks, optimizer)
-    logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
-    checkpointer.on_save = logger.log_checkpoint
-    guard.start()
-    optimizer.grad_check = guard.check_grads
-    try:
-        runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
-        return train_loop(cfg, pstate, runner, optimizer, train_loader, valid_loader, logger,
-                          checkpointer, guard, start_iteration)
-    finally:
-        guard.close()
-        logger.close()
-
-
-def run(cfg: Config) -> TrainResult:
-    """Validate (before any process group exists), initialise, train, tear down."""
-    env = detect_launch_env()
-    tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
-    if env.rank == 0:
-        for warning in tokenizer.warnings:
-            print(f"warning: {warning}", flush=True)
-    validate(cfg, env.world_size)
-    pstate = parallel_state.initialize(cfg, env)
-    try:
-        return train(cfg, pstate, env.source)
-    finally:
-        parallel_state.destroy(pstate)

@@ -125,8 +125,9 @@ class HostStaging:
 class _SaveJob:
     """One rank's part of one save: host copies of its tensors, written by `run()`."""
 
-    def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]]) -> None:
-        self.tmp, self.items = tmp, items
+    def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]],
+                 on_file_written: Callable[[], None] | None = None) -> None:
+        self.tmp, self.items, self.on_file_written = tmp, items, on_file_written
         self.written: dict[str, tuple[int, str]] = {}
         """File name -> (bytes, sha256)."""
         self.error: str | None = None
@@ -136,6 +137,8 @@ class _SaveJob:
         try:
             for name, tensors, meta in self.items:
                 self.written[name] = F.write_tensors(self.tmp / name, tensors, meta)
+                if self.on_file_written is not None:
+                    self.on_file_written()
         except Exception as e:  # reported to every rank at commit, never swallowed
             self.error = f"{type(e).__name__}: {e}"
         self.items = []  # the staged tensors stay with the Checkpointer for the next save
@@ -167,6 +170,9 @@ class Checkpointer:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
         self.optimizer, self.loader = optimizer, train_loader
         self.extra_state = dict(extra_state or {})
+        self.on_file_written: Callable[[], None] | None = None
+        """Called after each file this rank writes (in the writer thread with --async-save);
+        the reliability guard points it at the fault injector's `*_in_save` faults."""
         self.on_save: Callable[[int, float, float], None] | None = None
         """Called on every rank after each committed save with (iteration, seconds, GB);
         the training loop points it at MetricsLogger.log_checkpoint."""
@@ -259,7 +265,7 @@ class Checkpointer:
             F.clear_stale(self.save_dir)
             tmp.mkdir()
         self._barrier()
-        job = _SaveJob(tmp, self.snapshot())
+        job = _SaveJob(tmp, self.snapshot(), self.on_file_written)
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start
         self._pending = (job, iteration, meta, start, blocking)

@@ -23,8 +23,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -105,28 +104,9 @@ class FaultInjector:
         if grad.numel() and self.take(iteration, "nan_grad"):
             grad.view(-1)[0] = float("nan")
 
-    @contextmanager
-    def around_save(self, iteration: int, module: object, name: str = "write_tensors"
-                    ) -> Iterator[None]:
-        """While the block runs, `module.name` (the checkpoint's file writer) signals this
-        process after writing a file, when a `*_in_save` fault is due at `iteration`."""
-        due = [f for f in self.faults if f.kind.endswith("_in_save")
-               and f.first <= iteration <= f.last]
-        if not due:
-            yield
-            return
-        write = getattr(module, name)
-
-        def write_then_signal(*args: object, **kwargs: object) -> object:
-            out = write(*args, **kwargs)
-            if self.take(iteration, "kill_in_save"):
-                os.kill(os.getpid(), signal.SIGKILL)
-            if self.take(iteration, "sigterm_in_save"):
-                signal.raise_signal(signal.SIGTERM)
-            return out
-
-        setattr(module, name, write_then_signal)
-        try:
-            yield
-        finally:
-            setattr(module, name, write)
+    def file_written(self, iteration: int) -> None:
+        """Checkpointer hook, after each file of a save: `*_in_save` faults of `iteration`."""
+        if self.take(iteration, "kill_in_save"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.take(iteration, "sigterm_in_save"):
+            signal.raise_signal(signal.SIGTERM)

@@ -1,14 +1,18 @@
-"""The training loop's reliability companion: one object, called at a few fixed points.
+"""The training loop's reliability companion: one object, called around each step.
 
-Per iteration the loop calls, in order:
+Per iteration:
 
-    guard.begin(iteration)            watchdog heartbeat; injected process faults
-    guard.skip_data(iteration)        --skip-iterations: consume the batch, train nothing
-    local = guard.check_loss(local)   before any reduction of the loss
-      (the optimizer calls guard.check_grads(bucket) before each bucket's DP reduction)
-    decision = guard.decide(loss)     ONE small all-reduce: exit flags + NaN/Inf;
-                                      then the spike rule on the reduced loss
-    guard.accept(loss)                after a step that updated the weights
+    plan = guard.before_step(iteration, consumed)  watchdog heartbeat; injected process
+                                                   faults; --skip-iterations; lowered LR
+      inside the step (training.train_step), where only the step can call them:
+      local = guard.check_loss(local)              before any reduction of the loss
+        (the optimizer calls guard.check_grads(bucket) before each bucket's DP reduction)
+      decision = guard.decide(loss)                ONE small all-reduce: exit flags + NaN/Inf;
+                                                   then the spike rule on the reduced loss
+    decision = guard.after_step(step)              accept the loss, say: go on, roll back, exit
+
+`attach(optimizer, checkpointer)` wires the gradient check and the checkpointer's
+file-written hook (for injected faults during a save) once, before the loop.
 
 `decide` is the only collective. It agrees across all ranks on: a signal received anywhere,
 rank 0's wall-clock budget, and NaN/Inf found in any rank's local loss or gradients. The
@@ -22,6 +26,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -50,6 +55,23 @@ class Decision:
     """--on-spike rollback: reload the last checkpoint before the next iteration."""
     exit_reason: str | None = None
     """Save and exit cleanly after this iteration."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What `before_step` says about the coming step."""
+
+    lr_scale: float = 1.0
+    """Multiplier of the scheduled LR (< 1 for a while after a spike rollback)."""
+    skip_data: bool = False
+    """--skip-iterations names this iteration: consume its batch, train nothing."""
+
+
+class StepOutcome(Protocol):
+    """What `after_step` reads of a finished step (training.StepOutcome)."""
+
+    loss: float
+    skipped: bool
 
 
 @dataclass
@@ -105,13 +127,29 @@ class Guard:
         if self.watchdog is not None:
             self.watchdog.phase(name, self._iteration)
 
-    def begin(self, iteration: int, consumed_samples: int) -> None:
+    def attach(self, optimizer: object, checkpointer: object) -> None:
+        """Check each gradient bucket before its DP reduction; fire `*_in_save` faults after
+        each checkpoint file is written."""
+        optimizer.grad_check = self.check_grads  # type: ignore[attr-defined]
+        checkpointer.on_file_written = (  # type: ignore[attr-defined]
+            lambda: self.faults.file_written(self._iteration))
+
+    def before_step(self, iteration: int, consumed_samples: int) -> StepPlan:
         """Start of an iteration whose batch starts at sample `consumed_samples`."""
         self._iteration, self._consumed = iteration, consumed_samples
         self._loss_bad, self._grad_bad = False, None
         self.decision = Decision()
         self.phase("forward-backward")
         self.faults.before_step(iteration)
+        scale = self.rel.spike_lr_factor if iteration <= self._lr_scaled_until else 1.0
+        return StepPlan(lr_scale=scale, skip_data=self._skip_data(iteration, consumed_samples))
+
+    def after_step(self, step: StepOutcome) -> Decision:
+        """The step is done: a loss that updated the weights joins the spike statistics;
+        returns the iteration's decision (roll back, exit, or neither)."""
+        if not step.skipped and self.spikes is not None:
+            self.spikes.accept(step.loss)
+        return self.decision
 
     def _log(self, text: str, **event: object) -> None:
         self.counters.events.append({"iteration": self._iteration, **event})
@@ -120,7 +158,7 @@ class Guard:
 
     # ---- data ------------------------------------------------------------------------------
 
-    def skip_data(self, iteration: int, consumed_samples: int) -> bool:
+    def _skip_data(self, iteration: int, consumed_samples: int) -> bool:
         """True when --skip-iterations names this iteration (the caller consumes its batch)."""
         if iteration not in self.skip_set:
             return False
@@ -129,9 +167,6 @@ class Guard:
                   f"{consumed_samples}.. not trained on)", kind="skip_iteration",
                   consumed_samples=consumed_samples)
         return True
-
-    def lr_scale(self, iteration: int) -> float:
-        return self.rel.spike_lr_factor if iteration <= self._lr_scaled_until else 1.0
 
     # ---- local checks (before any reduction) -----------------------------------------------
 
@@ -220,10 +255,6 @@ class Guard:
                   f"(from sample {self._consumed}) is not trained on", kind="spike", loss=loss,
                   limit=limit, rollback=rollback, consumed_samples=self._consumed)
         decision.rollback = rollback
-
-    def accept(self, loss: float) -> None:
-        if self.spikes is not None:
-            self.spikes.accept(loss)
 
     # ---- rollback ----------------------------------------------------------------------------
 
