@@ -230,6 +230,9 @@ class LoggingConfig:
 
     log_interval: int = 1
     """Print a log line every this many iterations."""
+    log_rank_grid: bool = False
+    """Print every group of the rank grid at start-up and in --dry-run (summarized beyond a
+    screenful otherwise)."""
     log_jsonl: str | None = None
     """Write one JSON object per logged iteration and per evaluation to this file."""
     peak_tflops: float | None = None

@@ -191,7 +191,8 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
                             p.decoder_last_pipeline_num_layers)
     lines = [f"dry run: world size {world_size} = pp {pp} x dp {world_size // (tp * pp)} x "
              f"tp {tp}; config is valid", "rank grid [pp][dp] -> tp ranks:",
-             format_grid(rank_grid(world_size, tp, pp)), "stage partition:"]
+             format_grid(rank_grid(world_size, tp, pp), full=cfg.logging.log_rank_grid),
+             "stage partition:"]
     for stage in range(pp):
         specs = stage_chunks(part, stage)
         layers = sum(len(s.layer_ids) for s in specs)

@@ -395,10 +395,12 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
               else f"CPU ({platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads)")
     use_triton = resolve_use_triton(m.triton_kernels, pstate.device)
+    grid = format_grid([[list(r) for r in stage] for stage in pstate.grid],
+                       full=cfg.logging.log_rank_grid)
     print("megatron_lite: resolved config\n" + json.dumps(cfg.to_dict(), indent=1), flush=True)
     print(f"launch: {launch_source}, world size {pstate.world_size}, backend "
           f"{pstate.backend or 'none (single process)'}; rank grid [pp][dp] -> tp ranks:\n"
-          f"{format_grid([[list(r) for r in stage] for stage in pstate.grid])}\n"
+          f"{grid}\n"
           f"model: {n_params:,} parameters ({n_params / 1e6:.2f} M), vocab {m.vocab_size} padded "
           f"to {m.padded_vocab_size(pstate.tp_size)}\n"
           f"batch: micro {t.micro_batch_size} samples x {nmb} accumulation steps x dp "

@@ -18,7 +18,7 @@ import torch
 from megatron_lite import training
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import JSONL_KEYS, run_rank
-from megatron_lite.memory import LiveBytes
+from megatron_lite.memory import LiveBytes, dry_run_report
 from megatron_lite.optim import zero1
 from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
@@ -239,3 +239,13 @@ def test_cli_refuses_a_rank_outside_the_world() -> None:
         [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", "4",
          "--dry-run-ranks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run-ranks 4" in proc.stderr
+
+
+def test_a_large_rank_grid_is_summarized_unless_asked() -> None:
+    """1,024 ranks: the part before the stage table stays short; --log-rank-grid prints all."""
+    flags = [*LLAMA_70B, *LLAMA_70B_LAYOUT, "--sequence-parallel", "--global-batch-size", "1024"]
+    text = dry_run_report(parse_config(flags), 1024)
+    head = text[:text.index("stage partition:")]
+    assert len(head) < 1500 and "dp15:tp[1016-1023]" in head and "dp7:" not in head
+    full = dry_run_report(parse_config([*flags, "--log-rank-grid"]), 1024)
+    assert all(f"dp{d}:tp[{(7 * 16 + d) * 8}-" in full for d in range(16))

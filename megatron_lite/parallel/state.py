@@ -91,13 +91,39 @@ def rank_grid(world_size: int, tp: int, pp: int) -> list[list[list[int]]]:
     return [[[(p * dp + d) * tp + t for t in range(tp)] for d in range(dp)] for p in range(pp)]
 
 
-def format_grid(grid: list[list[list[int]]]) -> str:
-    """Human-readable rank grid for the start-up log."""
-    lines = []
-    for p, stage in enumerate(grid):
-        cells = "  ".join(f"dp{d}:tp{list(ranks)}" for d, ranks in enumerate(stage))
-        lines.append(f"  pp stage {p}: {cells}")
-    return "\n".join(lines)
+def format_grid(grid: list[list[list[int]]], full: bool = False, width: int = 1000) -> str:
+    """Human-readable rank grid for the start-up log and --dry-run.
+
+    Beyond about a screenful (`width` characters) it is summarized: the layout rule, then the
+    first two and the last pipeline stage, each with its first two and last DP groups, TP
+    groups written as rank ranges. `full` prints every group.
+    """
+    def stage_line(p: int, stage: list[list[int]], groups: list[int]) -> str:
+        cells = []
+        for d in groups:
+            if d < 0:
+                cells.append("...")
+                continue
+            ranks = stage[d]
+            contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+            shown = f"[{ranks[0]}-{ranks[-1]}]" if contiguous and len(ranks) > 2 else str(ranks)
+            cells.append(f"dp{d}:tp{shown}")
+        return f"  pp stage {p}: " + "  ".join(cells)
+
+    lines = [stage_line(p, [list(r) for r in st], list(range(len(st))))
+             for p, st in enumerate(grid)]
+    text = "\n".join(lines)
+    if full or len(text) <= width:
+        return text
+    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    groups = list(range(dp)) if dp <= 3 else [0, 1, -1, dp - 1]
+    stages = list(range(pp)) if pp <= 3 else [0, 1, -1, pp - 1]
+    out = [f"  {pp} pp stages x {dp} dp groups x {tp} tp ranks = {pp * dp * tp} ranks; rank = "
+           f"(pp x {dp} + dp) x {tp} + tp (TP groups are consecutive ranks); summarized, "
+           "--log-rank-grid prints every group"]
+    for p in stages:
+        out.append("  ..." if p < 0 else stage_line(p, [list(r) for r in grid[p]], groups))
+    return "\n".join(out)
 
 
 def _pick_backend(requested: str) -> tuple[str, bool]:
