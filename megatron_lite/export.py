@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from megatron_lite.checkpoint import files as F
+from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.layers import tags
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 
@@ -45,26 +46,33 @@ _TOP_NAMES = {"embedding.weight": "model.embed_tokens.weight",
               "final_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
-def canonical_tags(m: ModelConfig) -> dict[str, list | None]:
-    """Global weight name -> tp_split tag of an unpadded, TP=1 model (see layers/init.py)."""
-    d = m.head_dim
-    qkv = ["rows", [m.num_attention_heads * d, m.num_query_groups * d, m.num_query_groups * d]]
-    tags: dict[str, list | None] = {"embedding.weight": ["vocab", [m.vocab_size]],
-                                    "final_norm.weight": None}
-    if m.untie_embeddings_and_output_weights:
-        tags["output.weight"] = ["vocab", [m.vocab_size]]
-    for i in range(m.num_layers):
-        tags |= {f"layers.{i}.attention_norm.weight": None, f"layers.{i}.attention.qkv.weight": qkv,
-                 f"layers.{i}.attention.proj.weight": ["cols"],
-                 f"layers.{i}.mlp_norm.weight": None,
-                 f"layers.{i}.mlp.gate_up.weight": ["rows", [m.ffn_hidden_size] * 2],
-                 f"layers.{i}.mlp.down.weight": ["cols"]}
-    return tags
+def _qkv_rows(model_cfg: ModelConfig) -> list[int]:
+    """Rows of Q, K and V in the fused qkv weight."""
+    d = model_cfg.head_dim
+    return [model_cfg.num_attention_heads * d, model_cfg.num_query_groups * d,
+            model_cfg.num_query_groups * d]
 
 
-def to_hf(full: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+def canonical_tags(model_cfg: ModelConfig) -> dict[str, tags.TpSplit | None]:
+    """Global weight name -> TP split of an unpadded, TP=1 model (see layers/tags.py)."""
+    qkv = tags.column_split(_qkv_rows(model_cfg))
+    gate_up = tags.column_split([model_cfg.ffn_hidden_size] * 2)
+    vocab = tags.vocab_split(model_cfg.vocab_size)
+    splits: dict[str, tags.TpSplit | None] = {"embedding.weight": vocab, "final_norm.weight": None}
+    if model_cfg.untie_embeddings_and_output_weights:
+        splits["output.weight"] = vocab
+    for i in range(model_cfg.num_layers):
+        splits |= {f"layers.{i}.attention_norm.weight": None,
+                   f"layers.{i}.attention.qkv.weight": qkv,
+                   f"layers.{i}.attention.proj.weight": tags.row_split(),
+                   f"layers.{i}.mlp_norm.weight": None,
+                   f"layers.{i}.mlp.gate_up.weight": gate_up,
+                   f"layers.{i}.mlp.down.weight": tags.row_split()}
+    return splits
+
+
+def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
     """Our full (unsharded, unpadded) weights -> Hugging Face Llama state dict."""
-    d = m.head_dim
     out: dict[str, Tensor] = {}
     for name, w in full.items():
         layer = _LAYER.match(name)
@@ -73,8 +81,7 @@ def to_hf(full: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
             continue
         prefix, rest = f"model.layers.{layer.group(1)}.", layer.group(2)
         if rest == "attention.qkv.weight":
-            q, k, v = w.split([m.num_attention_heads * d, m.num_query_groups * d,
-                               m.num_query_groups * d])
+            q, k, v = w.split(_qkv_rows(model_cfg))
             out |= {prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
                     prefix + "self_attn.v_proj.weight": v}
         elif rest == "mlp.gate_up.weight":
@@ -85,45 +92,50 @@ def to_hf(full: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
+def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
     """Inverse of `to_hf`: fuse q/k/v and gate/up back, rename."""
     out: dict[str, Tensor] = {}
+    untied = model_cfg.untie_embeddings_and_output_weights
     for ours, theirs in _TOP_NAMES.items():
-        if theirs in hf and (ours != "output.weight" or m.untie_embeddings_and_output_weights):
+        if theirs in hf and (ours != "output.weight" or untied):
             out[ours] = hf[theirs]
     inverse = {v: k for k, v in _LAYER_NAMES.items()}
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
+    for i in range(model_cfg.num_layers):
+        prefix = f"model.layers.{i}."
         out[f"layers.{i}.attention.qkv.weight"] = torch.cat(
-            [hf[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            [hf[prefix + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+            [hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]])
         for theirs, ours in inverse.items():
-            out[f"layers.{i}.{ours}"] = hf[p + theirs]
-    missing = set(canonical_tags(m)) - set(out)
+            out[f"layers.{i}.{ours}"] = hf[prefix + theirs]
+    missing = set(canonical_tags(model_cfg)) - set(out)
     if missing:
-        raise F.CheckpointError(f"the Hugging Face weights lack {sorted(missing)[:5]}")
+        raise ckpt_files.CheckpointError(f"the Hugging Face weights lack {sorted(missing)[:5]}")
     return out
 
 
-def hf_config(m: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None) -> dict:
+def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None
+              ) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-            "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_attention_heads,
-            "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
-            "max_position_embeddings": m.max_position_embeddings,
-            "rms_norm_eps": m.norm_epsilon, "rope_theta": m.rotary_base,
-            "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+            "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
+            "intermediate_size": model_cfg.ffn_hidden_size,
+            "num_hidden_layers": model_cfg.num_layers,
+            "num_attention_heads": model_cfg.num_attention_heads,
+            "num_key_value_heads": model_cfg.num_query_groups, "head_dim": model_cfg.head_dim,
+            "max_position_embeddings": model_cfg.max_position_embeddings,
+            "rms_norm_eps": model_cfg.norm_epsilon, "rope_theta": model_cfg.rotary_base,
+            "tie_word_embeddings": not model_cfg.untie_embeddings_and_output_weights,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "initializer_range": m.init_method_std, "bos_token_id": bos, "eos_token_id": eos,
+            "initializer_range": model_cfg.init_method_std, "bos_token_id": bos,
+            "eos_token_id": eos,
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
     """Our ModelConfig for a Hugging Face Llama config.json; refuses what we cannot run."""
     if config.get("model_type") != "llama":
-        raise F.CheckpointError(f"model_type {config.get('model_type')!r}: only 'llama' imports")
+        raise ckpt_files.CheckpointError(
+            f"model_type {config.get('model_type')!r}: only 'llama' imports")
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     unsupported = [k for k in ("attention_bias", "mlp_bias") if config.get(k)]
@@ -136,8 +148,8 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
         unsupported.append("head_dim != hidden_size / num_attention_heads")
     if unsupported:
-        raise F.CheckpointError(f"this Llama config uses {unsupported}, which megatron_lite's "
-                                "model does not implement")
+        raise ckpt_files.CheckpointError(f"this Llama config uses {unsupported}, which "
+                                         "megatron_lite's model does not implement")
     return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
                        ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
                        num_query_groups=config.get("num_key_value_heads", heads),
@@ -162,12 +174,12 @@ def write_safetensors_dir(out: Path, tensors: dict[str, Tensor], max_shard_bytes
     """model.safetensors, or model-0000i-of-0000n.safetensors + index above the limit."""
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = t
+        shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -177,7 +189,7 @@ def write_safetensors_dir(out: Path, tensors: dict[str, Tensor], max_shard_bytes
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
@@ -193,7 +205,7 @@ def read_safetensors_dir(hf_dir: Path) -> dict[str, Tensor]:
         names = ["model.safetensors"]
     else:
         pickled = [p.name for p in hf_dir.glob("*.bin")] + [p.name for p in hf_dir.glob("*.pt")]
-        raise F.CheckpointError(
+        raise ckpt_files.CheckpointError(
             f"{hf_dir} has no model.safetensors (or index); found {pickled or 'nothing'}. "
             "Pickled weights are never loaded (they can run code): convert them to "
             "safetensors with a tool you trust first")
@@ -205,11 +217,12 @@ def read_safetensors_dir(hf_dir: Path) -> dict[str, Tensor]:
 
 def verified_reader(ckpt_root: Path, step: int | None) -> CheckpointReader:
     """A reader of `latest` (or `step`) whose weight files match their recorded checksums."""
-    ckpt_dir = F.resolve_checkpoint_dir(Path(ckpt_root), step)
+    ckpt_dir = ckpt_files.resolve_checkpoint_dir(Path(ckpt_root), step)
     if ckpt_dir is None:
-        raise F.CheckpointError(f"--load {ckpt_root}: no checkpoint there")
-    meta = F.read_metadata(ckpt_dir)
-    F.verify_checksums(ckpt_dir, meta, [n for n in meta["files"] if n.startswith("model_")])
+        raise ckpt_files.CheckpointError(f"--load {ckpt_root}: no checkpoint there")
+    meta = ckpt_files.read_metadata(ckpt_dir)
+    ckpt_files.verify_checksums(ckpt_dir, meta,
+                                [n for n in meta["files"] if n.startswith("model_")])
     return CheckpointReader(ckpt_dir)
 
 
@@ -218,10 +231,10 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
            max_shard_size: str = "5GB") -> Path:
     """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
     reader = verified_reader(ckpt_root, step)
-    m = ModelConfig(**reader.model_cfg)
+    model_cfg = ModelConfig(**reader.model_cfg)
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)
-    write_safetensors_dir(output, to_hf(full, m), parse_size(max_shard_size))
+    write_safetensors_dir(output, to_hf(full, model_cfg), parse_size(max_shard_size))
     tok_path = tokenizer_model or reader.meta["config"]["data"].get("tokenizer_model")
     bos = eos = None
     if tok_path and Path(tok_path).is_file():
@@ -231,9 +244,9 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
         bos, eos = tok.bos_id, tok.eos_id
         shutil.copyfile(tok_path, output / "tokenizer.model")
     elif tokenizer_model:
-        raise F.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
-    (output / "config.json").write_text(json.dumps(hf_config(m, DTYPES[dtype], bos, eos),
-                                                   indent=1))
+        raise ckpt_files.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
+    config = hf_config(model_cfg, DTYPES[dtype], bos, eos)
+    (output / "config.json").write_text(json.dumps(config, indent=1))
     return reader.dir
 
 
@@ -241,27 +254,29 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     """Write a model-only megatron_lite checkpoint (iteration 0) from a Hugging Face dir."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise F.CheckpointError(f"--from-hf {hf_dir}: no config.json there")
-    m = model_config_from_hf(json.loads(config_path.read_text()))
-    weights = from_hf(read_safetensors_dir(hf_dir), m)
-    tags = canonical_tags(m)
-    cfg = Config(model=m)
+        raise ckpt_files.CheckpointError(f"--from-hf {hf_dir}: no config.json there")
+    model_cfg = model_config_from_hf(json.loads(config_path.read_text()))
+    weights = from_hf(read_safetensors_dir(hf_dir), model_cfg)
+    splits = canonical_tags(model_cfg)
+    cfg = Config(model=model_cfg)
     tok = hf_dir / "tokenizer.model"
     if tok.is_file():
         cfg.data.tokenizer_model = str(save_dir / "tokenizer.model")
     save_dir.mkdir(parents=True, exist_ok=True)
-    F.clear_stale(save_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=F.iter_dir_name(0) + ".", suffix=".tmp", dir=save_dir))
-    name = F.model_file(0, 0)
-    size, digest = F.write_tensors(tmp / name, {k: weights[k].contiguous() for k in tags},
-                                   {"tp_split": tags, "tp_rank": 0, "pp_rank": 0})
+    ckpt_files.clear_stale(save_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=ckpt_files.iter_dir_name(0) + ".", suffix=".tmp",
+                                dir=save_dir))
+    name = ckpt_files.model_file(0, 0)
+    size, digest = ckpt_files.write_tensors(
+        tmp / name, {k: weights[k].contiguous() for k in splits},
+        {"tp_split": splits, "tp_rank": 0, "pp_rank": 0})
     meta = {"consumed_samples": 0, "has_optimizer": False, "config": dataclasses.asdict(cfg),
             "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1,
                        "use_distributed_optimizer": False},
-            "partition": [[list(range(m.num_layers))]], "seed": cfg.train.seed,
+            "partition": [[list(range(model_cfg.num_layers))]], "seed": cfg.train.seed,
             "imported_from": str(hf_dir), "files": {name: size},
             "sha256": {name: digest}}
-    final = F.commit(save_dir, tmp, 0, meta, None)
+    final = ckpt_files.commit(save_dir, tmp, 0, meta, None)
     if tok.is_file():
         shutil.copyfile(tok, save_dir / "tokenizer.model")
     return final
@@ -272,13 +287,13 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
                ) -> tuple[ModelConfig, LlamaChunk]:
     """The whole model of a checkpoint (any layout) as one TP=PP=1 chunk, fp32, eval mode."""
     reader = verified_reader(ckpt_root, step)
-    m = ModelConfig(**reader.model_cfg)
-    ps = single_process_state(device)
-    chunk = LlamaChunk(m, ps, range(m.num_layers), pre_process=True, post_process=True,
-                       opts=BuildOptions(seed=0))
-    for name, p in chunk.named_parameters():
-        p.copy_(local_slice(reader.full_weight(name).float(), p, ps))
-    return m, chunk.eval()
+    model_cfg = ModelConfig(**reader.model_cfg)
+    pstate = single_process_state(device)
+    chunk = LlamaChunk(model_cfg, pstate, range(model_cfg.num_layers), pre_process=True,
+                       post_process=True, opts=BuildOptions(seed=0))
+    for name, param in chunk.named_parameters():
+        param.copy_(local_slice(reader.full_weight(name).float(), param, pstate))
+    return model_cfg, chunk.eval()
 
 
 @torch.no_grad()
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                           tokenizer_model=args.tokenizer_model, dtype=args.dtype,
                           max_shard_size=args.max_shard_size)
             print(f"exported {used} -> {args.output}")
-    except (F.CheckpointError, ValueError) as e:
+    except (ckpt_files.CheckpointError, ValueError) as e:
         print(f"megatron_lite.export: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron_lite.checkpoint import files as F
+from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import (
     CheckpointReader,
     direct_optimizer_state,
@@ -47,6 +47,7 @@ from megatron_lite.checkpoint.reshard import (
 from megatron_lite.config import Config
 from megatron_lite.data.format import find_manifest
 from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.layers import tags
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
@@ -56,11 +57,11 @@ from megatron_lite.provenance import git_commit
 
 def layout_partition(cfg: Config, pp_size: int) -> list[list[list[int]]]:
     """partition[stage][chunk] = global layer ids (JSON-able)."""
-    p = cfg.parallel
+    parallel = cfg.parallel
     part = partition_layers(cfg.model.num_layers, pp_size,
-                            p.num_layers_per_virtual_pipeline_stage,
-                            p.decoder_first_pipeline_num_layers,
-                            p.decoder_last_pipeline_num_layers)
+                            parallel.num_layers_per_virtual_pipeline_stage,
+                            parallel.decoder_first_pipeline_num_layers,
+                            parallel.decoder_last_pipeline_num_layers)
     return [[list(spec.layer_ids) for spec in stage_chunks(part, s)] for s in range(pp_size)]
 
 
@@ -72,10 +73,11 @@ def _sha256(path: str | Path | None) -> str | None:
 
 def data_fingerprint(cfg: Config) -> dict:
     """What the data position refers to: mock data or the manifests' and tokenizer's hashes."""
-    d = cfg.data
-    manifests = {p: _sha256(find_manifest(p)) for p in d.data_path if find_manifest(p)}
-    return {"mock_data": d.mock_data, "data_path": list(d.data_path), "split": d.split,
-            "manifest_sha256": manifests, "tokenizer_sha256": _sha256(d.tokenizer_model)}
+    data = cfg.data
+    manifests = {path: _sha256(find_manifest(path)) for path in data.data_path
+                 if find_manifest(path)}
+    return {"mock_data": data.mock_data, "data_path": list(data.data_path), "split": data.split,
+            "manifest_sha256": manifests, "tokenizer_sha256": _sha256(data.tokenizer_model)}
 
 
 class HostStaging:
@@ -136,7 +138,7 @@ class _SaveJob:
     def run(self) -> None:
         try:
             for name, tensors, meta in self.items:
-                self.written[name] = F.write_tensors(self.tmp / name, tensors, meta)
+                self.written[name] = ckpt_files.write_tensors(self.tmp / name, tensors, meta)
                 if self.on_file_written is not None:
                     self.on_file_written()
         except Exception as e:  # reported to every rank at commit, never swallowed
@@ -176,9 +178,10 @@ class Checkpointer:
         self.on_save: Callable[[int, float, float], None] | None = None
         """Called on every rank after each committed save with (iteration, seconds, GB);
         the training loop points it at MetricsLogger.log_checkpoint."""
-        c = cfg.checkpoint
-        self.save_dir = Path(c.save) if c.save else None
-        self.load_dir = Path(c.load or c.save) if (c.load or c.save) else None
+        ckpt_cfg = cfg.checkpoint
+        self.save_dir = Path(ckpt_cfg.save) if ckpt_cfg.save else None
+        load = ckpt_cfg.load or ckpt_cfg.save
+        self.load_dir = Path(load) if load else None
         self.tied = not cfg.model.untie_embeddings_and_output_weights
         self.partition = layout_partition(cfg, pstate.pp_size)
         self._pending: tuple[_SaveJob, int, dict, float, float] | None = None
@@ -193,9 +196,9 @@ class Checkpointer:
             comms.barrier(self.pstate.world_group, self.pstate.device)
 
     def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
-        t = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"
-                         else torch.float32, device=self.pstate.device)
-        return comms.all_reduce_(t, self.pstate.world_group, op=op).item()
+        scalar = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"
+                              else torch.float32, device=self.pstate.device)
+        return comms.all_reduce_(scalar, self.pstate.world_group, op=op).item()
 
     def _gather(self, obj: object) -> list:
         return comms.all_gather_objects(obj, self.pstate.world_group, self.pstate.device)
@@ -206,41 +209,42 @@ class Checkpointer:
         """This rank's files as host tensors (copies: training may change the originals),
         staged into the reused host buffers without any device copy. Called by `save`, and
         by the meta-device dry run, which measures that it allocates nothing on the device."""
-        ps = self.pstate
+        pstate = self.pstate
         items = []
-        if ps.dp_rank == 0:
-            weights, tags = {}, {}
-            for name, local, p in model_parameters(self.chunks, self.tied):
+        if pstate.dp_rank == 0:
+            weights, splits = {}, {}
+            for name, local, param in model_parameters(self.chunks, self.tied):
                 if not is_tied_copy(local, self.tied):
-                    weights[name] = p.detach()
-                    tags[name] = getattr(p, "tp_split", None)
-            file = F.model_file(ps.tp_rank, ps.pp_rank)
-            items.append((file, self.staging.stage(file, weights),
-                          {"tp_split": tags, "tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank}))
-        if self.optimizer.sharded or ps.dp_rank == 0:
-            skeleton, tensors = F.flatten_state(self.optimizer.state_dict())
-            file = F.optim_file(ps.tp_rank, ps.pp_rank, ps.dp_rank)
+                    weights[name] = param.detach()
+                    splits[name] = tags.tp_split(param)
+            file = ckpt_files.model_file(pstate.tp_rank, pstate.pp_rank)
+            weight_meta = {"tp_split": splits, "tp_rank": pstate.tp_rank,
+                           "pp_rank": pstate.pp_rank}
+            items.append((file, self.staging.stage(file, weights), weight_meta))
+        if self.optimizer.sharded or pstate.dp_rank == 0:
+            skeleton, tensors = ckpt_files.flatten_state(self.optimizer.state_dict())
+            file = ckpt_files.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
             items.append((file, self.staging.stage(file, tensors), {"state": skeleton}))
         self.staging.finish()
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
-            rng["torch_cuda"] = torch.cuda.get_rng_state(ps.device)
+            rng["torch_cuda"] = torch.cuda.get_rng_state(pstate.device)
         np_state = np.random.get_state()
-        meta = {"rank": ps.rank, "python_random": random.getstate(),
+        meta = {"rank": pstate.rank, "python_random": random.getstate(),
                 "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
                 "loader": self.loader.state_dict()}
-        items.append((F.rank_file(ps.rank), rng, meta))
+        items.append((ckpt_files.rank_file(pstate.rank), rng, meta))
         return items
 
     def _metadata(self) -> dict:
-        ps, p = self.pstate, self.cfg.parallel
+        pstate, parallel = self.pstate, self.cfg.parallel
         return {
             "consumed_samples": self.loader.consumed_samples,
             "has_optimizer": True,
-            "config": F.redact(self.cfg.to_dict(), F.secret_values()),
-            "layout": {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size,
-                       "dp": ps.dp_size, "virtual_chunks": len(self.partition[0]),
-                       "use_distributed_optimizer": p.use_distributed_optimizer},
+            "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
+            "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
+                       "dp": pstate.dp_size, "virtual_chunks": len(self.partition[0]),
+                       "use_distributed_optimizer": parallel.use_distributed_optimizer},
             "partition": self.partition,
             "seed": self.cfg.train.seed,
             "versions": {"torch": torch.__version__, "numpy": np.__version__,
@@ -259,10 +263,10 @@ class Checkpointer:
         self.wait()
         start = time.perf_counter()
         self.optimizer.finish_param_sync()
-        tmp = self.save_dir / (F.iter_dir_name(iteration) + ".tmp")
+        tmp = self.save_dir / (ckpt_files.iter_dir_name(iteration) + ".tmp")
         if self.pstate.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
-            F.clear_stale(self.save_dir)
+            ckpt_files.clear_stale(self.save_dir)
             tmp.mkdir()
         self._barrier()
         job = _SaveJob(tmp, self.snapshot(), self.on_file_written)
@@ -288,13 +292,14 @@ class Checkpointer:
         reports = self._gather((job.written, job.error))
         errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
         if errors:
-            raise F.CheckpointError(f"saving iteration {iteration} to {job.tmp} failed "
-                                    f"(previous checkpoint kept):\n  " + "\n  ".join(errors))
+            raise ckpt_files.CheckpointError(
+                f"saving iteration {iteration} to {job.tmp} failed (previous checkpoint "
+                "kept):\n  " + "\n  ".join(errors))
         written = {name: info for infos, _ in reports for name, info in infos.items()}
         files = {name: size for name, (size, _) in written.items()}
         if self.pstate.rank == 0:
             sums = {name: digest for name, (_, digest) in written.items()}
-            final = F.commit(self.save_dir, job.tmp, iteration,
+            final = ckpt_files.commit(self.save_dir, job.tmp, iteration,
                              {**meta, "files": files, "sha256": sums},
                              self.cfg.checkpoint.save_keep_last)
         seconds = time.perf_counter() - start
@@ -322,13 +327,14 @@ class Checkpointer:
 
     def after_step(self, iteration: int) -> bool:
         """Save when an interval is due; True when --exit-interval says stop now."""
-        c = self.cfg.checkpoint
+        ckpt_cfg = self.cfg.checkpoint
         self.poll()
-        exit_now = bool(c.exit_interval) and iteration % c.exit_interval == 0
+        exit_now = bool(ckpt_cfg.exit_interval) and iteration % ckpt_cfg.exit_interval == 0
         if self.save_dir is not None:
-            due = exit_now or bool(c.save_interval and iteration % c.save_interval == 0)
-            if c.save_interval_minutes:
-                late = time.monotonic() - self._last_save_time >= 60 * c.save_interval_minutes
+            interval, minutes = ckpt_cfg.save_interval, ckpt_cfg.save_interval_minutes
+            due = exit_now or bool(interval and iteration % interval == 0)
+            if minutes:
+                late = time.monotonic() - self._last_save_time >= 60 * minutes
                 due |= self._all_reduce(float(late and self.pstate.rank == 0),
                                         dist.ReduceOp.MAX) > 0
             if due:
@@ -337,7 +343,7 @@ class Checkpointer:
             self.wait()
             if self.pstate.rank == 0:
                 print(f"exiting at iteration {iteration} (--exit-interval "
-                      f"{c.exit_interval})", flush=True)
+                      f"{ckpt_cfg.exit_interval})", flush=True)
         return exit_now
 
     def finish(self, iteration: int) -> None:
@@ -352,15 +358,16 @@ class Checkpointer:
         """Restore from --load (or --save) if a checkpoint is there; the iteration to resume
         after (0 for a fresh start). A rollback within a run passes `restore_extra=False`:
         what happened since the checkpoint (e.g. the spikes) stays in the run's history."""
-        c = self.cfg.checkpoint
+        ckpt_cfg = self.cfg.checkpoint
         if self.load_dir is None:
             return 0
         start = time.perf_counter()
         ckpt_dir = self._verified_checkpoint()
         if ckpt_dir is None:
-            if c.load and c.load != c.save:
-                raise F.CheckpointError(f"--load {c.load}: no checkpoint there (no `latest`, no "
-                                        "iter_* directory); check the path")
+            if ckpt_cfg.load and ckpt_cfg.load != ckpt_cfg.save:
+                raise ckpt_files.CheckpointError(
+                    f"--load {ckpt_cfg.load}: no checkpoint there (no `latest`, no iter_* "
+                    "directory); check the path")
             if self.pstate.rank == 0:
                 print(f"checkpoint: none in {self.load_dir}, starting from scratch", flush=True)
             return 0
@@ -392,10 +399,10 @@ class Checkpointer:
         the metadata and hashes its share of the files; one all-gather of the findings."""
         problem = None
         try:
-            meta = F.read_metadata(ckpt_dir)
+            meta = ckpt_files.read_metadata(ckpt_dir)
             names = sorted(meta["files"])[self.pstate.rank::self.pstate.world_size]
-            F.verify_checksums(ckpt_dir, meta, names)
-        except F.CheckpointError as e:
+            ckpt_files.verify_checksums(ckpt_dir, meta, names)
+        except ckpt_files.CheckpointError as e:
             problem = str(e)
         found = [p for p in self._gather(problem) if p]
         return "; ".join(dict.fromkeys(found)) if found else None
@@ -404,31 +411,32 @@ class Checkpointer:
         """The newest intact checkpoint to load (None: none there). A broken one is named on
         every rank, then the next older one is tried unless --no-ckpt-fallback."""
         assert self.load_dir is not None
-        c = self.cfg.checkpoint
-        candidates = F.checkpoint_candidates(self.load_dir, c.ckpt_step)
+        ckpt_cfg = self.cfg.checkpoint
+        candidates = ckpt_files.checkpoint_candidates(self.load_dir, ckpt_cfg.ckpt_step)
         for i, ckpt_dir in enumerate(candidates):
             problem = self._verify(ckpt_dir)
             if problem is None:
                 return ckpt_dir
-            if not c.ckpt_fallback or i + 1 == len(candidates):
+            if not ckpt_cfg.ckpt_fallback or i + 1 == len(candidates):
                 why = ("--no-ckpt-fallback: stopping instead of loading an older checkpoint"
-                       if not c.ckpt_fallback else "no older complete checkpoint to fall back to")
-                raise F.CheckpointError(f"{problem}\n{why}; pick one with --ckpt-step, or move "
-                                        "the broken directory away")
+                       if not ckpt_cfg.ckpt_fallback
+                       else "no older complete checkpoint to fall back to")
+                raise ckpt_files.CheckpointError(f"{problem}\n{why}; pick one with --ckpt-step, "
+                                                 "or move the broken directory away")
             print(f"checkpoint: rank {self.pstate.rank}: {problem}; falling back to the "
                   f"previous checkpoint {candidates[i + 1]}", flush=True)
         return None
 
     def _validate(self, reader: CheckpointReader) -> None:
         saved = reader.meta["config"]
-        diffs = F.model_mismatches(saved["model"], self.cfg.to_dict()["model"])
+        diffs = ckpt_files.model_mismatches(saved["model"], self.cfg.to_dict()["model"])
         if diffs:
-            raise F.CheckpointError(
+            raise ckpt_files.CheckpointError(
                 f"{reader.dir} holds a different model than this run's config:\n  "
                 + "\n  ".join(diffs) + "\npass the checkpoint's values (or load another one)")
         if (self.cfg.data.data_sharding == "node-local"
                 and reader.dp != self.pstate.dp_size):
-            raise F.CheckpointError(
+            raise ckpt_files.CheckpointError(
                 f"--data-sharding node-local: {reader.dir} was saved with data-parallel size "
                 f"{reader.dp}, this run has {self.pstate.dp_size}; each DP rank's shards and "
                 "position would change. Resume with the same DP size")
@@ -440,15 +448,15 @@ class Checkpointer:
 
     @torch.no_grad()
     def _load_weights(self, reader: CheckpointReader) -> None:
-        ps = self.pstate
-        for name, _local, p in model_parameters(self.chunks, self.tied):
+        pstate = self.pstate
+        for name, _local, param in model_parameters(self.chunks, self.tied):
             tensor = None
-            if reader.tp == ps.tp_size:
-                tp_rank = ps.tp_rank if reader.where.get(name, (0, None))[1] else 0
+            if reader.tp == pstate.tp_size:
+                tp_rank = pstate.tp_rank if reader.where.get(name, (0, None))[1] else 0
                 tensor = reader.local_weight(name, tp_rank)
-            if tensor is None or tensor.shape != p.shape:
-                tensor = local_slice(reader.full_weight(name), p, ps)
-            p.copy_(tensor)
+            if tensor is None or tensor.shape != param.shape:
+                tensor = local_slice(reader.full_weight(name), param, pstate)
+            param.copy_(tensor)
 
     def _load_optimizer(self, reader: CheckpointReader) -> None:
         """Read into host tensors, then `load_state_dict` copies them into the live buffers:
@@ -459,7 +467,7 @@ class Checkpointer:
             if state is None:
                 state = fill_optimizer_state(template, self.chunks, self.pstate, self.tied,
                                              reader.full_optimizer)
-                state["step"] = reader.file(F.optim_file(0, 0, 0)).meta["state"]["step"]
+                state["step"] = reader.file(ckpt_files.optim_file(0, 0, 0)).meta["state"]["step"]
         else:  # model-only (e.g. imported from Hugging Face): fresh Adam moments
             def from_weights(name: str) -> dict[str, Tensor]:
                 w = reader.full_weight(name).float()
@@ -473,17 +481,17 @@ class Checkpointer:
 
     def _load_rank_state(self, reader: CheckpointReader) -> bool:
         """RNG states, when this rank's saved counterpart exists (same layout)."""
-        ps, saved = self.pstate, reader.meta["layout"]
+        pstate, saved = self.pstate, reader.meta["layout"]
         self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"]})
-        same = (saved["world_size"], saved["tp"], saved["pp"]) == (ps.world_size, ps.tp_size,
-                                                                     ps.pp_size)
-        name = F.rank_file(ps.rank)
+        same = ((saved["world_size"], saved["tp"], saved["pp"])
+                == (pstate.world_size, pstate.tp_size, pstate.pp_size))
+        name = ckpt_files.rank_file(pstate.rank)
         if not same or name not in reader.meta["files"]:
             return False
         f = reader.file(name)
         torch.set_rng_state(f.get("torch_cpu"))
         if torch.cuda.is_available() and "torch_cuda" in f:
-            torch.cuda.set_rng_state(f.get("torch_cuda"), ps.device)
+            torch.cuda.set_rng_state(f.get("torch_cuda"), pstate.device)
         version, state, gauss = f.meta["python_random"]
         random.setstate((version, tuple(state), gauss))
         kind, keys, pos, has_gauss, cached = f.meta["numpy_random"]

@@ -1,7 +1,7 @@
 """Layout-independent views of a checkpoint, and their re-slicing into a running layout.
 
 Every weight has a global name (`layers.7.mlp.down.weight`, whatever stage or chunk holds
-layer 7) and a `tp_split` tag saying how tensor parallelism cut it (see layers/init.py). The
+layer 7) and a TP split saying how tensor parallelism cut it (see layers/tags.py). The
 "full" tensor of a name is the unsharded weight with the padded vocabulary rows removed
 (they are zero and never trained), so a checkpoint written with one (TP, PP, DP, v,
 distributed-optimizer) layout reads the same from any other. Optimizer state is stored in
@@ -28,6 +28,7 @@ from megatron_lite.checkpoint.files import (
     read_metadata,
     unflatten_state,
 )
+from megatron_lite.layers import tags
 from megatron_lite.layers.init import shard_full, unshard
 from megatron_lite.parallel.state import ParallelState
 
@@ -64,12 +65,13 @@ def model_parameters(chunks: Sequence[nn.Module], tied: bool
 
 def local_slice(full: Tensor, param: nn.Parameter, pstate: ParallelState) -> Tensor:
     """This rank's slice of a full (vocab-unpadded) tensor, shaped like `param`."""
-    tag = getattr(param, "tp_split", None)
-    if tag is not None and tag[0] == "vocab":
-        padded = torch.zeros(tag[1][0], *full.shape[1:], dtype=full.dtype)
+    split = tags.tp_split(param)
+    padded_rows = tags.padded_vocab_size(split)
+    if padded_rows is not None:
+        padded = torch.zeros(padded_rows, *full.shape[1:], dtype=full.dtype)
         padded[:full.shape[0]] = full
         full = padded
-    piece = shard_full(full, tag, pstate.tp_size, pstate.tp_rank)
+    piece = shard_full(full, split, pstate.tp_size, pstate.tp_rank)
     if piece.shape != param.shape:
         raise CheckpointError(f"a checkpoint tensor of full shape {tuple(full.shape)} does not "
                               f"fit a parameter of local shape {tuple(param.shape)}")
@@ -89,10 +91,10 @@ class CheckpointReader:
         self._files: dict[str, TensorFile] = {}
         self._optim: dict[tuple[int, int], dict[str, dict[str, Tensor]]] = {}
         self.where: dict[str, tuple[int, list | None]] = {}
-        """Global name -> (pipeline stage holding it, tp_split tag)."""
+        """Global name -> (pipeline stage holding it, TP split as saved: JSON lists)."""
         for stage in range(self.pp):
-            for name, tag in self.file(model_file(0, stage)).meta["tp_split"].items():
-                self.where[name] = (stage, tag)
+            for name, split in self.file(model_file(0, stage)).meta["tp_split"].items():
+                self.where[name] = (stage, split)
 
     @property
     def has_optimizer(self) -> bool:
@@ -119,24 +121,24 @@ class CheckpointReader:
         return self.file(model_file(tp_rank, stage)).get(name)
 
     def _full(self, name: str, pieces: list[Tensor]) -> Tensor:
-        tag = self._stage(name)[1]
-        full = unshard(pieces, tuple(tag) if tag else None)
-        if tag is not None and tag[0] == "vocab":
+        split = self._stage(name)[1]
+        full = unshard(pieces, split)
+        if tags.padded_vocab_size(split) is not None:
             full = full[:self.model_cfg["vocab_size"]]
         return full
 
     def full_weight(self, name: str) -> Tensor:
         """The unsharded weight (vocab padding removed), gathered from every TP file."""
-        tp = self.tp if self._stage(name)[1] is not None else 1
-        return self._full(name, [self.local_weight(name, t) for t in range(tp)])
+        slices = self.tp if self._stage(name)[1] is not None else 1
+        return self._full(name, [self.local_weight(name, tp_rank) for tp_rank in range(slices)])
 
     def full_optimizer(self, name: str) -> dict[str, Tensor]:
         """Unsharded fp32 master weight and Adam moments of one weight."""
         if not self.has_optimizer:
             raise CheckpointError(f"{self.dir} holds no optimizer state (saved model-only)")
-        stage, tag = self._stage(name)
-        tp = self.tp if tag is not None else 1
-        pieces = [self._optim_position(t, stage)[name] for t in range(tp)]
+        stage, split = self._stage(name)
+        slices = self.tp if split is not None else 1
+        pieces = [self._optim_position(tp_rank, stage)[name] for tp_rank in range(slices)]
         return {k: self._full(name, [p[k] for p in pieces]) for k in KINDS}
 
     def _optim_position(self, tp_rank: int, stage: int) -> dict[str, dict[str, Tensor]]:
@@ -198,17 +200,16 @@ def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: Par
                            partition: list) -> dict | None:
     """This rank's saved optimizer state as-is when the saved layout equals the running one
     (the common resume: read only one's own file), else None."""
-    ps = pstate
-    if ((reader.tp, reader.pp) != (ps.tp_size, ps.pp_size)
+    if ((reader.tp, reader.pp) != (pstate.tp_size, pstate.pp_size)
             or reader.meta["partition"] != partition
-            or (template["sharded"] and reader.dp != ps.dp_size)):
+            or (template["sharded"] and reader.dp != pstate.dp_size)):
         return None
-    dp = ps.dp_rank if template["sharded"] else 0
-    f = reader.file(optim_file(ps.tp_rank, ps.pp_rank, dp))
+    dp = pstate.dp_rank if template["sharded"] else 0
+    f = reader.file(optim_file(pstate.tp_rank, pstate.pp_rank, dp))
     skeleton = f.meta["state"]
     if (skeleton.get("format") != template["format"] or skeleton["sharded"] != template["sharded"]
             or skeleton["buffers"] != template["buffers"]):
         return None
     state = unflatten_state(skeleton, f)
-    state["dp_rank"], state["dp_size"] = ps.dp_rank, ps.dp_size
+    state["dp_rank"], state["dp_size"] = pstate.dp_rank, pstate.dp_size
     return state

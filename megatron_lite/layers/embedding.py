@@ -7,6 +7,7 @@ slice and hands per-rank logits to a cross-entropy that never gathers the full v
 
 Padded rows start at zero and their logits are masked inside the loss, so they never win and
 never receive gradient: a padded vocab is numerically invisible, whatever the TP size.
+Both take `sequence_parallel` as the flag in effect, already False at TP=1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.layers import tags
 from megatron_lite.layers.init import init_shard
 from megatron_lite.layers.linear import column_parallel_linear
 from megatron_lite.parallel import comms
@@ -25,12 +27,10 @@ from megatron_lite.parallel.state import ParallelState
 def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
                       *, std: float, seed: int, name: str, dtype: torch.dtype) -> nn.Parameter:
     """This rank's [padded/t, h] slice of a weight whose real rows are N(0, std), pad rows 0."""
-    split = ("vocab", (padded_size,))
-    param = nn.Parameter(init_shard(
+    split = tags.vocab_split(padded_size)
+    return tags.mark_tp_split(nn.Parameter(init_shard(
         (padded_size, hidden), split, std=std, seed=seed, name=name, tp_size=pstate.tp_size,
-        tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype, real_rows=vocab_size))
-    param.tp_split = split
-    return param
+        tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype, real_rows=vocab_size)), split)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_group = pstate.tp_group
         self.tp_size = pstate.tp_size
-        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
+        self.sequence_parallel = sequence_parallel
         self.per_rank = padded_size // pstate.tp_size
         self.vocab_start = pstate.tp_rank * self.per_rank
         self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
@@ -76,7 +76,7 @@ class VocabParallelOutput(nn.Module):
                  shared_weight: nn.Parameter | None = None) -> None:
         super().__init__()
         self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
+        self.sequence_parallel = sequence_parallel
         self.vocab_size = vocab_size
         self.vocab_start = pstate.tp_rank * (padded_size // pstate.tp_size)
         self.use_triton = use_triton

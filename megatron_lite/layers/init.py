@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megatron_lite.layers.tags import TpSplit, row_partitions
+
 
 def named_generator(seed: int, name: str) -> torch.Generator:
     """A generator whose stream depends only on the seed and the parameter name."""
@@ -47,46 +49,44 @@ def shard_cols(full: Tensor, tp_size: int, tp_rank: int) -> Tensor:
     return full[:, tp_rank * per_rank:(tp_rank + 1) * per_rank]
 
 
-def shard_full(full: Tensor, tp_split: tuple | None, tp_size: int, tp_rank: int) -> Tensor:
-    """This rank's slice of a full tensor, following a parameter's `tp_split` tag.
-
-    Tags: ("rows", partitions) for column-parallel weights, ("vocab", (padded rows,)) for
-    vocab-parallel weights, ("cols",) for row-parallel weights, None for weights replicated
-    over TP (norms).
-    """
-    if tp_split is None:
+def shard_full(full: Tensor, split: TpSplit | None, tp_size: int, tp_rank: int) -> Tensor:
+    """This rank's slice of a full tensor, following a parameter's TP split (layers/tags.py)."""
+    if split is None:
         return full
-    if tp_split[0] in ("rows", "vocab"):
-        return shard_rows(full, tp_split[1], tp_size, tp_rank)
-    return shard_cols(full, tp_size, tp_rank)
+    partitions = row_partitions(split)
+    if partitions is None:
+        return shard_cols(full, tp_size, tp_rank)
+    return shard_rows(full, partitions, tp_size, tp_rank)
 
 
-def unshard(pieces: Sequence[Tensor], tp_split: tuple | None) -> Tensor:
+def unshard(pieces: Sequence[Tensor], split: TpSplit | None) -> Tensor:
     """Inverse of `shard_full`: the full tensor from every TP rank's slice, in rank order."""
-    if tp_split is None:
+    if split is None:
         return pieces[0]
-    if tp_split[0] == "cols":
+    partitions = row_partitions(split)
+    if partitions is None:
         return torch.cat(list(pieces), dim=1)
     tp_size, parts, offset = len(pieces), [], 0
-    for rows in tp_split[1]:
+    for rows in partitions:
         per_rank = rows // tp_size
-        parts.extend(p[offset:offset + per_rank] for p in pieces)
+        parts.extend(piece[offset:offset + per_rank] for piece in pieces)
         offset += per_rank
     return torch.cat(parts, dim=0)
 
 
-def local_shape(full_shape: Sequence[int], tp_split: tuple | None, tp_size: int
+def local_shape(full_shape: Sequence[int], split: TpSplit | None, tp_size: int
                 ) -> tuple[int, ...]:
-    """Shape of one TP rank's slice of a full tensor with the given `tp_split` tag."""
+    """Shape of one TP rank's slice of a full tensor with the given TP split."""
     rows, *rest = full_shape
-    if tp_split is None:
+    if split is None:
         return tuple(full_shape)
-    if tp_split[0] == "cols":
+    partitions = row_partitions(split)
+    if partitions is None:
         return (rows, rest[0] // tp_size)
-    return (sum(n // tp_size for n in tp_split[1]), *rest)
+    return (sum(n // tp_size for n in partitions), *rest)
 
 
-def init_shard(full_shape: Sequence[int], tp_split: tuple | None, *, std: float, seed: int,
+def init_shard(full_shape: Sequence[int], split: TpSplit | None, *, std: float, seed: int,
                name: str, tp_size: int, tp_rank: int, device: torch.device, dtype: torch.dtype,
                real_rows: int | None = None) -> Tensor:
     """This rank's slice of an N(0, std) weight, on `device` in `dtype`.
@@ -96,11 +96,10 @@ def init_shard(full_shape: Sequence[int], tp_split: tuple | None, *, std: float,
     a 70B model costs no host time or memory.
     """
     if device.type == "meta":
-        return torch.empty(local_shape(full_shape, tp_split, tp_size), device=device,
-                           dtype=dtype)
+        return torch.empty(local_shape(full_shape, split, tp_size), device=device, dtype=dtype)
     if real_rows is None:
         full = normal_full(full_shape, std, seed, name)
     else:
         full = torch.zeros(*full_shape)
         full[:real_rows] = normal_full((real_rows, *full_shape[1:]), std, seed, name)
-    return shard_full(full, tp_split, tp_size, tp_rank).to(device=device, dtype=dtype)
+    return shard_full(full, split, tp_size, tp_rank).to(device=device, dtype=dtype)

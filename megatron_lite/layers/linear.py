@@ -10,6 +10,8 @@ is all-gathered first, and a row layer's output is reduce-scattered back to sequ
 instead of all-reduced: the same bytes on the wire, but activations outside the TP region
 are 1/t the size. The column layer keeps only its input shard for backward and gathers it
 again there (`_SequenceGatherLinear`), so its saved input is 1/t the size too.
+Layers take `sequence_parallel` as the flag in effect, already False at TP=1
+(`model.llama.BuildOptions` resolves it once).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron_lite.layers import tags
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
@@ -84,12 +87,12 @@ class ColumnParallelLinear(nn.Module):
                 raise ValueError(f"{name}: {rows} output features not divisible by TP "
                                  f"{pstate.tp_size}")
         self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
-        split = ("rows", tuple(partitions))
-        self.weight = nn.Parameter(init_shard(
+        self.sequence_parallel = sequence_parallel
+        split = tags.column_split(partitions)
+        self.weight = tags.mark_tp_split(nn.Parameter(init_shard(
             (sum(partitions), in_features), split, std=std, seed=seed, name=name,
-            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype))
-        self.weight.tp_split = split
+            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
+            dtype=dtype)), split)
 
     def forward(self, x: Tensor) -> Tensor:
         return column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel)
@@ -106,11 +109,12 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{name}: {in_features} input features not divisible by TP "
                              f"{pstate.tp_size}")
         self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel and pstate.tp_size > 1
-        self.weight = nn.Parameter(init_shard(
-            (out_features, in_features), ("cols",), std=std, seed=seed, name=name,
-            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype))
-        self.weight.tp_split = ("cols",)
+        self.sequence_parallel = sequence_parallel
+        split = tags.row_split()
+        self.weight = tags.mark_tp_split(nn.Parameter(init_shard(
+            (out_features, in_features), split, std=std, seed=seed, name=name,
+            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
+            dtype=dtype)), split)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)

@@ -6,14 +6,15 @@ import torch
 from torch import Tensor, nn
 
 from megatron_lite.kernels.rmsnorm import rms_norm
+from megatron_lite.layers import tags
 
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w over the last dim.
 
-    Its weight is replicated over TP. Under sequence parallelism each TP rank sees a
-    different slice of the sequence, so the weight's gradient is partial and must be summed
-    over TP after backward: the `sequence_parallel` attribute marks it for that.
+    Its weight is replicated over TP. Under sequence parallelism (`sequence_parallel`: the
+    flag in effect, False at TP=1) each TP rank sees a different slice of the sequence, so the
+    weight's gradient is partial and must be summed over TP after backward: its tag says so.
     """
 
     def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool,
@@ -22,8 +23,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.use_triton = use_triton
-        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-        self.weight.sequence_parallel = sequence_parallel
+        self.weight = tags.mark_replicated(
+            nn.Parameter(torch.ones(hidden, device=device, dtype=dtype)))
+        if sequence_parallel:
+            tags.mark_sequence_parallel_grad(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps, use_triton=self.use_triton)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_lite.config import ModelConfig
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
+from megatron_lite.layers import tags
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.layers.norm import RMSNorm
@@ -36,12 +37,19 @@ class BuildOptions:
 
     seed: int
     sequence_parallel: bool = False
+    """Sequence parallelism in effect. Callers pass --sequence-parallel as given; `LlamaChunk`
+    resolves it once with `for_tp_size`, and every module below it gets the resolved flag."""
     dtype: torch.dtype = torch.float32
     use_triton: bool = False
     recompute_granularity: str | None = None
     """None, "selective" (RoPE + attention core rerun in backward) or "full" (whole layers)."""
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+
+    def for_tp_size(self, tp_size: int) -> BuildOptions:
+        """These options for a TP group of `tp_size`: at TP=1 there is no group to split the
+        sequence over, so sequence parallelism is off (the one place this is decided)."""
+        return replace(self, sequence_parallel=self.sequence_parallel and tp_size > 1)
 
 
 class Attention(nn.Module):
@@ -74,7 +82,7 @@ class Attention(nn.Module):
                             cos[:s], sin[:s], use_triton=self.use_triton)
         v = v.view(s, b, self.groups, d)
         # SDPA wants [b, heads, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (q, k, v))
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # The CPU flash-attention backward is ~4x slower in bf16 than in fp32 at small
             # head dims (bench/shakespeare.py), so the CPU core runs in fp32.
@@ -127,7 +135,7 @@ class TransformerLayer(nn.Module):
                  opts: BuildOptions) -> None:
         super().__init__()
         self.layer_number = layer
-        norm = dict(sequence_parallel=opts.sequence_parallel and pstate.tp_size > 1,
+        norm = dict(sequence_parallel=opts.sequence_parallel,
                     device=pstate.device, dtype=opts.dtype, use_triton=opts.use_triton)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.attention = Attention(cfg, pstate, layer, opts)
@@ -145,34 +153,37 @@ class LlamaChunk(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer_ids: Sequence[int],
                  *, pre_process: bool, post_process: bool, opts: BuildOptions) -> None:
         super().__init__()
+        opts = opts.for_tp_size(pstate.tp_size)
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(layer_ids)
         self.full_recompute = (opts.recompute_granularity == "full", opts.recompute_method,
                                opts.recompute_num_layers)
         padded = cfg.padded_vocab_size(pstate.tp_size)
-        sp = opts.sequence_parallel and pstate.tp_size > 1
         tied = not cfg.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = VocabParallelEmbedding(
-                cfg.vocab_size, padded, cfg.hidden_size, pstate, sequence_parallel=sp,
-                std=cfg.init_method_std, seed=opts.seed, dtype=opts.dtype)
+                cfg.vocab_size, padded, cfg.hidden_size, pstate,
+                sequence_parallel=opts.sequence_parallel, std=cfg.init_method_std,
+                seed=opts.seed, dtype=opts.dtype)
         self.layers = nn.ModuleList(TransformerLayer(cfg, pstate, i, opts) for i in layer_ids)
         if post_process:
-            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, sequence_parallel=sp,
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon,
+                                      sequence_parallel=opts.sequence_parallel,
                                       device=pstate.device, dtype=opts.dtype,
                                       use_triton=opts.use_triton)
             shared = self.embedding.weight if (tied and pre_process) else None
             self.output = VocabParallelOutput(
-                cfg.vocab_size, padded, cfg.hidden_size, pstate, sequence_parallel=sp,
-                std=cfg.init_method_std, seed=opts.seed, dtype=opts.dtype,
+                cfg.vocab_size, padded, cfg.hidden_size, pstate,
+                sequence_parallel=opts.sequence_parallel, std=cfg.init_method_std,
+                seed=opts.seed, dtype=opts.dtype,
                 weight_name="embedding.weight" if tied else "output.weight",
                 use_triton=opts.use_triton, shared_weight=shared)
             if tied and not pre_process:
                 # A second copy of the embedding on the last stage: it starts equal (same
                 # seed and name) and its gradient is summed with the first stage's.
-                self.output.weight.shared_embedding = True
+                tags.mark_shared_embedding(self.output.weight)
         if tied and pre_process and not post_process:
-            self.embedding.weight.shared_embedding = True
+            tags.mark_shared_embedding(self.embedding.weight)
         cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
                                device=pstate.device)
         self.register_buffer("rope_cos", cos.to(opts.dtype), persistent=False)

@@ -13,15 +13,16 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from megatron_lite.layers import tags
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
 
 def counts_toward_norm(param: nn.Parameter, pstate: ParallelState) -> bool:
     """True when this rank is the one that owns `param`'s contribution to the global norm."""
-    if getattr(param, "tp_split", None) is None and pstate.tp_rank != 0:
+    if tags.is_replicated(param) and pstate.tp_rank != 0:
         return False
-    return not (getattr(param, "shared_embedding", False) and not pstate.is_first_stage)
+    return not (tags.is_shared_embedding(param) and not pstate.is_first_stage)
 
 
 def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_dp: bool

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.config import Config, num_microbatches
+from megatron_lite.layers import tags
 from megatron_lite.optim import zero1
 from megatron_lite.optim.buffers import GradBuffer, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
@@ -156,8 +157,7 @@ class Optimizer:
         index = {id(p): i for i, (_, p, _) in enumerate(named)}
         for dtype in dict.fromkeys(p.dtype for _, p, _ in named):
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
-            tied = [ps.pp_size > 1 and getattr(p, "shared_embedding", False)
-                    for _, p, _ in members]
+            tied = [ps.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
             groups = [2 * c + t for (_, _, c), t in zip(members, tied)]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
                                   list(reversed(range(len(members)))), par.ddp_bucket_size,
@@ -185,7 +185,7 @@ class Optimizer:
         for b, shard in enumerate(self.shards):
             layout = shard.buffer.layout
             for p, r in zip(shard.buffer.params, layout.param_ranges):
-                if not getattr(p, "sequence_parallel", False):
+                if not tags.is_sequence_parallel_grad(p):
                     continue
                 for own in shard.owned:
                     overlap = r.intersect(own)

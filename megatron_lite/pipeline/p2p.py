@@ -23,8 +23,12 @@ _TAGS = {"activation": 0, "grad": 1}
 
 def boundary_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int,
                    sequence_parallel: bool) -> tuple[int, int, int]:
-    """Shape of the hidden state passed between stages (sequence-first)."""
-    seq = seq_length // tp_size if sequence_parallel and tp_size > 1 else seq_length
+    """Shape of the hidden state passed between stages (sequence-first).
+
+    `sequence_parallel` is the flag in effect (`BuildOptions.sequence_parallel`); the
+    --sequence-parallel flag as given gives the same shape, since at TP=1 s/t is s.
+    """
+    seq = seq_length // tp_size if sequence_parallel else seq_length
     return seq, micro_batch_size, hidden_size
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from megatron_lite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megatron_lite.layers import tags
 from megatron_lite.layers.init import unshard
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
@@ -80,7 +81,7 @@ def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
         calls.append(dict(opt.traffic.calls))
         sent.append(opt.traffic.total_bytes)
     return {"params": model_parameters(chunks), "norms": norms, "calls": calls, "bytes": sent,
-            "splits": {n: getattr(p, "tp_split", None) for n, p in chunks[0].named_parameters()}}
+            "splits": {n: tags.tp_split(p) for n, p in chunks[0].named_parameters()}}
 
 
 def model_parameters(chunks: list) -> dict[str, Tensor]:
@@ -92,7 +93,7 @@ def model_parameters(chunks: list) -> dict[str, Tensor]:
             parts = name.split(".")
             if parts[0] == "layers":
                 parts[1] = str(chunk.layer_ids[int(parts[1])])
-            if getattr(p, "shared_embedding", False):
+            if tags.is_shared_embedding(p):
                 parts = ["embedding", "weight"]
             out[".".join(parts)] = p.detach().float().clone()
     return out
