@@ -103,20 +103,21 @@ class Optimizer:
 
     def __init__(self, cfg: Config, chunks: Sequence[nn.Module], pstate: ParallelState
                  ) -> None:
-        par = cfg.parallel
-        if par.overlap_param_gather and not par.use_distributed_optimizer:
+        parallel = cfg.parallel
+        if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
                              "(plain data parallelism has no parameter all-gather)")
         self.cfg, self.pstate = cfg, pstate
-        self.sharded = par.use_distributed_optimizer
-        self.overlap_grad_reduce = par.overlap_grad_reduce
+        self.sharded = parallel.use_distributed_optimizer
+        self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
         """DP bytes/calls of the gradient reduction and parameter gather (tests, bench)."""
         named = _named_parameters(chunks)
         self.params = [p for _, p, _ in named]
         self._names = [n for n, _, _ in named]
-        self._build_buffers(named, torch.bfloat16 if par.grad_reduce_in_bf16 else torch.float32)
+        self._build_buffers(named, torch.bfloat16 if parallel.grad_reduce_in_bf16
+                            else torch.float32)
         self._step = 0
         self._handles: dict[BucketKey, dist.Work | None] = {}
         self._gathers: dict[BucketKey, dist.Work | None] = {}
@@ -128,7 +129,7 @@ class Optimizer:
         checks that can name the rank; see megatron_lite/reliability)."""
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
-        if par.overlap_param_gather:
+        if parallel.overlap_param_gather:
             self._register_gather_waits(chunks)
 
     def close(self) -> None:
@@ -147,7 +148,7 @@ class Optimizer:
     def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
                        grad_dtype: torch.dtype) -> None:
         """One buffer per parameter dtype; tied-embedding copies get their own buckets."""
-        ps, par = self.pstate, self.cfg.parallel
+        pstate = self.pstate
         self.buffers: list[GradBuffer] = []
         self.shards: list[zero1.ShardState] = []
         self._slot: list[BucketKey] = [(0, 0)] * len(named)
@@ -157,11 +158,11 @@ class Optimizer:
         index = {id(p): i for i, (_, p, _) in enumerate(named)}
         for dtype in dict.fromkeys(p.dtype for _, p, _ in named):
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
-            tied = [ps.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
-            groups = [2 * c + t for (_, _, c), t in zip(members, tied)]
+            tied = [pstate.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
+            groups = [2 * chunk + is_tied for (_, _, chunk), is_tied in zip(members, tied)]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
-                                  list(reversed(range(len(members)))), par.ddp_bucket_size,
-                                  ps.dp_size)
+                                  list(reversed(range(len(members)))),
+                                  self.cfg.parallel.ddp_bucket_size, pstate.dp_size)
             b = len(self.buffers)
             buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype)
             for bucket in layout.buckets:
@@ -172,11 +173,11 @@ class Optimizer:
                 self._members[key] = [index[id(members[i][1])] for i in bucket.params]
                 for i in self._members[key]:
                     self._slot[i] = key
-            infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2, counts_toward_norm(p, ps))
+            infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2, counts_toward_norm(p, pstate))
                      for n, p, _ in members]
             self.buffers.append(buffer)
             self.shards.append(zero1.ShardState(
-                buffer, layout.owned(ps.dp_rank, self.sharded), infos))
+                buffer, layout.owned(pstate.dp_rank, self.sharded), infos))
         self._sp_pieces = self._sequence_parallel_pieces()
 
     def _sequence_parallel_pieces(self) -> list[tuple[int, int, int]]:
@@ -234,19 +235,19 @@ class Optimizer:
 
     def _launch(self, key: BucketKey) -> None:
         """Start the DP reduction of one bucket (asynchronously)."""
-        ps = self.pstate
+        pstate = self.pstate
         buffer = self.buffers[key[0]]
         bucket = buffer.layout.buckets[key[1]]
         grad = buffer.bucket_grad(bucket)
         if self.grad_check is not None:
             self.grad_check(grad)
         if self.sharded:
-            own = bucket.shard(ps.dp_size, ps.dp_rank)
+            own = bucket.shard(pstate.dp_size, pstate.dp_rank)
             self._handles[key] = comms.reduce_scatter_flat(
-                buffer.grad[own.start:own.end], grad, ps.dp_group, async_op=True,
+                buffer.grad[own.start:own.end], grad, pstate.dp_group, async_op=True,
                 traffic=self.traffic)
         else:
-            self._handles[key] = comms.all_reduce_flat(grad, ps.dp_group, async_op=True,
+            self._handles[key] = comms.all_reduce_flat(grad, pstate.dp_group, async_op=True,
                                                        traffic=self.traffic)
 
     def _keys(self) -> list[BucketKey]:
@@ -266,11 +267,11 @@ class Optimizer:
 
     def finalize_grads(self) -> None:
         """Finish the step's gradient reduction: tied embeddings, DP, then SP norms over TP."""
-        ps = self.pstate
+        pstate = self.pstate
         for key in sorted(self._deferred):
             buffer = self.buffers[key[0]]
             for j in buffer.layout.buckets[key[1]].params:
-                comms.all_reduce_(buffer.params[j].main_grad, ps.embedding_group)
+                comms.all_reduce_(buffer.params[j].main_grad, pstate.embedding_group)
         for key in self._keys():
             if key not in self._handles:
                 self._launch(key)
@@ -278,9 +279,9 @@ class Optimizer:
             handle = self._handles[key]
             if handle is not None:
                 handle.wait()
-        if self._sp_pieces and ps.tp_size > 1:
+        if self._sp_pieces and pstate.tp_size > 1:
             grads = [self.buffers[b].grad[s:e] for b, s, e in self._sp_pieces]
-            flat = comms.all_reduce_(torch.cat(grads), ps.tp_group)
+            flat = comms.all_reduce_(torch.cat(grads), pstate.tp_group)
             for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(reduced)
         self._finalized = True
@@ -309,13 +310,13 @@ class Optimizer:
         """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""
         if not self.sharded:
             return
-        ps = self.pstate
+        pstate = self.pstate
         for key in reversed(self._keys()):
             buffer = self.buffers[key[0]]
             bucket = buffer.layout.buckets[key[1]]
-            own = bucket.shard(ps.dp_size, ps.dp_rank)
+            own = bucket.shard(pstate.dp_size, pstate.dp_rank)
             self._gathers[key] = comms.all_gather_flat(
-                buffer.bucket_param(bucket), buffer.param[own.start:own.end], ps.dp_group,
+                buffer.bucket_param(bucket), buffer.param[own.start:own.end], pstate.dp_group,
                 async_op=async_op, traffic=self.traffic)
 
     def _wait_gathers(self, keys: list[BucketKey], *_: object) -> None:
@@ -357,8 +358,9 @@ class Optimizer:
         continues, as the Checkpointer does into its host buffers.
         """
         self.finish_param_sync()
-        ps = self.pstate
-        return zero1.state_dict(self.shards, self._step, ps.dp_rank, ps.dp_size, self.sharded)
+        pstate = self.pstate
+        return zero1.state_dict(self.shards, self._step, pstate.dp_rank, pstate.dp_size,
+                                self.sharded)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this DP rank's state and set the model's weights from the masters.
@@ -366,8 +368,8 @@ class Optimizer:
         Collective over the DP group under --use-distributed-optimizer (every rank calls it).
         """
         self.finish_param_sync()
-        ps = self.pstate
-        self._step = zero1.load_state_dict(self.shards, state, ps.dp_rank, ps.dp_size,
+        pstate = self.pstate
+        self._step = zero1.load_state_dict(self.shards, state, pstate.dp_rank, pstate.dp_size,
                                            self.sharded)
         for shard in self.shards:
             shard.copy_master_to_params()
