@@ -46,9 +46,13 @@ sys.path.insert(0, str(ROOT))
 from megatron_lite.arguments import parse_config  # noqa: E402
 from megatron_lite.config import Config, ModelConfig  # noqa: E402
 from megatron_lite.data.mock import MockDataset  # noqa: E402
-from megatron_lite.metrics import ModelShape, detect_peak_tflops, flops_per_token  # noqa: E402
+from megatron_lite.metrics import detect_peak_tflops  # noqa: E402
 from megatron_lite.optim.lr import lr_at  # noqa: E402
-from megatron_lite.planner import estimate_memory  # noqa: E402
+from megatron_lite.planner import (  # noqa: E402
+    ModelShape,
+    estimate_memory,
+    training_flops_per_token,
+)
 
 GIB = 2**30
 MODELS: dict[str, list[str]] = {
@@ -302,7 +306,7 @@ def summarize(args: argparse.Namespace, flags: list[str], ours_records: list[dic
     """The comparison as one JSON-able dict (None where a side failed)."""
     cfg = parse_config(flags)
     m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
-    flops = flops_per_token(ModelShape.from_config(m), m.seq_length)
+    flops = training_flops_per_token(ModelShape.from_config(m), m.seq_length)
     measured = [r for r in ours_records if r["iteration"] > args.warmup]
     row: dict = {"model": args.model, "shape": {k: getattr(m, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

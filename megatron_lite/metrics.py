@@ -1,11 +1,10 @@
-"""FLOP counting, MFU, per-rank timing and stragglers, the log line, the JSONL record and wandb.
+"""MFU, per-rank timing and stragglers, the log line, the JSONL record and wandb.
 
-FLOPs per token follow the PaLM / nanoGPT / torchtitan convention used for the headline MFU:
-6 x N, N = every weight that takes part in a matmul (QKV, attention output, MLP, output layer;
-the input embedding is a lookup, so it counts only when tied, i.e. as the output layer), plus
-12 * layers * (heads * head_dim) * seq for attention scores and values counted as if not
-causal. The causal variant (Megatron since 2025: attention term halved) is printed beside it.
-Activation recomputation is never counted: MFU measures useful work only.
+FLOPs per token come from `planner.training_flops_per_token` (the convention is in the
+planner's docstring), so the MFU logged here is the one `scripts/plan.py` predicts: `mfu`
+counts attention as if not causal (6N + 12·l·q·s, the PaLM / nanoGPT / torchtitan headline),
+`mfu_causal` halves the attention term (Megatron since 2025). Activation recomputation is
+never counted: MFU measures useful work only.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.config import Config, ConfigError
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
 
 # Dense bf16 peak TFLOP/s by device-name fragment (first match wins, so variants come first).
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
@@ -35,42 +35,6 @@ PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H10
 JSONL_TRAIN_KEYS = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "iter_time_ms",
                     "tokens_per_sec", "tflops_per_device", "mfu")
 WANDB_MODES = ("online", "offline", "disabled")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions the FLOP count depends on; written out by hand for models we don't build."""
-
-    layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    query_groups: int
-    head_dim: int
-    vocab: int
-    gated_mlp: bool = True
-    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
-
-    @classmethod
-    def from_config(cls, m: ModelConfig, tp_size: int = 1) -> ModelShape:
-        """Our Llama decoder: SwiGLU, GQA, and the output layer over the padded vocabulary."""
-        return cls(layers=m.num_layers, hidden=m.hidden_size, ffn_hidden=m.ffn_hidden_size,
-                   heads=m.num_attention_heads, query_groups=m.num_query_groups,
-                   head_dim=m.head_dim, vocab=m.padded_vocab_size(tp_size))
-
-
-def matmul_params(s: ModelShape) -> int:
-    """Weights that take part in a matmul per token (the N of 6N)."""
-    q, kv = s.heads * s.head_dim, s.query_groups * s.head_dim
-    attention = s.hidden * (q + 2 * kv) + q * s.hidden
-    mlp = (3 if s.gated_mlp else 2) * s.hidden * s.ffn_hidden
-    return s.layers * (attention + mlp) + s.vocab * s.hidden
-
-
-def flops_per_token(s: ModelShape, seq_length: int, causal: bool = False) -> float:
-    """Training FLOPs per token: 6N + 12*l*(heads*head_dim)*s (6*... when causal-halved)."""
-    attention = (6 if causal else 12) * s.layers * s.heads * s.head_dim * seq_length
-    return 6.0 * matmul_params(s) + attention
 
 
 def measure_cpu_peak_tflops(n: int = 1024, seconds: float = 0.3) -> float:
@@ -197,7 +161,7 @@ class StragglerDetector:
         median = statistics.median(times)
         if median <= 0:
             return []
-        slow = [r for r, t in enumerate(times) if t > median * (1 + self.threshold)]
+        slow = [r for r, seconds in enumerate(times) if seconds > median * (1 + self.threshold)]
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         return [(r, times[r] / median - 1, n) for r, n in sorted(self.streak.items())
                 if n >= self.intervals and n % self.intervals == 0]
@@ -210,7 +174,7 @@ def _gather_floats(values: list[float], pstate: ParallelState) -> list[list[floa
     local = torch.tensor(values, dtype=torch.float64, device=pstate.device)
     out = [torch.empty_like(local) for _ in range(pstate.world_size)]
     dist.all_gather(out, local, group=pstate.world_group)
-    return [t.tolist() for t in out]
+    return [row.tolist() for row in out]
 
 
 def _gather_hosts(pstate: ParallelState) -> list[str]:
@@ -254,8 +218,8 @@ class MetricsLogger:
         self.enabled = pstate.rank == 0
         shape = ModelShape.from_config(cfg.model, pstate.tp_size)
         seq = cfg.model.seq_length
-        self.flops_per_token = flops_per_token(shape, seq)
-        self.flops_per_token_causal = flops_per_token(shape, seq, causal=True)
+        self.flops_per_token = training_flops_per_token(shape, seq)
+        self.flops_per_token_causal = training_flops_per_token(shape, seq, causal=True)
         self.hosts = _gather_hosts(pstate)
         self.stragglers = StragglerDetector(lg.straggler_threshold, lg.straggler_intervals)
         self.jsonl: IO[str] | None = None

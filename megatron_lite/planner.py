@@ -1,10 +1,22 @@
-"""Memory and step-time model for choosing a parallel layout before renting a cluster.
+"""Memory, FLOP and step-time model for choosing a parallel layout before renting a cluster.
 
-Pure arithmetic (imports only `megatron_lite.config`). Two users:
+Pure arithmetic (imports only `megatron_lite.config`). Three users:
 - `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
   per-rank bytes of the layout in a `Config`;
 - `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x v x DP x micro-batch x
-  ZeRO-1 x recompute, predicts memory and step time for each and ranks them.
+  ZeRO-1 x recompute, predicts memory and step time for each and ranks them;
+- `metrics.py` takes its FLOPs per token from `training_flops_per_token`, so the training log's
+  MFU and the planner's are the same number for the same run.
+
+FLOPs per token (`training_flops_per_token`, the one count): 6·N + 12·l·q·s, N =
+`matmul_params`, every weight that takes part in a matmul (per layer QKV h·(q + 2k), attention
+output q·h, MLP 3·h·f; plus the output layer V·h over the vocabulary padded for the run's TP
+size; the input embedding is a lookup, so a tied one counts once, as the output layer), with
+l layers, q = heads·head_dim, s = sequence length. The 12·l·q·s term counts the attention
+scores and values as if not causal (PaLM / nanoGPT / torchtitan): that is the log's `mfu` and
+the planner's MFU. `causal=True` halves it (Megatron-LM since 2025): the log's `mfu_causal`, and
+the work the step-time model charges, since flash attention skips the masked half.
+Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
 params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
@@ -61,38 +73,95 @@ class Recompute:
 
 
 # ---------------------------------------------------------------------------------------------
+# Matmul weights and FLOPs per token (see the module docstring for the convention)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the FLOP count depends on; written out by hand for models we don't build."""
+
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    query_groups: int
+    head_dim: int
+    vocab: int
+    gated_mlp: bool = True
+    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
+        """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
+        `tp_size` (the logits it really computes)."""
+        return cls(layers=model.num_layers, hidden=model.hidden_size,
+                   ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
+                   query_groups=model.num_query_groups, head_dim=model.head_dim,
+                   vocab=model.padded_vocab_size(tp_size))
+
+
+def matmul_params_per_layer(shape: ModelShape) -> int:
+    """Matmul weights of one transformer layer, all TP ranks together: QKV h·(q + 2k),
+    attention output q·h, MLP 3·h·f (2·h·f without gating)."""
+    q, kv = shape.heads * shape.head_dim, shape.query_groups * shape.head_dim
+    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn_hidden
+    return shape.hidden * (q + 2 * kv) + q * shape.hidden + mlp
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """The N of 6N: every layer's matmul weights plus the output layer V·h."""
+    return shape.layers * matmul_params_per_layer(shape) + shape.vocab * shape.hidden
+
+
+def attention_flops_per_layer(shape: ModelShape, seq_length: int, causal: bool) -> float:
+    """Training FLOPs per token of one layer's attention core, which has no weights: scores
+    q·kᵀ and the weighted sum of v, 2·s·q each forward, x 3 with backward; half when causal."""
+    return (6 if causal else 12) * seq_length * shape.heads * shape.head_dim
+
+
+def training_flops_per_token(shape: ModelShape, seq_length: int, causal: bool = False) -> float:
+    """Model FLOPs per trained token, the MFU numerator: 6·N + layers x attention core.
+
+    `causal=False` is the headline count (the log's `mfu`, the planner's MFU); `causal=True`
+    is the log's causal figure. Recomputation is not counted.
+    """
+    attention = shape.layers * attention_flops_per_layer(shape, seq_length, causal)
+    return 6.0 * matmul_params(shape) + attention
+
+
+# ---------------------------------------------------------------------------------------------
 # Parameters
 
 
-def layer_params(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (norm weights are replicated)."""
-    q, kv, h, f = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, \
-        m.hidden_size, m.ffn_hidden_size
-    return 2 * h + (h * (q + 2 * kv) + q * h + 3 * h * f) // tp
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP,
+    plus the two RMSNorm weights every rank holds whole."""
+    return 2 * model.hidden_size + matmul_params_per_layer(ModelShape.from_config(model)) // tp
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int) -> int:
+def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int) -> int:
     """Parameters held by one rank of a pipeline stage.
 
     The first stage holds the vocab-parallel embedding; the last holds the final norm and the
     output layer, which with tied weights and pp > 1 is a second copy of the embedding
     (model/llama.py), and with pp = 1 and tied weights is the embedding itself.
     """
-    vocab = m.padded_vocab_size(tp) * m.hidden_size // tp
-    n = num_stage_layers * layer_params(m, tp)
+    vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
+    n = num_stage_layers * layer_params(model, tp)
     if stage == 0:
         n += vocab
     if stage == pp - 1:
-        n += m.hidden_size
-        if m.untie_embeddings_and_output_weights or pp > 1:
+        n += model.hidden_size
+        if model.untie_embeddings_and_output_weights or pp > 1:
             n += vocab
     return n
 
 
-def total_params(m: ModelConfig) -> int:
+def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
-    emb = m.vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
-    return m.num_layers * layer_params(m, 1) + emb + m.hidden_size
+    tables = 2 if model.untie_embeddings_and_output_weights else 1
+    emb = model.vocab_size * model.hidden_size * tables
+    return model.num_layers * layer_params(model, 1) + emb + model.hidden_size
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
@@ -116,14 +185,13 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
 def zero_state_bytes(num_params: float, dp: int, stage: int, param_bytes: float = 2,
                      grad_bytes: float = 2, optim_bytes: float = 12) -> float:
     """Per-rank model-state bytes for ZeRO stage 0-3 (textbook mixed-precision Adam: 2+2+12)."""
-    p, g, o = param_bytes, grad_bytes, optim_bytes
     if stage >= 1:
-        o /= dp
+        optim_bytes /= dp
     if stage >= 2:
-        g /= dp
+        grad_bytes /= dp
     if stage >= 3:
-        p /= dp
-    return num_params * (p + g + o)
+        param_bytes /= dp
+    return num_params * (param_bytes + grad_bytes + optim_bytes)
 
 
 def state_bytes(num_params: int, dp: int, zero1: bool, bf16: bool) -> tuple[int, int, int]:
@@ -151,13 +219,13 @@ class ActivationSetup:
     """bf16 on CPU: model/llama.py runs SDPA in fp32 there, which saves fp32 q, k, v and out."""
 
 
-def _norm_and_linear_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+def _norm_and_linear_input_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """One RMSNorm plus the saved input of the column-parallel linear that consumes it.
 
     With SP both are [s/t, b, h]: the linear saves its local shard and re-gathers it in
     backward (layers/linear.py), so the whole term shrinks by t.
     """
-    s, b, h, e = m.seq_length, a.micro_batch, m.hidden_size, 2 if a.bf16 else 4
+    s, b, h, e = model.seq_length, a.micro_batch, model.hidden_size, 2 if a.bf16 else 4
     shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
     # fused: x (e) + rstd (4/row); reference: fp32 x, fp32 x*rstd, rstd, fp32 weight copy
     own = (e * s * b * h + 4 * s * b) if a.fused_kernels else (8 * s * b * h + 4 * s * b)
@@ -166,7 +234,8 @@ def _norm_and_linear_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
     return (own + linear_in) / shard + weight_copy
 
 
-def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
+def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
+                           selective: bool = False) -> float:
     """Bytes one transformer layer saves for backward, per micro-batch, on one TP rank.
 
     Korthikanti et al. 2022 (34·sbh + 5·a·s²·b for GPT) adapted to our block: RMSNorm (no
@@ -190,32 +259,32 @@ def layer_activation_bytes(m: ModelConfig, a: ActivationSetup, selective: bool =
     `selective` reruns RoPE + SDPA in backward: it keeps the qkv output, drops rotated q, k and
     the log-sum-exp (out is still saved by the projection).
     """
-    s, b, e = m.seq_length, a.micro_batch, 2 if a.bf16 else 4
-    q, k, f = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim, \
-        m.ffn_hidden_size
+    s, b, e = model.seq_length, a.micro_batch, 2 if a.bf16 else 4
+    q, k, f = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim, \
+        model.ffn_hidden_size
     t = a.tp
-    norms = 2 * _norm_and_linear_input_bytes(m, a)
+    norms = 2 * _norm_and_linear_input_bytes(model, a)
     qkv_out, rotated, out = e * s * b * (q + 2 * k), e * s * b * (q + k), e * s * b * q
-    lse = 4 * m.num_attention_heads * s * b
+    lse = 4 * model.num_attention_heads * s * b
     if a.fp32_attention_core and a.bf16 and not selective:
         # SDPA saves its fp32 copies of q, k, v and its fp32 out; v no longer views the bf16
         # qkv output, so nothing keeps that alive.
         qkv_out, rotated = 0, 4 * s * b * (2 * q + 2 * k)
     attn = (qkv_out + out + (0 if selective else rotated + lse)) / t
     if not a.fused_kernels and a.bf16 and not selective:
-        attn += 8 * s * m.head_dim
+        attn += 8 * s * model.head_dim
     mlp = (3 * e if a.fused_kernels else 12 + e) * s * b * f / t
     return norms + attn + mlp
 
 
-def layer_input_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+def layer_input_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """What full recomputation keeps per checkpointed group: its [s(/t), b, h] input."""
     e = 2 if a.bf16 else 4
     shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
-    return e * m.seq_length * a.micro_batch * m.hidden_size / shard
+    return e * model.seq_length * a.micro_batch * model.hidden_size / shard
 
 
-def head_activation_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+def head_activation_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """Last stage: final norm + output-layer input + the logits gradient the loss saves.
 
     The output layer is column-parallel like the others: under SP it saves its [s/t, b, h]
@@ -223,29 +292,29 @@ def head_activation_bytes(m: ModelConfig, a: ActivationSetup) -> float:
     gradient in forward and saves it in the logits dtype: e·s·b·V/t (V padded).
     """
     e = 2 if a.bf16 else 4
-    vocab = m.padded_vocab_size(a.tp) // a.tp
-    return _norm_and_linear_input_bytes(m, a) + e * m.seq_length * a.micro_batch * vocab
+    vocab = model.padded_vocab_size(a.tp) // a.tp
+    return _norm_and_linear_input_bytes(model, a) + e * model.seq_length * a.micro_batch * vocab
 
 
-def head_transient_bytes(m: ModelConfig, a: ActivationSetup) -> float:
+def head_transient_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """Live only during the loss: the logits (e), plus, in the bf16 reference loss, their fp32
     copy and the fp32 exp (2 x 4). The fused kernel reads the logits in place and writes the
     saved gradient directly; an fp32 reference loss works in the logits and the gradient."""
     e = 2 if a.bf16 else 4
     extra = 8 if a.bf16 and not a.fused_kernels else 0
-    return (e + extra) * m.seq_length * a.micro_batch * m.padded_vocab_size(a.tp) // a.tp
+    return (e + extra) * model.seq_length * a.micro_batch * model.padded_vocab_size(a.tp) // a.tp
 
 
-def chunk_activation_bytes(m: ModelConfig, a: ActivationSetup, layers: int,
+def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
                            rc: Recompute) -> tuple[float, float]:
     """(saved bytes per micro-batch, transient peak while it is recomputed) for `layers` layers."""
-    full = layer_activation_bytes(m, a)
+    full = layer_activation_bytes(model, a)
     if rc.granularity == "selective":
-        return layers * layer_activation_bytes(m, a, selective=True), 0.0
+        return layers * layer_activation_bytes(model, a, selective=True), 0.0
     if rc.granularity != "full":
         return layers * full, 0.0
     n = max(1, min(rc.num_layers, layers))
-    kept = layer_input_bytes(m, a)
+    kept = layer_input_bytes(model, a)
     if rc.method == "block":
         return n * kept + (layers - n) * full, full
     return math.ceil(layers / n) * kept, n * full
@@ -307,21 +376,21 @@ class StageSpec:
     act: ActivationSetup
 
 
-def stage_memory(m: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
+def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
-    n = stage_params(m, spec.tp, spec.pp, stage, layers)
+    n = stage_params(model, spec.tp, spec.pp, stage, layers)
     pb, gb, ob = state_bytes(n, spec.dp, spec.zero1, spec.act.bf16)
-    per_chunk, recompute_peak = chunk_activation_bytes(m, spec.act, layers // spec.chunks,
+    per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     last = stage == spec.pp - 1
-    head = head_activation_bytes(m, spec.act) if last else 0.0
+    head = head_activation_bytes(model, spec.act) if last else 0.0
     # the embedding's int64 ids, plus with TP its bool mask of ids outside this rank's slice
     id_bytes = 8 + (spec.tp > 1)
-    ids = id_bytes * m.seq_length * spec.act.micro_batch if stage == 0 else 0
+    ids = id_bytes * model.seq_length * spec.act.micro_batch if stage == 0 else 0
     flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches)
-    working = layer_activation_bytes(m, spec.act) + recompute_peak
+    working = layer_activation_bytes(model, spec.act) + recompute_peak
     if last:
-        working += head_transient_bytes(m, spec.act)
+        working += head_transient_bytes(model, spec.act)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)
@@ -346,18 +415,18 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     `stage` picks a pipeline stage (default: the stage with the largest total). `fused_kernels`
     defaults to `--triton-kernels != off`; pass False for CPU runs with `auto`.
     """
-    m, p = cfg.model, cfg.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    counts = stage_layer_counts(m.num_layers, pp, p.decoder_first_pipeline_num_layers,
-                                p.decoder_last_pipeline_num_layers)
-    per_chunk = p.num_layers_per_virtual_pipeline_stage
+    model, parallel = cfg.model, cfg.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    counts = stage_layer_counts(model.num_layers, pp, parallel.decoder_first_pipeline_num_layers,
+                                parallel.decoder_last_pipeline_num_layers)
+    per_chunk = parallel.num_layers_per_virtual_pipeline_stage
     chunks = counts[0] // per_chunk if per_chunk else 1
     fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
-    act = ActivationSetup(cfg.train.micro_batch_size, tp, p.sequence_parallel, cfg.train.bf16,
-                          fused, fp32_attention_core=device_type == "cpu")
+    act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
+                          cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu")
     spec = StageSpec(tp, pp, world_size // (tp * pp), chunks, num_microbatches(cfg, world_size),
-                     p.use_distributed_optimizer, _recompute_from(cfg), act)
-    estimates = [stage_memory(m, spec, i, n) for i, n in enumerate(counts)]
+                     parallel.use_distributed_optimizer, _recompute_from(cfg), act)
+    estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]
     return max(estimates, key=lambda est: est.total_bytes)
@@ -424,27 +493,24 @@ class Plan:
     dp_exposed_s: float
     optimizer_s: float
     tokens_per_s: float
+    flops_per_token: float
+    """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP."""
     mfu: float
+    """tokens/s x flops_per_token / (GPUs x peak), as the training log's `mfu`."""
     days: float
     fits: bool
     reason: str
 
 
-def flops_per_token(m: ModelConfig) -> tuple[float, float]:
-    """(per layer, LM head) training FLOPs per token: 6 x GEMM MACs + causal attention 6·s·q."""
-    q, k = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    h, f = m.hidden_size, m.ffn_hidden_size
-    gemm = h * (q + 2 * k) + q * h + 3 * h * f
-    return 6 * gemm + 6 * m.seq_length * q, 6 * h * m.vocab_size
-
-
-def _recompute_flops_per_token(m: ModelConfig, rc: Recompute) -> float:
-    """Extra forward FLOPs per layer and token (full: the whole layer; selective: attention)."""
-    layer, _ = flops_per_token(m)
-    attn = 2 * m.seq_length * m.num_attention_heads * m.head_dim
-    if rc.granularity == "full":
-        return layer / 3
-    return attn if rc.granularity == "selective" else 0.0
+def _layer_work_per_token(shape: ModelShape, seq_length: int, rc: Recompute) -> float:
+    """FLOPs one layer executes per token in a training step, which is what takes time: causal
+    attention (flash attention skips the masked half), plus the forward (a third of the
+    training FLOPs) that recomputation reruns: the whole layer (full) or the attention core
+    (selective)."""
+    attention = attention_flops_per_layer(shape, seq_length, causal=True)
+    layer = 6 * matmul_params_per_layer(shape) + attention
+    rerun = {"full": layer, "selective": attention}.get(rc.granularity, 0.0)
+    return layer + rerun / 3
 
 
 def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: float) -> float:
@@ -454,13 +520,13 @@ def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: fl
     return factor * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + latency_s
 
 
-def _stage_time(m: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int) -> tuple:
+def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int) -> tuple:
     """(compute, TP comm, p2p) seconds for one micro-batch through all chunks of a stage."""
-    tokens, e = m.seq_length * lay.micro_batch, 2
-    layer, head = flops_per_token(m)
-    work = layers * (layer + _recompute_flops_per_token(m, lay.recompute))
+    tokens, e = model.seq_length * lay.micro_batch, 2
+    shape = ModelShape.from_config(model, lay.tp)
+    work = layers * _layer_work_per_token(shape, model.seq_length, lay.recompute)
     if stage == lay.pp - 1:
-        work += head
+        work += 6 * shape.vocab * shape.hidden  # the output layer
     compute = tokens * work / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency)
     lat = c.latency_us * 1e-6
     tp_bw = c.intra_node_gbps if lay.tp <= c.gpus_per_node else c.inter_node_gbps
@@ -468,12 +534,12 @@ def _stage_time(m: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int
     # pairs, same bytes); full recompute reruns the 2 forward ones; +1 for embedding or head
     per_layer = 4 + (2 if lay.recompute.granularity == "full" else 0)
     colls = layers * per_layer + (stage == 0) + (stage == lay.pp - 1)
-    tp_comm = colls * _ring_s(e * tokens * m.hidden_size, lay.tp, tp_bw, lat, 2)
+    tp_comm = colls * _ring_s(e * tokens * model.hidden_size, lay.tp, tp_bw, lat, 2)
     p2p = 0.0
     if lay.pp > 1:
         pp_bw = c.inter_node_gbps if lay.tp * lay.dp >= c.gpus_per_node else c.intra_node_gbps
         shard = lay.tp if lay.sequence_parallel else 1
-        p2p = 2 * lay.chunks * (e * tokens * m.hidden_size / shard / (pp_bw * 1e9) + lat)
+        p2p = 2 * lay.chunks * (e * tokens * model.hidden_size / shard / (pp_bw * 1e9) + lat)
     return compute, tp_comm, p2p
 
 
@@ -495,24 +561,24 @@ def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float) -> tuple[fl
     return grads + params, optimizer
 
 
-def evaluate(m: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
+def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
              train_tokens: float) -> Plan:
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
     mbs = global_batch // (lay.dp * lay.micro_batch)
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True)
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act)
-    per_stage = m.num_layers // lay.pp
-    mems = [stage_memory(m, spec, i, per_stage) for i in range(lay.pp)]
+    per_stage = model.num_layers // lay.pp
+    mems = [stage_memory(model, spec, i, per_stage) for i in range(lay.pp)]
     worst = max(mems, key=lambda est: est.total_bytes)
-    times = [_stage_time(m, lay, c, per_stage, i) for i in range(lay.pp)]
+    times = [_stage_time(model, lay, c, per_stage, i) for i in range(lay.pp)]
     compute, tp_comm, p2p = max(times, key=sum)
     stage_s = compute + tp_comm + p2p
     bubble = (lay.pp - 1) * stage_s / lay.chunks
     dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s)
     step = mbs * stage_s + bubble + dp_s + opt_s
-    tokens_s = global_batch * m.seq_length / step
-    layer, head = flops_per_token(m)
-    mfu = (m.num_layers * layer + head) * tokens_s / (c.gpus * c.peak_tflops * 1e12)
+    tokens_s = global_batch * model.seq_length / step
+    flops = training_flops_per_token(ModelShape.from_config(model, lay.tp), model.seq_length)
+    mfu = tokens_s * flops / c.gpus / 1e12 / c.peak_tflops  # as metrics.MetricsLogger
     need = worst.total_bytes / GIB + c.allowance_gib
     fits = need <= c.gpu_memory_gib
     reason = "" if fits else (
@@ -520,14 +586,14 @@ def evaluate(m: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
         f"{worst.state_bytes / GIB:.1f} + activations {worst.activation_bytes / GIB:.1f} + "
         f"allowance {c.allowance_gib:g})")
     return Plan(lay, mbs, worst, need, step, mbs * compute, mbs * tp_comm, mbs * p2p, bubble,
-                dp_s, opt_s, tokens_s, mfu, train_tokens / tokens_s / 86400, fits, reason)
+                dp_s, opt_s, tokens_s, flops, mfu, train_tokens / tokens_s / 86400, fits, reason)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(m: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
+def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     """Structurally valid layouts without recompute (the memory search adds recompute).
 
     TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
@@ -537,13 +603,14 @@ def layouts(m: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
-           and not (m.num_attention_heads % t or m.num_query_groups % t or m.ffn_hidden_size % t)]
+           and not (model.num_attention_heads % t or model.num_query_groups % t
+                    or model.ffn_hidden_size % t)]
     for tp in tps:
-        for pp in _divisors(m.num_layers):
+        for pp in _divisors(model.num_layers):
             if c.gpus % (tp * pp):
                 continue
             dp = c.gpus // (tp * pp)
-            for v in _divisors(m.num_layers // pp) if pp > 1 else [1]:
+            for v in _divisors(model.num_layers // pp) if pp > 1 else [1]:
                 for mb in (1, 2, 4, 8, 16, 32):
                     if global_batch % (dp * mb):
                         continue
@@ -555,15 +622,15 @@ def layouts(m: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     return out
 
 
-def recompute_options(m: ModelConfig, lay: Layout) -> list[Recompute]:
+def recompute_options(model: ModelConfig, lay: Layout) -> list[Recompute]:
     """none, selective, full uniform N=1, and full block N for N < layers per chunk."""
-    per_chunk = m.num_layers // (lay.pp * lay.chunks)
+    per_chunk = model.num_layers // (lay.pp * lay.chunks)
     opts = [Recompute(), Recompute("selective"), Recompute("full", "uniform", 1)]
     opts += [Recompute("full", "block", n) for n in range(1, per_chunk)]
     return opts
 
 
-def search(m: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
+def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
            keep=lambda lay: True) -> list[Plan]:
     """Every layout (filtered by `keep`) with its cheapest fitting recompute, best first.
 
@@ -572,9 +639,9 @@ def search(m: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
     reason). Fitting plans come first, by tokens/s.
     """
     plans = []
-    for base in layouts(m, c, global_batch):
-        tried = [evaluate(m, dataclasses.replace(base, recompute=rc), c, global_batch,
-                          train_tokens) for rc in recompute_options(m, base)]
+    for base in layouts(model, c, global_batch):
+        tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
+                          train_tokens) for rc in recompute_options(model, base)]
         tried = [p for p in tried if keep(p.layout)]
         if not tried:
             continue
@@ -584,19 +651,20 @@ def search(m: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.need_gib))
 
 
-def pretrain_flags(m: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
+def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
     """The plan as pretrain.py flags (Megatron names)."""
     lay = plan.layout
-    flags = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
-             "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads",
-             m.num_attention_heads, "--num-query-groups", m.num_query_groups,
-             "--seq-length", m.seq_length, "--vocab-size", m.vocab_size, "--bf16",
+    flags = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+             "--ffn-hidden-size", model.ffn_hidden_size, "--num-attention-heads",
+             model.num_attention_heads, "--num-query-groups", model.num_query_groups,
+             "--seq-length", model.seq_length, "--vocab-size", model.vocab_size, "--bf16",
              "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
-    if m.untie_embeddings_and_output_weights:
+    if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
     if lay.chunks > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (lay.pp * lay.chunks)]
+        flags += ["--num-layers-per-virtual-pipeline-stage",
+                  model.num_layers // (lay.pp * lay.chunks)]
     if lay.sequence_parallel:
         flags.append("--sequence-parallel")
     if lay.zero1:

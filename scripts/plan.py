@@ -103,14 +103,14 @@ HEADER = (f"{'#':>3} {'TP':>3} {'PP':>3} {'v':>3} {'DP':>5} {'mbs':>4} {'m':>5} 
           f"{'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
 
 
-def row(i: int, p: Plan, gpus: int) -> str:
-    lay, mem = p.layout, p.memory
+def row(i: int, plan: Plan, gpus: int) -> str:
+    lay, mem = plan.layout, plan.memory
     return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.chunks:>3} {lay.dp:>5} {lay.micro_batch:>4} "
-            f"{p.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
+            f"{plan.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
-            f"{mem.activation_bytes / GIB:>6.1f} {p.need_gib:>6.1f} {p.step_s:>7.2f} "
-            f"{p.bubble_s / p.step_s:>6.1%} {p.tokens_per_s / gpus:>10,.0f} {p.mfu:>5.1%} "
-            f"{p.days:>7.1f}")
+            f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
+            f"{plan.bubble_s / plan.step_s:>6.1%} {plan.tokens_per_s / gpus:>10,.0f} "
+            f"{plan.mfu:>5.1%} {plan.days:>7.1f}")
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
@@ -127,7 +127,7 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
              f"batch {gbs} x {model.seq_length} = {gbs * model.seq_length / 1e6:.2f}M tokens; "
              f"budget {tokens / 1e9:,.0f}B tokens",
              "memory in GiB on the fullest rank; bubble = share of the step; MFU counts "
-             "6N + 6·s·q per token (causal), not recompute", ""]
+             "6N + 12·l·q·s per token, as the training log's `mfu` (not recompute)", ""]
     fitting = [p for p in plans if p.fits]
     lines += ["fitting layouts, fastest first:", HEADER]
     lines += [row(i + 1, p, cluster.gpus) for i, p in enumerate(fitting[:top])] or ["  (none)"]
@@ -135,8 +135,8 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
     faster = [p for p in plans if not p.fits and p.tokens_per_s > best][:5]
     if faster:
         lines += ["", "faster layouts that do NOT fit:", HEADER]
-        for i, p in enumerate(faster):
-            lines += [row(i + 1, p, cluster.gpus), f"      {p.reason}"]
+        for i, plan in enumerate(faster):
+            lines += [row(i + 1, plan, cluster.gpus), f"      {plan.reason}"]
     if not fitting and plans:
         lines += ["", "closest to fitting:", HEADER, row(1, plans[0], cluster.gpus),
                   f"      {plans[0].reason}"]

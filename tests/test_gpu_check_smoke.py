@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.metrics import ModelShape, flops_per_token, matmul_params
+from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -39,7 +39,8 @@ def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads((tmp_path / "gpu_train_tiny.json").read_text())
     cfg = parse_config(_load("bench/gpu_train.py").MODELS["tiny"])
-    assert row["flops_per_token"] == flops_per_token(ModelShape.from_config(cfg.model), 64)
+    assert row["flops_per_token"] == training_flops_per_token(
+        ModelShape.from_config(cfg.model), 64)
     ours, plain = row["ours"], row["plain"]
     for side in (ours, plain):
         assert side["tokens_per_sec"] > 0 and side["mfu"] > 0

@@ -20,17 +20,23 @@ from megatron_lite.config import Config, ModelConfig
 from megatron_lite.metrics import (
     JSONL_TRAIN_KEYS,
     MetricsLogger,
-    ModelShape,
     StragglerDetector,
     detect_peak_tflops,
-    flops_per_token,
-    matmul_params,
     rank_spread,
     resolve_wandb_mode,
 )
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.launch import LaunchEnv
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.planner import (
+    Cluster,
+    Layout,
+    ModelShape,
+    Recompute,
+    evaluate,
+    matmul_params,
+    training_flops_per_token,
+)
 from megatron_lite.training import build_model, train
 from tests.distributed import run_ranks
 
@@ -57,8 +63,8 @@ def test_gpt3_175b_by_hand() -> None:
     shape = ModelShape(layers=layers, hidden=h, ffn_hidden=4 * h, heads=96, query_groups=96,
                        head_dim=128, vocab=v, gated_mlp=False)
     assert matmul_params(shape) == n
-    assert flops_per_token(shape, s) == headline == 1_076_373_430_272
-    assert flops_per_token(shape, s, causal=True) == causal == 1_061_877_915_648
+    assert training_flops_per_token(shape, s) == headline == 1_076_373_430_272
+    assert training_flops_per_token(shape, s, causal=True) == causal == 1_061_877_915_648
     # The paper's 3.14e23 FLOPs for 300B tokens is 6N with N = 175B: 1.05e12 per token.
     assert abs(6 * n / (3.14e23 / 300e9) - 1) < 0.01
 
@@ -75,8 +81,9 @@ def test_llama2_7b_and_70b_by_hand() -> None:
     shape = ModelShape(layers=layers, hidden=h, ffn_hidden=f, heads=32, query_groups=32,
                        head_dim=128, vocab=v)
     assert matmul_params(shape) == n == 6_607_077_376
-    assert flops_per_token(shape, s) == 6 * n + 12 * layers * h * s == 46_084_915_200
-    assert flops_per_token(shape, s, causal=True) == 6 * n + 6 * layers * h * s == 42_863_689_728
+    assert training_flops_per_token(shape, s) == 6 * n + 12 * layers * h * s == 46_084_915_200
+    assert training_flops_per_token(shape, s, causal=True) == 6 * n + 6 * layers * h * s \
+        == 42_863_689_728
     # Llama-2 70B: 80 layers, h = 8192, 64 query heads, 8 KV groups x 128, f = 28672
     h, layers, f = 8192, 80, 28672
     kv = 8 * 128
@@ -86,7 +93,7 @@ def test_llama2_7b_and_70b_by_hand() -> None:
     shape = ModelShape(layers=layers, hidden=h, ffn_hidden=f, heads=64, query_groups=8,
                        head_dim=128, vocab=v)
     assert matmul_params(shape) == n
-    assert flops_per_token(shape, 4096) == 6 * n + 12 * layers * h * 4096
+    assert training_flops_per_token(shape, 4096) == 6 * n + 12 * layers * h * 4096
 
 
 @pytest.mark.parametrize("untie", [False, True])
@@ -188,7 +195,7 @@ def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
     trains = [r for r in records if "loss" in r]
     assert [tuple(r) for r in trains] == [JSONL_TRAIN_KEYS] * 2
     assert [r["iteration"] for r in trains] == [2, 4]
-    fpt = flops_per_token(ModelShape.from_config(cfg.model), 16)
+    fpt = training_flops_per_token(ModelShape.from_config(cfg.model), 16)
     for r in trains:
         assert 0 < r["mfu"] < 1
         assert r["tflops_per_device"] == pytest.approx(r["tokens_per_sec"] * fpt / 1e12)
@@ -197,6 +204,35 @@ def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
     text = out.getvalue()
     assert "MFU peak:" in text and "measured bf16 matmul" in text
     assert "| skipped 0 | mem rss " in text and "(causal " in text
+
+
+DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "192", "--num-attention-heads", "4",
+              "--seq-length", "128"]
+DEMO_BATCH = ["--micro-batch-size", "16"]
+"""scripts/demo.sh's model and micro-batch; its tokenizer has VOCAB=4096 pieces."""
+
+
+def test_planner_and_log_agree_on_flops_and_mfu_for_the_demo() -> None:
+    """One FLOP count: for the demo's model the planner's FLOPs per token are the ones the
+    MetricsLogger divides by, and the same tokens/s, peak and world size give the same MFU."""
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    assert " ".join(DEMO_MODEL) in demo and " ".join(DEMO_BATCH) in demo and "VOCAB=4096" in demo
+    cfg = parse_config(["--mock-data", *DEMO_MODEL, *DEMO_BATCH, "--vocab-size", "4096"])
+    cluster = Cluster(gpus=1, peak_tflops=2.0)
+    layout = Layout(tp=1, pp=1, dp=1, chunks=1, micro_batch=16, zero1=False,
+                    recompute=Recompute(), sequence_parallel=False)
+    plan = evaluate(cfg.model, layout, cluster, 16, 1e9)
+    tokens = 16 * cfg.model.seq_length
+    with contextlib.redirect_stdout(io.StringIO()):
+        logger = MetricsLogger(cfg, _single_state(cfg), peak_tflops=cluster.peak_tflops)
+        record = logger.log_train(iteration=1, consumed_samples=16, loss=1.0, lr=1e-3,
+                                  grad_norm=1.0, iter_time_s=plan.step_s, tokens=tokens,
+                                  skipped=0)
+    # N = 4 layers x (QKV 192·576 + out 192·192 + SwiGLU 3·192·512) + output 4096·192
+    assert matmul_params(ModelShape.from_config(cfg.model)) == 2_555_904
+    assert plan.flops_per_token == logger.flops_per_token == 6 * 2_555_904 + 12 * 4 * 192 * 128
+    assert record["tokens_per_sec"] == plan.tokens_per_s
+    assert record["mfu"] == pytest.approx(plan.mfu, rel=1e-12)
 
 
 class _FakeRun:

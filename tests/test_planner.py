@@ -23,6 +23,7 @@ from megatron_lite.planner import (
     ActivationSetup,
     Cluster,
     Layout,
+    ModelShape,
     Recompute,
     chunk_activation_bytes,
     estimate_memory,
@@ -34,6 +35,7 @@ from megatron_lite.planner import (
     stage_layer_counts,
     stage_params,
     total_params,
+    training_flops_per_token,
     zero_state_bytes,
 )
 from tests.distributed import run_ranks
@@ -77,16 +79,16 @@ def test_stage_params_match_the_model(tp, pp, tied):
 
 def _saved_bytes(module: torch.nn.Module, fn) -> int:
     """Bytes of distinct storages autograd keeps for backward, parameters and buffers excluded."""
-    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    skip = {x.untyped_storage().data_ptr() for x in [*module.parameters(), *module.buffers()]}
     seen: dict[int, int] = {}
 
-    def pack(t):
-        storage = t.untyped_storage()
+    def pack(tensor):
+        storage = tensor.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn()
     del out
     return sum(seen.values())
@@ -220,12 +222,28 @@ def test_70b_on_1024_h100_tp8_pp8_dp16():
     n = plan.memory.params
     assert n == stage_params(model, 8, 8, plan.memory.stage, 10)
     assert plan.memory.state_bytes == 2 * n + 4 * n + 12 * math.ceil(n / 16)
-    m = 512 // 16
+    microbatches = 512 // 16
     assert plan.bubble_s / (plan.step_s - plan.dp_exposed_s - plan.optimizer_s) == \
-        pytest.approx(7 / (m + 7))
+        pytest.approx(7 / (microbatches + 7))
     best = search(model, Cluster(gpus=1024), 512, 15e12,
                   keep=lambda lay: (lay.tp, lay.pp, lay.dp) == (8, 8, 16))[0]
     assert best.fits and best.tokens_per_s >= plan.tokens_per_s
+
+
+def test_plan_flops_are_the_shared_count_at_the_layout_tp():
+    """The output layer computes logits over the vocabulary padded for TP, in the planner's
+    FLOPs as in the log's; MFU is tokens/s x those FLOPs over the cluster's peak."""
+    model = PRESETS["8B"][1]
+    cluster = Cluster(gpus=8)
+    for tp in (1, 8):
+        lay = Layout(tp=tp, pp=1, dp=8 // tp, chunks=1, micro_batch=1, zero1=True,
+                     recompute=Recompute(), sequence_parallel=tp > 1)
+        plan = evaluate(model, lay, cluster, 64, 1e9)
+        shape = ModelShape.from_config(model, tp)
+        assert plan.flops_per_token == training_flops_per_token(shape, model.seq_length)
+        assert plan.mfu == pytest.approx(plan.tokens_per_s * plan.flops_per_token
+                                         / (8 * cluster.peak_tflops * 1e12))
+    assert ModelShape.from_config(model, 8).vocab == 129024 > model.vocab_size
 
 
 def test_search_marks_oom_and_emits_parseable_flags():

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Tensor = Literal["activation", "grad"]
+TensorKind = Literal["activation", "grad"]
+"""What a transfer carries: a forward activation or a backward gradient."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Backward:
 class Send:
     """Send the activation produced by F(mb, chunk), or the input grad from B(mb, chunk)."""
 
-    tensor: Tensor
+    tensor: TensorKind
     microbatch: int
     chunk: int
     peer: int
@@ -59,7 +60,7 @@ class Send:
 class Recv:
     """Receive the input of F(mb, chunk) (activation) or the output grad of B(mb, chunk)."""
 
-    tensor: Tensor
+    tensor: TensorKind
     microbatch: int
     chunk: int
     peer: int

@@ -48,7 +48,7 @@ def _loss_fn(num_tokens: torch.Tensor):
 
 def _canonical(name: str, layer_ids: tuple[int, ...]) -> str:
     """Chunk-local parameter name -> whole-model name (layers.<local> -> layers.<global>)."""
-    name = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{layer_ids[int(m[1])]}.", name)
+    name = re.sub(r"^layers\.(\d+)\.", lambda match: f"layers.{layer_ids[int(match[1])]}.", name)
     return "embedding.weight" if name == "output.weight" else name  # the tied copy
 
 
@@ -64,14 +64,14 @@ def _finalize(params: list[nn.Parameter], pstate: ParallelState) -> None:
             comms.all_reduce_(p.grad, pstate.embedding_group)
 
 
-def _train(pstate: ParallelState, v: int, m: int, steps: int, sp: bool) -> dict:
+def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: bool) -> dict:
     cfg = ModelConfig(**MODEL)
     lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
     specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv), pstate.pp_rank)
     opts = BuildOptions(seed=SEED, sequence_parallel=sp)
     chunks = [LlamaChunk(cfg, pstate, s.layer_ids, pre_process=s.pre_process,
                          post_process=s.post_process, opts=opts) for s in specs]
-    actions = stage_schedule(pstate.pp_size, pstate.pp_rank, m, v)
+    actions = stage_schedule(pstate.pp_size, pstate.pp_rank, microbatches, v)
     shape = boundary_shape(cfg.seq_length, MBS, cfg.hidden_size, pstate.tp_size, sp)
     comm = StageComm(pstate, shape, torch.float32) if pstate.pp_size > 1 else None
     params = _unique_params(chunks)
@@ -84,8 +84,8 @@ def _train(pstate: ParallelState, v: int, m: int, steps: int, sp: bool) -> dict:
 
     losses, grads = [], {}
     for step in range(steps):
-        full = _global_batch(step, m * pstate.dp_size)
-        batches = full[pstate.dp_rank * m:(pstate.dp_rank + 1) * m]
+        full = _global_batch(step, microbatches * pstate.dp_size)
+        batches = full[pstate.dp_rank * microbatches:(pstate.dp_rank + 1) * microbatches]
         num_tokens = sum(b["loss_mask"].sum() for b in full)
         for p in params:
             p.grad = None
@@ -104,7 +104,7 @@ def _train(pstate: ParallelState, v: int, m: int, steps: int, sp: bool) -> dict:
     return {"losses": losses, "grads": grads, "hooks": hooks}
 
 
-def _reference(m: int, steps: int) -> dict:
+def _reference(microbatches: int, steps: int) -> dict:
     """The whole model in this process, a plain loop over every micro-batch of each step."""
     pstate = single_process_state()
     cfg = ModelConfig(**MODEL)
@@ -112,7 +112,7 @@ def _reference(m: int, steps: int) -> dict:
                        opts=BuildOptions(seed=SEED))
     losses, grads = [], {}
     for step in range(steps):
-        full = _global_batch(step, m)
+        full = _global_batch(step, microbatches)
         num_tokens = sum(b["loss_mask"].sum() for b in full)
         model.zero_grad(set_to_none=True)
         total = 0.0
@@ -150,17 +150,19 @@ def _check(ranks: list[dict], ref: dict, tp: int, check_grads: bool) -> None:
             assert _rel_err(grad, expected) <= 1e-5, f"rank {rank}: gradient of {name} differs"
 
 
-def _train_each(pstate: ParallelState, vs: tuple[int, ...], m: int, steps: int) -> list[dict]:
+def _train_each(pstate: ParallelState, vs: tuple[int, ...], microbatches: int,
+                steps: int) -> list[dict]:
     """Several schedules in one set of processes (spawning dominates the test time)."""
-    return [_train(pstate, v, m, steps, sp=False) for v in vs]
+    return [_train(pstate, v, microbatches, steps, sp=False) for v in vs]
 
 
 @pytest.mark.parametrize(("pp", "vs"), [(2, (1, 2)), (4, (1,))])
 def test_pipeline_matches_single_process(tmp_path, pp: int, vs: tuple[int, ...]) -> None:
-    m, steps = 4, 10
-    ref = _reference(m, steps)
+    microbatches, steps = 4, 10
+    ref = _reference(microbatches, steps)
     assert ref["losses"][-1] < ref["losses"][0]  # the curve being compared actually moves
-    ranks = run_ranks(_train_each, pp, tmp_path, pp=pp, vs=vs, m=m, steps=steps)
+    ranks = run_ranks(_train_each, pp, tmp_path, pp=pp, vs=vs, microbatches=microbatches,
+                      steps=steps)
     for i, v in enumerate(vs):
         _check([out[i] for out in ranks], ref, tp=1, check_grads=True)
         for out in ranks:  # the DP hook ran once per chunk per step
@@ -170,10 +172,10 @@ def test_pipeline_matches_single_process(tmp_path, pp: int, vs: tuple[int, ...])
 @pytest.mark.parametrize(("world", "tp", "pp", "sp"), [(4, 2, 2, True), (8, 2, 2, False)])
 def test_tp_pp_dp_matches_single_process(tmp_path, world: int, tp: int, pp: int,
                                          sp: bool) -> None:
-    m, dp = 2, world // (tp * pp)
-    ref = _reference(m * dp, steps=5)
-    ranks = run_ranks(_train, world, tmp_path, tp=tp, pp=pp, v=1, m=m, steps=5, sp=sp,
-                      timeout=240)
+    microbatches, dp = 2, world // (tp * pp)
+    ref = _reference(microbatches * dp, steps=5)
+    ranks = run_ranks(_train, world, tmp_path, tp=tp, pp=pp, v=1, microbatches=microbatches,
+                      steps=5, sp=sp, timeout=240)
     _check(ranks, ref, tp=tp, check_grads=True)
 
 
@@ -187,15 +189,15 @@ class _Tracked(nn.Module):
 
     def forward(self, x, labels=None):
         out = self.inner(x, labels)
-        alive = [t for t in (r() for r in self.log["refs"]) if t is not None]
+        alive = [tensor for tensor in (ref() for ref in self.log["refs"]) if tensor is not None]
         self.log["peak"] = max(self.log["peak"], len(alive) + 1)
         self.log["unfreed"] = max(self.log["unfreed"],
-                                  sum(t.untyped_storage().size() > 0 for t in alive))
+                                  sum(tensor.untyped_storage().size() > 0 for tensor in alive))
         self.log["refs"].append(weakref.ref(out))
         return out
 
 
-def _stage0_memory(pstate: ParallelState, v: int, m: int) -> dict:
+def _stage0_memory(pstate: ParallelState, v: int, microbatches: int) -> dict:
     cfg = ModelConfig(**MODEL)
     lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
     specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv), pstate.pp_rank)
@@ -205,20 +207,21 @@ def _stage0_memory(pstate: ParallelState, v: int, m: int) -> dict:
               for s in specs]
     comm = StageComm(pstate, boundary_shape(cfg.seq_length, MBS, cfg.hidden_size, 1, False),
                      torch.float32)
-    batches = _global_batch(0, m)
-    forward_backward(chunks, stage_schedule(pstate.pp_size, pstate.pp_rank, m, v), batches,
-                     comm, _loss_fn(torch.tensor(1.0)))
+    batches = _global_batch(0, microbatches)
+    actions = stage_schedule(pstate.pp_size, pstate.pp_rank, microbatches, v)
+    forward_backward(chunks, actions, batches, comm, _loss_fn(torch.tensor(1.0)))
     return {"peak": log["peak"], "unfreed": log["unfreed"]}
 
 
-def _stage0_memory_each(pstate: ParallelState, m: int) -> list[dict]:
-    return [_stage0_memory(pstate, v, m) for v in (1, 2)]
+def _stage0_memory_each(pstate: ParallelState, microbatches: int) -> list[dict]:
+    return [_stage0_memory(pstate, v, microbatches) for v in (1, 2)]
 
 
 def test_live_activations_on_stage0_stay_within_1f1b_bound(tmp_path) -> None:
-    pp, m = 2, 8
-    plain, interleaved = run_ranks(_stage0_memory_each, pp, tmp_path, pp=pp, m=m)[0]
-    assert plain["peak"] == pp  # 1F1B: p micro-batches in flight on stage 0, not m = 8
-    assert interleaved["peak"] == (pp - 1) * 2 + pp + 1  # warm-up + 1 chunk outputs, not m*v
+    pp, microbatches = 2, 8
+    plain, interleaved = run_ranks(_stage0_memory_each, pp, tmp_path, pp=pp,
+                                   microbatches=microbatches)[0]
+    assert plain["peak"] == pp  # 1F1B: p micro-batches in flight on stage 0, not all 8
+    assert interleaved["peak"] == (pp - 1) * 2 + pp + 1  # warm-up + 1 chunk outputs, not 8 x v
     # Every earlier output had been sent and its storage released by the next forward.
     assert plain["unfreed"] == 0 and interleaved["unfreed"] == 0
