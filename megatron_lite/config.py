@@ -379,8 +379,8 @@ def num_microbatches(cfg: Config, world_size: int) -> int:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks, run before anything is allocated. Raises ConfigError."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    model, parallel, train = cfg.model, cfg.parallel, cfg.train
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     errors: list[str] = []
     if world_size % (tp * pp):
         errors.append(
@@ -388,51 +388,52 @@ def validate(cfg: Config, world_size: int) -> None:
             f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
             "processes or change the parallel sizes"
         )
-    if m.hidden_size % m.num_attention_heads:
+    if model.hidden_size % model.num_attention_heads:
         errors.append(
-            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-            f"{m.num_attention_heads}; pick heads that divide the width"
+            f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
+            f"{model.num_attention_heads}; pick heads that divide the width"
         )
-    elif m.head_dim % 2:
-        errors.append(f"head dim {m.head_dim} (= --hidden-size / --num-attention-heads) must be "
-                      "even for rotary embeddings")
-    if m.num_attention_heads % m.num_query_groups:
+    elif model.head_dim % 2:
+        errors.append(f"head dim {model.head_dim} (= --hidden-size / --num-attention-heads) "
+                      "must be even for rotary embeddings")
+    if model.num_attention_heads % model.num_query_groups:
         errors.append(
-            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-            f"--num-query-groups {m.num_query_groups}; each KV head must serve whole query heads"
+            f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+            f"--num-query-groups {model.num_query_groups}; each KV head must serve whole query "
+            "heads"
         )
-    for name, value in (("num-attention-heads", m.num_attention_heads),
-                        ("num-query-groups", m.num_query_groups),
-                        ("ffn-hidden-size", m.ffn_hidden_size)):
+    for name, value in (("num-attention-heads", model.num_attention_heads),
+                        ("num-query-groups", model.num_query_groups),
+                        ("ffn-hidden-size", model.ffn_hidden_size)):
         if value % tp:
             errors.append(
                 f"--{name} {value} is not divisible by --tensor-model-parallel-size {tp}; "
                 f"use a multiple of {tp} or a smaller tensor-parallel size"
             )
-    if p.sequence_parallel and m.seq_length % tp:
+    if parallel.sequence_parallel and model.seq_length % tp:
         errors.append(
-            f"--sequence-parallel needs --seq-length ({m.seq_length}) divisible by "
+            f"--sequence-parallel needs --seq-length ({model.seq_length}) divisible by "
             f"--tensor-model-parallel-size ({tp}); use --seq-length "
-            f"{tp * math.ceil(m.seq_length / tp)}"
+            f"{tp * math.ceil(model.seq_length / tp)}"
         )
-    if m.seq_length > m.max_position_embeddings:
+    if model.seq_length > model.max_position_embeddings:
         errors.append(
-            f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-            f"{m.max_position_embeddings}; raise --max-position-embeddings or shorten sequences"
+            f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
+            f"{model.max_position_embeddings}; raise --max-position-embeddings or shorten sequences"
         )
     if not world_size % (tp * pp):
         dp = world_size // (tp * pp)
-        gbs = t.global_batch_size or t.micro_batch_size * dp
-        if gbs % (t.micro_batch_size * dp):
+        gbs = train.global_batch_size or train.micro_batch_size * dp
+        if gbs % (train.micro_batch_size * dp):
             errors.append(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; "
-                f"use a multiple of {t.micro_batch_size * dp}"
+                f"{train.micro_batch_size} x data-parallel size {dp} = "
+                f"{train.micro_batch_size * dp}; use a multiple of {train.micro_batch_size * dp}"
             )
     if not world_size % (tp * pp):
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
     errors += _dry_run_errors(cfg, world_size)
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
+    if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
         errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
                       "all-gather; add --use-distributed-optimizer or drop it")
     if errors:

@@ -184,11 +184,11 @@ def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
 def dry_run_report(cfg: Config, world_size: int) -> str:
     """Validate and describe a layout without creating any process group."""
     validate(cfg, world_size)
-    m, p = cfg.model, cfg.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    part = partition_layers(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage,
-                            p.decoder_first_pipeline_num_layers,
-                            p.decoder_last_pipeline_num_layers)
+    model, parallel = cfg.model, cfg.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    part = partition_layers(model.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage,
+                            parallel.decoder_first_pipeline_num_layers,
+                            parallel.decoder_last_pipeline_num_layers)
     lines = [f"dry run: world size {world_size} = pp {pp} x dp {world_size // (tp * pp)} x "
              f"tp {tp}; config is valid", "rank grid [pp][dp] -> tp ranks:",
              format_grid(rank_grid(world_size, tp, pp), full=cfg.logging.log_rank_grid),
@@ -200,7 +200,7 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
                            if s.layer_ids else f"chunk {i}: no layers"
                            for i, s in enumerate(specs))
         est = estimate_memory(cfg, world_size, stage=stage)
-        lines.append(f"  stage {stage}: {chunks} | {stage_params(m, tp, pp, stage, layers):,} "
+        lines.append(f"  stage {stage}: {chunks} | {stage_params(model, tp, pp, stage, layers):,} "
                      f"params per rank | states {fmt_bytes(est.state_bytes)} + activations "
                      f"{fmt_bytes(est.activation_bytes)} = {fmt_bytes(est.total_bytes)}")
     return "\n".join(lines)

@@ -337,11 +337,11 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
                         recompute_num_layers=cfg.train.recompute_num_layers or 1)
-    p = cfg.parallel
+    parallel = cfg.parallel
     part = partition_layers(cfg.model.num_layers, pstate.pp_size,
-                            p.num_layers_per_virtual_pipeline_stage,
-                            p.decoder_first_pipeline_num_layers,
-                            p.decoder_last_pipeline_num_layers)
+                            parallel.num_layers_per_virtual_pipeline_stage,
+                            parallel.decoder_first_pipeline_num_layers,
+                            parallel.decoder_last_pipeline_num_layers)
     chunks = [LlamaChunk(cfg.model, pstate, spec.layer_ids, pre_process=spec.pre_process,
                          post_process=spec.post_process, opts=opts)
               for spec in stage_chunks(part, pstate.pp_rank)]
@@ -383,9 +383,9 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
     n_params = parameter_count(chunks, pstate)
     if pstate.rank != 0:
         return
-    t, m = cfg.train, cfg.model
+    train_cfg, model_cfg = cfg.train, cfg.model
     nmb = num_microbatches(cfg, pstate.world_size)
-    gbs = t.micro_batch_size * pstate.dp_size * nmb
+    gbs = train_cfg.micro_batch_size * pstate.dp_size * nmb
     try:
         import triton
         triton_version = triton.__version__
@@ -394,17 +394,18 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
     device = (torch.cuda.get_device_name(pstate.device) if pstate.device.type == "cuda"
               else f"CPU ({platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads)")
-    use_triton = resolve_use_triton(m.triton_kernels, pstate.device)
+    use_triton = resolve_use_triton(model_cfg.triton_kernels, pstate.device)
     grid = format_grid([[list(r) for r in stage] for stage in pstate.grid],
                        full=cfg.logging.log_rank_grid)
     print("megatron_lite: resolved config\n" + json.dumps(cfg.to_dict(), indent=1), flush=True)
     print(f"launch: {launch_source}, world size {pstate.world_size}, backend "
           f"{pstate.backend or 'none (single process)'}; rank grid [pp][dp] -> tp ranks:\n"
           f"{grid}\n"
-          f"model: {n_params:,} parameters ({n_params / 1e6:.2f} M), vocab {m.vocab_size} padded "
-          f"to {m.padded_vocab_size(pstate.tp_size)}\n"
-          f"batch: micro {t.micro_batch_size} samples x {nmb} accumulation steps x dp "
-          f"{pstate.dp_size} = global {gbs} samples = {gbs * m.seq_length:,} tokens per step\n"
+          f"model: {n_params:,} parameters ({n_params / 1e6:.2f} M), vocab "
+          f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(pstate.tp_size)}\n"
+          f"batch: micro {train_cfg.micro_batch_size} samples x {nmb} accumulation steps x dp "
+          f"{pstate.dp_size} = global {gbs} samples = {gbs * model_cfg.seq_length:,} tokens per "
+          f"step\n"
           f"kernels: {'triton ' + ', '.join(KERNEL_NAMES) if use_triton else 'torch reference'}"
           f"\nprovenance: git {git_commit()}, torch {torch.__version__}, triton "
           f"{triton_version}, python {platform.python_version()}, device {device}\n"

@@ -107,21 +107,21 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
                        consumed_train_samples: int = 0
                        ) -> tuple[MicroBatchLoader, MicroBatchLoader | None]:
     """(train loader, validation loader or None)."""
-    t, m = cfg.train, cfg.model
-    gbs = t.global_batch_size or t.micro_batch_size * dp_size
-    common = dict(micro_batch_size=t.micro_batch_size, global_batch_size=gbs,
+    train_cfg, model_cfg = cfg.train, cfg.model
+    gbs = train_cfg.global_batch_size or train_cfg.micro_batch_size * dp_size
+    common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
                   dp_rank=dp_rank, dp_size=dp_size)
     if cfg.data.mock_data:
-        train = MockDataset(m.vocab_size, m.seq_length, t.seed, "train")
-        valid = MockDataset(m.vocab_size, m.seq_length, t.seed, "valid")
+        train = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "train")
+        valid = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "valid")
         return (MicroBatchLoader(train, consumed_samples=consumed_train_samples,
                                  prefetch=cfg.data.num_workers, **common),
                 MicroBatchLoader(valid, **common))
     if not cfg.data.data_path:
         raise ConfigError("no data: pass --mock-data or --data-path with --tokenizer-model")
     tok = tokenizer_info(cfg)
-    if tok.vocab_size != m.vocab_size:
-        raise ConfigError(f"the model has --vocab-size {m.vocab_size} but {tok.source} has "
+    if tok.vocab_size != model_cfg.vocab_size:
+        raise ConfigError(f"the model has --vocab-size {model_cfg.vocab_size} but {tok.source} has "
                           f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
     train, valid, _ = _real_datasets(cfg, dp_rank, dp_size, gbs)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
