@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layers import tags
 from megatron_lite.layers.init import shard_full
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel import comms
@@ -58,9 +59,9 @@ def _unique_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
 
 def _finalize(params: list[nn.Parameter], pstate: ParallelState) -> None:
     for p in params:
-        if getattr(p, "sequence_parallel", False):
+        if tags.is_sequence_parallel_grad(p):
             comms.all_reduce_(p.grad, pstate.tp_group)
-        if getattr(p, "shared_embedding", False) and pstate.pp_size > 1:
+        if tags.is_shared_embedding(p) and pstate.pp_size > 1:
             comms.all_reduce_(p.grad, pstate.embedding_group)
 
 
@@ -96,7 +97,7 @@ def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: boo
         loss = torch.stack(out).sum() if owner else torch.zeros(())
         losses.append(comms.all_reduce_(loss, pstate.world_group).item())
         if step == 0:
-            grads = {_canonical(n, s.layer_ids): (p.grad.clone(), getattr(p, "tp_split", None))
+            grads = {_canonical(n, s.layer_ids): (p.grad.clone(), tags.tp_split(p))
                      for c, s in zip(chunks, specs) for n, p in c.named_parameters()}
         with torch.no_grad():
             for p in params:
@@ -142,8 +143,9 @@ def _check(ranks: list[dict], ref: dict, tp: int, check_grads: bool) -> None:
         tp_rank = rank % tp
         for name, (grad, split) in out["grads"].items():
             full = ref["grads"][name]
-            if split is not None and split[0] == "vocab":  # padding depends on the TP size
-                padded = torch.zeros(split[1][0], *full.shape[1:])
+            padded_rows = tags.padded_vocab_size(split)
+            if padded_rows is not None:  # padding depends on the TP size
+                padded = torch.zeros(padded_rows, *full.shape[1:])
                 padded[:full.size(0)] = full[:padded.size(0)]
                 full = padded
             expected = shard_full(full, split, tp, tp_rank)
