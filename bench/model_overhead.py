@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.config import Config, ModelConfig, OptimConfig, TrainConfig
 from megatron_lite.data.loader import MicroBatchLoader

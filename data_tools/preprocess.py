@@ -29,7 +29,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools.chunks import CHUNK_BYTES, iter_chunks
-from data_tools.encode import BadInputError, Options, Stats, encode_chunk, init_worker
+from data_tools.encode import Options, Stats, encode_chunk, init_worker
+from data_tools.errors import add_debug_flag, run_cli
 from megatron_lite.data.format import (
     MANIFEST_SUFFIX,
     ShardWriter,
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip and count malformed JSONL lines instead of stopping")
     p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
                    help="input bytes per worker task (tuning; does not change the output)")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     if args.workers < 1 or args.num_shards < 1:
         p.error("--workers and --num-shards must be >= 1")
@@ -178,14 +180,15 @@ def _summary(s: Stats, num_shards: int, prefix: str, seconds: float) -> None:
         print(f"  skipped bad line: {example}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    try:
-        preprocess(args, argv)
-    except (BadInputError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+def _main(argv: list[str]) -> int:
+    preprocess(parse_args(argv), argv)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A bad input line, path or tokenizer ends in one `error:` line and exit status 2."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,6 +22,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from data_tools.errors import add_debug_flag, run_cli
 from megatron_lite.data.format import (
     ShardError,
     load_manifest,
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--jobs", type=int, default=4, help="files copied in parallel")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     args.nodes = args.nodes or 1
     args.node_rank = args.node_rank or 0
@@ -68,8 +70,9 @@ def dp_ranks_on_node(nodes: int, node_rank: int, gpus_per_node: int, tp: int, pp
     """(DP ranks with a process on this node, DP size) for rank = (pp_r * dp + dp_r) * tp + tp_r."""
     world = nodes * gpus_per_node
     if world % (tp * pp):
-        raise SystemExit(f"world size {world} (= --nodes {nodes} x --gpus-per-node "
-                         f"{gpus_per_node}) is not divisible by TP {tp} x PP {pp}")
+        raise ShardError(f"world size {world} (= --nodes {nodes} x --gpus-per-node "
+                         f"{gpus_per_node}) is not divisible by TP {tp} x PP {pp}; pass the "
+                         "training job's sizes")
     dp = world // (tp * pp)
     ranks = range(node_rank * gpus_per_node, (node_rank + 1) * gpus_per_node)
     return sorted({(r // tp) % dp for r in ranks}), dp
@@ -118,11 +121,14 @@ def stage(args: argparse.Namespace) -> dict[str, list[str]]:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    try:
-        stage(parse_args(argv))
-    except ShardError as e:
-        raise SystemExit(f"error: {e}") from None
+def _main(argv: list[str]) -> int:
+    stage(parse_args(argv))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A bad manifest, corrupt source or impossible layout ends in one `error:` line, exit 2."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

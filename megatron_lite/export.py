@@ -30,7 +30,8 @@ from torch import Tensor
 
 from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.layers import tags
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
@@ -165,7 +166,7 @@ def parse_size(text: str) -> int:
     """'5GB' / '300MB' / '20KB' / '1000' -> bytes (decimal units, as transformers uses)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
     if not match:
-        raise ValueError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count")
+        raise ConfigError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count")
     scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9}
     return int(float(match.group(1)) * scale[match.group(2)])
 
@@ -306,7 +307,7 @@ def model_logits(chunk: LlamaChunk, tokens: Tensor, vocab_size: int) -> Tensor:
     return logits.transpose(0, 1)[..., :vocab_size]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lite.export",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", help="checkpoint directory to export (latest or --ckpt-step)")
@@ -319,24 +320,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="split model.safetensors above this size (default: 5GB)")
     parser.add_argument("--from-hf", help="import this Hugging Face Llama directory instead")
     parser.add_argument("--save", help="with --from-hf: checkpoint directory to write")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
-        if args.from_hf:
-            if not args.save:
-                parser.error("--from-hf needs --save CKPT_DIR")
-            final = import_hf(Path(args.from_hf), Path(args.save))
-            print(f"imported {args.from_hf} -> {final} (model only; fresh optimizer state)")
-        else:
-            if not (args.load and args.output):
-                parser.error("export needs --load CKPT_DIR and --output HF_DIR")
-            used = export(Path(args.load), Path(args.output), step=args.ckpt_step,
-                          tokenizer_model=args.tokenizer_model, dtype=args.dtype,
-                          max_shard_size=args.max_shard_size)
-            print(f"exported {used} -> {args.output}")
-    except (ckpt_files.CheckpointError, ValueError) as e:
-        print(f"megatron_lite.export: error: {e}", file=sys.stderr)
-        return 2
+    if args.from_hf:
+        if not args.save:
+            parser.error("--from-hf needs --save CKPT_DIR")
+        final = import_hf(Path(args.from_hf), Path(args.save))
+        print(f"imported {args.from_hf} -> {final} (model only; fresh optimizer state)")
+    else:
+        if not (args.load and args.output):
+            parser.error("export needs --load CKPT_DIR and --output HF_DIR")
+        used = export(Path(args.load), Path(args.output), step=args.ckpt_step,
+                      tokenizer_model=args.tokenizer_model, dtype=args.dtype,
+                      max_shard_size=args.max_shard_size)
+        print(f"exported {used} -> {args.output}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A bad checkpoint, directory or flag value ends in one `error:` line and exit status 2."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite.config import ConfigError
+from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.parallel.launch import (
     check_devices_per_node,
     check_port_free,
@@ -60,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-iters", type=int, default=200)
     p.add_argument("--timeout-minutes", type=float, default=5.0, help="collective timeout")
     p.add_argument("--json", default="bench/results/bench_collectives.json", help="output file")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -69,7 +72,7 @@ def init(args: argparse.Namespace) -> tuple[torch.device, str]:
     use_cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = "nccl" if use_cuda else "gloo"
     if args.backend == "nccl" and not use_cuda:
-        raise SystemExit("--backend nccl needs CUDA; this machine has none (use --backend gloo)")
+        raise ConfigError("--backend nccl needs CUDA; this machine has none (use --backend gloo)")
     if use_cuda:
         check_devices_per_node(env, torch.cuda.device_count())
         torch.cuda.set_device(env.local_rank)
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> None:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(ops) - set(OPS)
     if unknown:
-        raise SystemExit(f"--ops: unknown {sorted(unknown)}; choose from {OPS}")
+        raise ConfigError(f"--ops: unknown {sorted(unknown)}; choose from {OPS}")
     if n < 2 and "send_recv" in ops:
         ops.remove("send_recv")  # a ring of one would send to itself
         if rank == 0:
@@ -223,6 +226,16 @@ def run(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _main(argv: list[str]) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A bad flag or launch environment ends in one `error:` line and exit status 2."""
+    return run_cli(_main, argv)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run(parse_args())
+    sys.exit(main())

@@ -4,9 +4,13 @@
 #   2. preprocess them into Megatron .bin/.idx shards plus a manifest,
 #   3. train a small Llama on the CPU for a few minutes, evaluating on the held-out split,
 #   4. save a checkpoint and generate text from it.
-# Usage: bash scripts/demo.sh [--quick]     (--quick: a few iterations, for CI)
+# Usage: bash scripts/demo.sh [--quick] [--help]   (--quick: a few iterations, for CI)
 # Outputs go to demo/ (gitignored); a rerun reuses the tokenizer and shards found there.
 set -euo pipefail
+if [[ " $* " == *" --help "* ]]; then  # before the set-up, which may create .venv
+    echo "usage: bash scripts/demo.sh [--quick]   (--quick: a few iterations, for CI; outputs in demo/)"
+    exit 0
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"   # creates .venv on first use; cds to the repo
 PYTHON=${PYTHON:-python}
 QUICK=0

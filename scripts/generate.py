@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.export import load_model, model_logits
 from tokenizer.tokenizer import Tokenizer
 
@@ -47,7 +48,7 @@ def generate(chunk, prompt_ids: list[int], *, vocab_size: int, context: int,
     return ids[len(prompt_ids):]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="checkpoint directory (latest is used)")
     parser.add_argument("--ckpt-step", type=int, help="use this iteration instead of latest")
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0, help="0 = greedy")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     model_cfg, chunk = load_model(Path(args.load), args.ckpt_step)
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                    temperature=args.temperature, eos_id=tok.eos_id, seed=args.seed)
     print(args.prompt + tok.decode(out))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A bad --load or tokenizer file ends in one `error:` line and exit status 2."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_lite.config import Config, ParallelConfig  # noqa: E402
+from megatron_lite.errors import add_debug_flag, run_cli  # noqa: E402
 from megatron_lite.parallel import comms  # noqa: E402
 from megatron_lite.parallel import state as parallel_state  # noqa: E402
 
@@ -223,13 +224,14 @@ class Job:
         return rc
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--iters", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     backend = "cuda:gloo" if args.device == "cuda" else "gloo"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -296,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = any(r["status"] == "failed" for r in runs.values())
     # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
     return 1 if failed or (args.device == "cuda" and not refused) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A user mistake ends in one `error:` line and exit status 2 (megatron_lite/errors.py)."""
+    return run_cli(_main, argv)
 
 
 def report_lines(result: dict) -> list[str]:

@@ -12,6 +12,8 @@ import io
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from tokenizer.tokenizer import TokenizerError
+
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
@@ -26,9 +28,9 @@ def expand_inputs(paths: Iterable[str | Path], suffixes: tuple[str, ...] | None 
         elif p.exists():
             files.append(p)
         else:
-            raise FileNotFoundError(f"--input {p}: no such file or directory")
+            raise TokenizerError(f"--input {p}: no such file or directory")
     if not files:
-        raise FileNotFoundError(f"--input {' '.join(map(str, paths))}: no input files found")
+        raise TokenizerError(f"--input {' '.join(map(str, paths))}: no input files found")
     return files
 
 

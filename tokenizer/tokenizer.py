@@ -9,17 +9,25 @@ from typing import overload
 import sentencepiece as spm
 
 
+class TokenizerError(ValueError):
+    """A tokenizer model or training input that cannot be used; the message names the file and
+    the fix. The entrypoints print it as one `error:` line (megatron_lite/errors.py)."""
+
+
 class Tokenizer:
     """Thin wrapper giving the ids the trainer needs: vocab size, BOS/EOS/PAD, EOD (= EOS)."""
 
     def __init__(self, model_path: str | Path) -> None:
         self.model_path = Path(model_path)
+        train = "`python -m tokenizer.train --input ... --output-prefix ... --vocab-size ...`"
         if not self.model_path.is_file():
-            raise FileNotFoundError(
-                f"--tokenizer-model {model_path}: no such file; train one with "
-                "`python -m tokenizer.train --input ... --output-prefix ... --vocab-size ...`"
-            )
-        self.sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+            raise TokenizerError(f"--tokenizer-model {model_path}: no such file; train one with "
+                                 + train)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
+        except (RuntimeError, OSError) as e:
+            raise TokenizerError(f"--tokenizer-model {model_path}: not a sentencepiece model "
+                                 f"({e}); pass the .model file that {train} wrote") from e
 
     @property
     def vocab_size(self) -> int:
@@ -45,7 +53,7 @@ class Tokenizer:
     def eod_id(self) -> int:
         """Token appended after each document (Megatron's EOD): the EOS id."""
         if self.eos_id is None:
-            raise ValueError(f"{self.model_path} has no EOS piece to mark document ends")
+            raise TokenizerError(f"{self.model_path} has no EOS piece to mark document ends")
         return self.eos_id
 
     def sha256(self) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from tokenizer.corpus import expand_inputs, iter_texts
-from tokenizer.tokenizer import Tokenizer
+from tokenizer.tokenizer import Tokenizer, TokenizerError
 
 SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 MAX_LINE_BYTES = 4192  # sentencepiece's max_sentence_length; longer lines are cut to fit
@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of characters covered by pieces; rarer ones use byte fallback")
     p.add_argument("--seed", type=int, default=0, help="seed of the input sample")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of a user "
+                   "mistake too (MEGATRON_LITE_DEBUG=1)")
     return p.parse_args(argv)
 
 
@@ -79,7 +81,7 @@ def train(args: argparse.Namespace) -> Tokenizer:
     t0 = time.time()
     sample, seen = reservoir_sample(iter_lines(texts), args.input_sentence_size, args.seed)
     if not sample:
-        raise SystemExit(f"--input {' '.join(args.input)}: no text found")
+        raise TokenizerError(f"--input {' '.join(args.input)}: no text found")
     print(f"sampled {len(sample):,} of {seen:,} lines from {len(files)} files "
           f"in {time.time() - t0:.1f}s", file=sys.stderr)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ def train(args: argparse.Namespace) -> Tokenizer:
                 **SPECIAL_IDS,
             )
         except RuntimeError as e:
-            raise SystemExit(
+            raise TokenizerError(
                 f"tokenizer training failed: {e}\nCheck --vocab-size {args.vocab_size}: it must "
                 "fit the corpus (sentencepiece names the largest allowed value) and hold every "
                 "required character plus 256 byte-fallback pieces; or lower "
@@ -110,13 +112,20 @@ def train(args: argparse.Namespace) -> Tokenizer:
     return tok
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(sys.argv[1:] if argv is None else argv)
     short = command if len(command) < 300 else command[:300] + " ..."
     print("command: python -m tokenizer.train " + short, file=sys.stderr)
-    train(args)
+    try:
+        train(args)
+    except TokenizerError as err:  # a user mistake: one line, as megatron_lite/errors.py does
+        if args.debug or os.environ.get("MEGATRON_LITE_DEBUG") == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch import Tensor
 
+from megatron_lite.errors import UserError
+
 FORMAT = "megatron_lite.checkpoint"
 FORMAT_VERSION = 1
 """Bump when a reader of the old version could misread the new files."""
@@ -45,7 +47,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "norm_epsilon", "rotary_base")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or read; the message names the file and the fix."""
 
 

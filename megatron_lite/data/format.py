@@ -7,7 +7,8 @@ int64[D1] document index. Everything is little-endian. Offsets and counts are in
 shards beyond 2^31 tokens work. A corpus of K shards is described by `<prefix>.manifest.json`
 (file names, sizes, checksums, counts, tokenizer): the source of global counts.
 
-This module is imported by `data_tools` too, so it depends on numpy and the stdlib only.
+This module is imported by `data_tools` too, so it depends only on numpy, the stdlib and
+megatron_lite.errors (itself stdlib only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from megatron_lite.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -37,7 +40,7 @@ REGENERATE_HINT = ("regenerate it with `python -m data_tools.preprocess --input 
 _CHUNK = 1 << 22  # entries per chunk when streaming index arrays (bounded memory)
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A shard or manifest that cannot be read; the message names the file and the fix."""
 
 

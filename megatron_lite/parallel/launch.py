@@ -11,8 +11,9 @@ Three launch shapes give the same answer:
   a node do not collide on a fixed port).
 * neither: one process.
 
-This module only reads the environment; it imports nothing beyond the standard library so that it
-can be tested with fake environments and used before torch is initialised.
+This module only reads the environment; it imports nothing beyond the standard library (and the
+stdlib-only megatron_lite.errors) so that it can be tested with fake environments and used
+before torch is initialised.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from megatron_lite.errors import UserError
+
 DEFAULT_PORT = 29500
 # Slurm reports the batch script's pseudo step with this id (SLURM_BATCH_SCRIPT).
 _BATCH_STEP_IDS = {"4294967294", "batch"}
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """The job was launched in a way that cannot work; the message shows the right command."""
 
 

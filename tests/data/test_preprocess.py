@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def test_byte_ranges_give_every_line_once(tmp_path, trailing_newline: bool) -> N
                 assert line_number(str(path), offset) == raw[:offset].count(b"\n") + 1
 
 
-def test_small_ranges_change_nothing(tmp_path, tok_model):
+def test_small_ranges_change_nothing(tmp_path, tok_model, capsys):
     """Ranges that cut lines anywhere: the same bytes as one range, and errors name the line."""
     src = _jsonl(tmp_path / "in.jsonl", _docs(60))
     outs = []
@@ -112,9 +113,10 @@ def test_small_ranges_change_nothing(tmp_path, tok_model):
     lines = src.read_text().splitlines(keepends=True)
     lines[41] = '{"text": broken\n'
     src.write_text("".join(lines))
-    with pytest.raises(SystemExit, match=r"in\.jsonl:42: "):
-        preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "bad"),
-                         "--tokenizer-model", tok_model, "--workers", "1", "--chunk-bytes", "7"])
+    assert preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "bad"),
+                            "--tokenizer-model", tok_model, "--workers", "1",
+                            "--chunk-bytes", "7"]) == 2
+    assert re.search(r"^error: .*in\.jsonl:42: ", capsys.readouterr().err, re.M)
 
 
 def test_text_files_gz_and_blank_lines(tmp_path, tok_model):
@@ -147,13 +149,14 @@ def test_shakespeare_paragraphs(tmp_path, tok_model):
     assert _read_all(str(tmp_path / "s")) == expect
 
 
-def test_malformed_jsonl_names_file_and_line(tmp_path, tok_model):
+def test_malformed_jsonl_names_file_and_line(tmp_path, tok_model, capsys):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": broken\n{"other": 1}\n')
     args = ["--input", str(src), "--output-prefix", str(tmp_path / "o"),
             "--tokenizer-model", tok_model, "--workers", "1"]
-    with pytest.raises(SystemExit, match=r"bad\.jsonl:3: .*--skip-bad-lines"):
-        preprocess_main(args)
+    assert preprocess_main(args) == 2
+    assert re.search(r"^error: .*bad\.jsonl:3: .*--skip-bad-lines", capsys.readouterr().err,
+                     re.M)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nothing left behind
     preprocess_main([*args, "--skip-bad-lines"])
     m = load_manifest(tmp_path / "o.manifest.json")

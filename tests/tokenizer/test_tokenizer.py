@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, TokenizerError
 from tokenizer.train import main as train_main
 from tokenizer.train import reservoir_sample
 
@@ -73,18 +73,22 @@ def test_loads_foreign_model(corpus, tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, None, 300)
 
 
-def test_vocab_too_large_is_reported(corpus, tmp_path):
-    with pytest.raises(SystemExit, match="Check --vocab-size 100000"):
-        train_main(["--input", str(corpus / "bisect.py"), "--output-prefix",
-                    str(tmp_path / "t"), "--vocab-size", "100000"])
+def test_vocab_too_large_is_reported(corpus, tmp_path, capsys):
+    assert train_main(["--input", str(corpus / "bisect.py"), "--output-prefix",
+                       str(tmp_path / "t"), "--vocab-size", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: tokenizer training failed" in err and "Check --vocab-size 100000" in err
 
 
-def test_missing_inputs(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--input"):
+def test_missing_or_unreadable_inputs(tmp_path):
+    with pytest.raises(TokenizerError, match="--input"):
         train_main(["--input", str(tmp_path / "nope"), "--output-prefix", "x",
-                    "--vocab-size", "10"])
-    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+                    "--vocab-size", "10", "--debug"])
+    with pytest.raises(TokenizerError, match=r"--tokenizer-model .*no such file"):
         Tokenizer(tmp_path / "nope.model")
+    (tmp_path / "junk.model").write_text("not a model")
+    with pytest.raises(TokenizerError, match=r"--tokenizer-model .*not a sentencepiece model"):
+        Tokenizer(tmp_path / "junk.model")
 
 
 def test_reservoir_sample_is_uniform_and_seeded():
