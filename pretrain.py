@@ -13,23 +13,28 @@ from __future__ import annotations
 import faulthandler
 import sys
 
-from megatron_lite.arguments import parse_config
-from megatron_lite.config import ConfigError
+from megatron_lite.arguments import parse
 from megatron_lite.dry_run import dry_run
+from megatron_lite.errors import run_cli
 from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.training import run
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_config(argv)
-        if cfg.train.dry_run:
-            return dry_run(cfg, cfg.parallel.world_size or detect_launch_env().world_size)
-        run(cfg)
-    except ConfigError as err:
-        print(f"pretrain.py: error: {err}", file=sys.stderr)
-        return 2
+def _main(argv: list[str]) -> int:
+    cfg, taken = parse(argv)
+    if taken and detect_launch_env().rank == 0:
+        print("Megatron-LM flags taken (they describe this model): " + " ".join(taken),
+              flush=True)
+    if cfg.train.dry_run:
+        return dry_run(cfg, cfg.parallel.world_size or detect_launch_env().world_size)
+    run(cfg)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A user mistake (bad flag value, path, shard, checkpoint) ends in one `error:` line and
+    exit status 2; --debug shows its traceback (megatron_lite/errors.py)."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,35 @@
 The help text of each flag is the docstring written under its field in `config.py` (read with
 `ast`, so docs live in one place). Flag names are the field names with dashes, which match
 Megatron-LM's; `metadata={"flag": "--x"}` overrides a name, `metadata={"choices": [...]}` limits
-values. Booleans are real flags: `--x` for a default of False, `--x/--no-x` for True.
+values, `metadata={"aliases": [...]}` adds other spellings. Booleans are real flags: `--x` for a
+default of False, `--x/--no-x` for True.
+
+Every other flag of Megatron-LM is parsed too, from the table `megatron_flags.tsv`: a flag that
+describes this model is taken when its value matches (`parse` reports it), any other is refused
+by name with the flag that does the job here. So a Megatron script never meets argparse's
+"unrecognized arguments"; a flag nobody defines gets that error plus the closest known flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import dataclasses
+import difflib
 import inspect
 import itertools
 import types
 import typing
 from functools import cache
+from pathlib import Path
 
 from megatron_lite import config as config_module
-from megatron_lite.config import SECTIONS, Config
+from megatron_lite.config import SECTIONS, Config, ConfigError
+from megatron_lite.errors import add_debug_flag
+
+MEGATRON_TABLE = Path(__file__).with_name("megatron_flags.tsv")
+_MEGATRON_DEST = "megatron:"
 
 _GROUP_TITLES = {
     "model": "model shape",
@@ -81,12 +94,120 @@ def _add_field(group: argparse._ArgumentGroup, section: str, f: dataclasses.Fiel
             kwargs["help"] = f"{doc} (default: {default})"
         if "choices" not in f.metadata:
             kwargs["metavar"] = {int: "N", float: "X"}.get(base, "STR")
-    group.add_argument(flag_name(f), **kwargs)
+    group.add_argument(flag_name(f), *f.metadata.get("aliases", []), **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronFlag:
+    """One row of megatron_flags.tsv."""
+
+    flag: str
+    aliases: tuple[str, ...]
+    kind: str
+    """ours (implemented under this name), fixed (accepted when `rule` holds) or refused."""
+    nargs: str
+    """0 for a switch, * for a flag with values."""
+    rule: str
+    note: str
+    """fixed: what this model is; refused: why, or the flag to use instead."""
+
+
+@cache
+def megatron_flags() -> tuple[MegatronFlag, ...]:
+    lines = [line for line in MEGATRON_TABLE.read_text().splitlines() if not line.startswith("#")]
+    rows = list(csv.reader(lines, delimiter="\t"))[1:]
+    return tuple(MegatronFlag(flag, tuple(filter(None, aliases.split(","))), kind, nargs, rule,
+                              note) for flag, aliases, kind, nargs, rule, note in rows)
+
+
+class _MegatronAction(argparse.Action):
+    """Records a table flag as written (option string, values) for `check_megatron_flags`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, (option_string, list(values or [])))  # type: ignore
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that adds "did you mean" to an unknown flag's error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [s for a in self._actions for s in a.option_strings]
+            hints = []
+            for token in message.removeprefix(prefix).split():
+                close = difflib.get_close_matches(token.split("=")[0], known, n=1)
+                if token.startswith("--") and close:
+                    hints.append(f"(did you mean {close[0]}?)")
+            message = " ".join([message, *hints])
+        super().error(message)
+
+
+def _add_megatron_group(parser: argparse.ArgumentParser) -> None:
+    """The table's fixed and refused flags, as one short help section (each is hidden)."""
+    table = [row for row in megatron_flags() if row.kind != "ours"]
+    group = parser.add_argument_group(
+        "other Megatron-LM flags",
+        f"{len(table)} more flags of Megatron-LM's pretrain_gpt.py are understood; each one's "
+        "class is in megatron_lite/megatron_flags.tsv. A flag that describes this model (e.g. "
+        "--swiglu, --normalization RMSNorm, --kv-channels equal to hidden/heads) is accepted "
+        "when its value matches; a feature not implemented here (e.g. --fp8-format) is "
+        "refused by name, with the flag that does the job here where there is one.")
+    for row in table:
+        if any(s in parser._option_string_actions for s in (row.flag, *row.aliases)):
+            continue  # implemented since the table was written: ours wins (a test flags the row)
+        group.add_argument(row.flag, *row.aliases, dest=_MEGATRON_DEST + row.flag,
+                           action=_MegatronAction, nargs=0 if row.nargs == "0" else "*",
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _matches(rule: str, values: list[str], cfg: Config) -> bool:
+    if rule in ("set", "any"):
+        return True
+    if len(values) != 1:
+        return False
+    value = values[0]
+    if rule == "head_dim":
+        return value.isdigit() and int(value) == cfg.model.head_dim
+    for want in rule.removeprefix("in:").removeprefix("=").split(","):
+        try:
+            if float(value) == float(want):
+                return True
+        except ValueError:
+            if value == want:
+                return True
+    return False
+
+
+def check_megatron_flags(ns: argparse.Namespace, cfg: Config) -> list[str]:
+    """The table flags given that describe this model, as written; raises ConfigError naming
+    every other one (a value this model is not, or a feature not implemented here)."""
+    by_flag = {row.flag: row for row in megatron_flags()}
+    taken, problems = [], []
+    for key, given in vars(ns).items():
+        if not key.startswith(_MEGATRON_DEST):
+            continue
+        option, values = given
+        row = by_flag[key.removeprefix(_MEGATRON_DEST)]
+        written = " ".join([option, *values])
+        if row.kind == "fixed" and _matches(row.rule, values, cfg):
+            taken.append(written)
+        elif row.kind == "fixed":
+            want = (f"{cfg.model.head_dim} (hidden/heads)" if row.rule == "head_dim"
+                    else row.rule.removeprefix("in:").removeprefix("=").replace(",", " or "))
+            problems.append(f"{written}: this model takes only {option} {want}: {row.note}")
+        else:
+            problems.append(f"{option}: {row.note}")
+    if problems:
+        raise ConfigError("Megatron-LM flags this run cannot honour:\n  - "
+                          + "\n  - ".join(problems))
+    return taken
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pretrain.py",
+    parser = _Parser(
+        prog="pretrain.py", allow_abbrev=False,
         description="Pretrain a Llama-style decoder with tensor, sequence, pipeline and data "
         "parallelism. Launch with srun (one task per GPU), torchrun, or plain python.",
     )
@@ -96,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         docs = _field_docs(cls)
         for f in dataclasses.fields(cls):
             _add_field(group, section, f, hints[f.name], docs.get(f.name, ""))
+    _add_megatron_group(parser)
+    add_debug_flag(parser)  # how errors are shown, not part of the run: no Config field
     return parser
 
 
@@ -109,12 +232,21 @@ def args_to_config(ns: argparse.Namespace) -> Config:
     return Config(**{name: SECTIONS[name](**kw) for name, kw in per_section.items()})
 
 
+def parse(argv: list[str] | None = None) -> tuple[Config, list[str]]:
+    """(config, the Megatron-LM flags taken because they describe this model)."""
+    ns = build_parser().parse_args(argv)
+    cfg = args_to_config(ns)
+    return cfg, check_megatron_flags(ns, cfg)
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
-    return args_to_config(build_parser().parse_args(argv))
+    return parse(argv)[0]
 
 
 def all_flags() -> list[str]:
-    """Every option string, sorted (the CLI snapshot test freezes this list)."""
+    """Every option string of our own flags, sorted (the CLI snapshot test freezes this list;
+    megatron_flags.tsv freezes the Megatron-only ones)."""
     parser = build_parser()
-    flags = {s for a in parser._actions for s in a.option_strings}
+    flags = {s for a in parser._actions if not a.dest.startswith(_MEGATRON_DEST)
+             for s in a.option_strings}
     return sorted(flags)

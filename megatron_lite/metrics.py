@@ -24,7 +24,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, LoggingConfig
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
@@ -225,6 +225,7 @@ class MetricsLogger:
         self.jsonl: IO[str] | None = None
         self.wandb: Any = None
         self.wandb_sync_hint = ""
+        self.tensorboard: Any = None
         if not self.enabled:
             return
         n = matmul_params(shape)
@@ -237,6 +238,13 @@ class MetricsLogger:
             self.jsonl = open(lg.log_jsonl, "a", buffering=1)  # noqa: SIM115
         if lg.wandb_project:
             self._init_wandb(n)
+        if lg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ConfigError("--tensorboard-dir needs tensorboard: pip install "
+                                  "tensorboard") from err
+            self.tensorboard = SummaryWriter(lg.tensorboard_dir)
 
     def _init_wandb(self, n_matmul: int) -> None:
         lg = self.cfg.logging
@@ -271,12 +279,21 @@ class MetricsLogger:
         if self.wandb is not None:
             values = {k: v for k, v in record.items() if k != "iteration"}
             self.wandb.log({**values, **(extra or {})}, step=record["iteration"])
+        if self.tensorboard is not None:
+            step = record["iteration"]
+            for name, value in tensorboard_scalars(self.cfg.logging, {**record, **(extra or {})}
+                                                   ).items():
+                self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
 
     def log_train(self, *, iteration: int, consumed_samples: int, loss: float, lr: float,
                   grad_norm: float, iter_time_s: float, tokens: int, skipped: int,
-                  compute_time_s: float | None = None) -> dict:
+                  compute_time_s: float | None = None, global_batch_size: int | None = None,
+                  scalars: dict[str, float] | None = None) -> dict:
         """One log interval (averages over it); `compute_time_s` is this rank's forward/backward
-        time per iteration, gathered from every rank for the spread and the straggler check."""
+        time per iteration, gathered from every rank for the spread and the straggler check;
+        `global_batch_size` is the last step's (given with a ramp-up, where it changes);
+        `scalars` are extra values for the record (--log-params-norm, --log-num-zeros-in-grad)."""
         mem = memory_stats(self.pstate.device)
         own = iter_time_s if compute_time_s is None else compute_time_s
         gathered = _gather_floats([own, _peak_gib(mem)], self.pstate)
@@ -287,12 +304,16 @@ class MetricsLogger:
                   "lr": lr, "grad_norm": grad_norm, "iter_time_ms": iter_time_s * 1e3,
                   "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
                   "mfu": tflops / self.peak_tflops}
+        if global_batch_size is not None:
+            record["global_batch_size"] = global_batch_size
+        record.update(scalars or {})
         if not self.enabled:
             return record
         times = [g[0] for g in gathered]
         spread = rank_spread(times, self.hosts)
         mem_peak = max(range(len(gathered)), key=lambda r: gathered[r][1])
         line = (f"iter {iteration:>6}/{self.cfg.train.train_iters} | loss {loss:.4f} | "
+                f"{'' if global_batch_size is None else f'batch {global_batch_size} | '}"
                 f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
                 f"{tokens_per_sec:,.0f} tok/s | {tflops:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
                 f"MFU {100 * record['mfu']:.3g}% (causal {100 * causal / self.peak_tflops:.3g}%) | "
@@ -322,13 +343,14 @@ class MetricsLogger:
                   f"for it at the gradient all-reduce. Check that node's clocks/thermals, other "
                   f"processes on it, and its data loading.", flush=True)
 
-    def log_eval(self, iteration: int, eval_loss: float) -> None:
+    def log_eval(self, iteration: int, eval_loss: float, split: str = "eval") -> None:
+        """An evaluation's loss; `split` "test" for the test set after training."""
         if not self.enabled:
             return
         ppl = math.exp(min(eval_loss, 50.0))
-        print(f"eval at iter {iteration} | eval loss {eval_loss:.4f} | eval ppl {ppl:.3f}",
-              flush=True)
-        self._write({"iteration": iteration, "eval_loss": eval_loss, "eval_ppl": ppl})
+        print(f"{split} at iter {iteration} | {split} loss {eval_loss:.4f} | {split} ppl "
+              f"{ppl:.3f}", flush=True)
+        self._write({"iteration": iteration, f"{split}_loss": eval_loss, f"{split}_ppl": ppl})
 
     def log_checkpoint(self, iteration: int, seconds: float, gbytes: float) -> None:
         """Checkpoint save time and size (the checkpoint code calls this on every rank)."""
@@ -347,11 +369,32 @@ class MetricsLogger:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
             if self.wandb_sync_hint:
                 print(f"wandb: offline run saved; upload with `{self.wandb_sync_hint}`",
                       flush=True)
+
+
+def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
+    """The record's values that go to TensorBoard, under their JSONL names: losses, LR, grad
+    norm, batch and position always; train records only every --tensorboard-log-interval;
+    timers, memory, throughput and perplexity when their --log-*-to-tensorboard flag asks."""
+    iteration = record["iteration"]
+    if "loss" in record and iteration % lg.tensorboard_log_interval:
+        return {}
+    wanted = {"loss", "lr", "grad_norm", "global_batch_size", "consumed_samples",
+              "skipped_iterations", "params_norm", "num_zeros_in_grad", "eval_loss",
+              "test_loss"}
+    prefixes = tuple(p for flag, group in (
+        (lg.log_timers_to_tensorboard, ("iter_time_ms", "rank_time/")),
+        (lg.log_memory_to_tensorboard, ("memory/",)),
+        (lg.log_throughput, ("tokens_per_sec", "tflops_per_device", "mfu")),
+        (lg.log_validation_ppl_to_tensorboard, ("eval_ppl", "test_ppl"))) if flag for p in group)
+    return {k: float(v) for k, v in record.items()
+            if isinstance(v, int | float) and (k in wanted or k.startswith(prefixes))}
 
 
 def _format_memory(mem: dict[str, float]) -> str:

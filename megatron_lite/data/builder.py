@@ -1,6 +1,7 @@
 """Builds the train and validation loaders for this DP rank from the data config.
 
-Real data: `--data-path` (prefixes or manifests, optionally a weighted blend), `--split`,
+Real data: `--data-path` (prefixes or manifests, optionally a weighted blend) and `--split`, or
+one blend per split (`--train-data-path`, `--valid-data-path`, `--test-data-path`),
 `--tokenizer-model` (vocab size and EOD; must agree with the manifests), `--data-sharding`,
 `--data-cache-path`, `--eod-mask-loss`. Every shard this rank reads is validated before the
 first step; a bad one stops the run with its file name and the command that regenerates it.
@@ -9,8 +10,9 @@ first step; a bad one stops the run with its file name and the command that rege
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, global_batch_at
 from megatron_lite.data.dataset import build_datasets, parse_blend
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader
@@ -38,16 +40,19 @@ def resolve_tokenizer(cfg: Config) -> TokenizerInfo:
 def tokenizer_info(cfg: Config) -> TokenizerInfo:
     """What resolve_tokenizer finds, without changing cfg."""
     d = cfg.data
-    if d.mock_data or not d.data_path:
+    if d.mock_data or not d.all_paths():
         return TokenizerInfo(cfg.model.vocab_size, None, "--vocab-size")
     found: list[tuple[str, int, int | None, str | None]] = []
-    if d.tokenizer_model:
+    if d.tokenizer_type == "NullTokenizer":  # Megatron's: ids are the text, EOD the last id
+        found.append(("--tokenizer-type NullTokenizer --vocab-size", cfg.model.vocab_size,
+                      cfg.model.vocab_size - 1, None))
+    elif d.tokenizer_model:
         from tokenizer.tokenizer import Tokenizer
 
         tok = Tokenizer(d.tokenizer_model)
         found.append((f"--tokenizer-model {d.tokenizer_model}", tok.vocab_size, tok.eos_id,
                       tok.sha256()))
-    for _, path in parse_blend(d.data_path):
+    for _, path in [pair for paths in d.all_paths() for pair in parse_blend(paths)]:
         manifest_path = find_manifest(path)
         if manifest_path is not None:
             t = load_manifest(manifest_path).tokenizer
@@ -75,26 +80,38 @@ def tokenizer_info(cfg: Config) -> TokenizerInfo:
 def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:
     d, t = cfg.data, cfg.train
     node_local = (dp_rank, dp_size) if d.data_sharding == "node-local" else None
-    needed = [t.train_iters * gbs, t.eval_iters * gbs if t.eval_iters > 0 else 0, 0]
+    eval_samples = t.eval_iters * gbs if t.eval_iters > 0 else 0
+    needed = [t.train_iters * gbs, eval_samples, eval_samples]
     if node_local:
         needed = [n // dp_size for n in needed]
+    build = partial(build_datasets, seq_length=cfg.model.seq_length, seed=t.seed,
+                    cache_dir=d.data_cache_path, node_local=node_local,
+                    vocab_size=cfg.model.vocab_size)
     try:
-        datasets = build_datasets(d.data_path, d.split, cfg.model.seq_length, t.seed, needed,
-                                  d.data_cache_path, node_local, cfg.model.vocab_size)
+        if d.data_path:
+            datasets = build(d.data_path, d.split, num_samples=needed)
+        else:  # one whole corpus per split: split "1,0,0" for train, "0,1,0" for valid, ...
+            datasets = [build(paths, ",".join("1" if j == which else "0" for j in range(3)),
+                              num_samples=[n if j == which else 0 for j in range(3)])[which]
+                        if paths else None
+                        for which, (paths, n) in enumerate(zip(
+                            (d.train_data_path, d.valid_data_path, d.test_data_path), needed))]
         if d.verify_checksums:
             _verify(cfg, node_local)
     except (ShardError, ValueError) as e:
         raise ConfigError(str(e)) from e
     if datasets[0] is None:
-        raise ConfigError(f"--data-path {' '.join(d.data_path)} with --split {d.split} leaves no "
-                          f"training sample of --seq-length {cfg.model.seq_length}")
+        given = (f"--data-path {' '.join(d.data_path)} with --split {d.split}" if d.data_path
+                 else f"--train-data-path {' '.join(d.train_data_path)}")
+        raise ConfigError(f"{given} leaves no training sample of --seq-length "
+                          f"{cfg.model.seq_length}")
     return datasets
 
 
 def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:
     from megatron_lite.data.format import shards_for_dp_rank
 
-    for _, path in parse_blend(cfg.data.data_path):
+    for _, path in [pair for paths in cfg.data.all_paths() for pair in parse_blend(paths)]:
         manifest_path = find_manifest(path)
         if manifest_path is None:
             continue
@@ -103,29 +120,48 @@ def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:
                            else None)
 
 
+@dataclass
+class Loaders:
+    train: MicroBatchLoader
+    valid: MicroBatchLoader | None
+    test: MicroBatchLoader | None
+    """Evaluated once after training (the held-out test split or --test-data-path)."""
+
+
 def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
                        consumed_train_samples: int = 0
                        ) -> tuple[MicroBatchLoader, MicroBatchLoader | None]:
     """(train loader, validation loader or None)."""
+    loaders = build_loaders(cfg, dp_rank, dp_size, consumed_train_samples)
+    return loaders.train, loaders.valid
+
+
+def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_samples: int = 0
+                  ) -> Loaders:
+    """The train, validation and test loaders of this DP rank (mock data has no test set)."""
     train_cfg, model_cfg = cfg.train, cfg.model
     gbs = train_cfg.global_batch_size or train_cfg.micro_batch_size * dp_size
     common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
                   dp_rank=dp_rank, dp_size=dp_size)
+    ramp = partial(global_batch_at, train_cfg) if train_cfg.rampup_batch_size else None
     if cfg.data.mock_data:
         train = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "train")
         valid = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "valid")
-        return (MicroBatchLoader(train, consumed_samples=consumed_train_samples,
-                                 prefetch=cfg.data.num_workers, **common),
-                MicroBatchLoader(valid, **common))
-    if not cfg.data.data_path:
-        raise ConfigError("no data: pass --mock-data or --data-path with --tokenizer-model")
+        return Loaders(MicroBatchLoader(train, consumed_samples=consumed_train_samples,
+                                        prefetch=cfg.data.num_workers, batch_size_at=ramp,
+                                        **common),
+                       MicroBatchLoader(valid, **common), None)
+    if not cfg.data.all_paths():
+        raise ConfigError("no data: pass --mock-data, or --data-path (or --train-data-path) "
+                          "with --tokenizer-model")
     tok = tokenizer_info(cfg)
     if tok.vocab_size != model_cfg.vocab_size:
         raise ConfigError(f"the model has --vocab-size {model_cfg.vocab_size} but {tok.source} has "
                           f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
-    train, valid, _ = _real_datasets(cfg, dp_rank, dp_size, gbs)
+    train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")
-    return (MicroBatchLoader(train, consumed_samples=consumed_train_samples,
-                             prefetch=cfg.data.num_workers, **common),
-            MicroBatchLoader(valid, **common) if valid is not None else None)
+    return Loaders(MicroBatchLoader(train, consumed_samples=consumed_train_samples,
+                                    prefetch=cfg.data.num_workers, batch_size_at=ramp, **common),
+                   MicroBatchLoader(valid, **common) if valid is not None else None,
+                   MicroBatchLoader(test, **common) if test is not None else None)

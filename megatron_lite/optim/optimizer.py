@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config, num_microbatches
+from megatron_lite.config import Config
+from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
 from megatron_lite.optim import zero1
 from megatron_lite.optim.buffers import GradBuffer, build_layout
@@ -86,6 +87,10 @@ class MemoryReport:
                 f"{100 * self.buffer_padding_fraction:.3f}% of the buffer)")
 
 
+_DECOUPLED = ("embedding.", "output.")
+"""Parameter names (after the chunk prefix) that take --decoupled-lr, as in Megatron."""
+
+
 def _named_parameters(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, int]]:
     """(name, parameter, chunk index) for every trainable parameter once (ties appear twice)."""
     seen: set[int] = set()
@@ -110,7 +115,7 @@ class Optimizer:
         self.cfg, self.pstate = cfg, pstate
         self.sharded = parallel.use_distributed_optimizer
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
-        self.num_microbatches = num_microbatches(cfg, pstate.world_size)
+        self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
         """DP bytes/calls of the gradient reduction and parameter gather (tests, bench)."""
         named = _named_parameters(chunks)
@@ -173,7 +178,8 @@ class Optimizer:
                 self._members[key] = [index[id(members[i][1])] for i in bucket.params]
                 for i in self._members[key]:
                     self._slot[i] = key
-            infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2, counts_toward_norm(p, pstate))
+            infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2, counts_toward_norm(p, pstate),
+                                     decoupled=n.split(".", 1)[1].startswith(_DECOUPLED))
                      for n, p, _ in members]
             self.buffers.append(buffer)
             self.shards.append(zero1.ShardState(
@@ -205,7 +211,11 @@ class Optimizer:
 
     # ---- gradients -------------------------------------------------------------------------
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, num_microbatches: int | None = None) -> None:
+        """Start a step of `num_microbatches` backward passes (default the config's; a
+        batch-size ramp-up changes it per step): overlap launches a bucket after the last."""
+        self.num_microbatches = num_microbatches or num_microbatches_of(self.cfg,
+                                                                        self.pstate.world_size)
         for buffer in self.buffers:
             buffer.grad.zero_()
         for p in self.params:
@@ -288,8 +298,9 @@ class Optimizer:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def step(self, lr: float) -> StepResult:
-        """Clip and apply AdamW to the owned slices, then bring every rank's params up to date."""
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """Clip and apply AdamW to the owned slices, then bring every rank's params up to date;
+        `decoupled_lr` (--decoupled-lr) for the embedding and output weights."""
         if not self._finalized:
             raise RuntimeError("Optimizer.step() needs finalize_grads() after the backward passes")
         self._finalized = False
@@ -302,9 +313,24 @@ class Optimizer:
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
-            shard.adamw_step(self.cfg.optim, lr, self._step, coeff)
+            shard.adamw_step(self.cfg.optim, lr, self._step, coeff, decoupled_lr)
         self._start_param_sync(async_op=self.cfg.parallel.overlap_param_gather)
         return StepResult(norm_value, skipped=False)
+
+    def params_norm(self) -> float:
+        """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""
+        pieces = [s.buffer.param[r.start:r.end] for s in self.shards for r in s.norm_ranges]
+        return comms.host_scalar(global_norm(pieces, self.pstate, sharded_over_dp=self.sharded))
+
+    def num_zeros_in_grad(self) -> int:
+        """Reduced gradient elements that are exactly zero, each element once (after `step`,
+        before the next `zero_grad`; --log-num-zeros-in-grad; collective)."""
+        count = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
+        for s in self.shards:
+            for r in s.norm_ranges:
+                count += (s.buffer.grad[r.start:r.end] == 0).sum()
+        group = self.pstate.world_group if self.sharded else self.pstate.mp_group
+        return int(comms.host_scalar(comms.all_reduce_(count, group)))
 
     def _start_param_sync(self, async_op: bool) -> None:
         """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""

@@ -8,6 +8,8 @@ toward the global norm) become lists of element ranges inside the slice.
 
 The update is torch.optim.AdamW's, element for element: decoupled decay p *= 1 - lr*wd, then
 m = lerp(m, g, 1-b1), v = b2 v + (1-b2) g^2, p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+With --decoupled-lr the embedding and output weights take their own lr in both terms, like a
+second AdamW parameter group.
 
 Saved state (`state_dict`), one per DP rank (identical across DP ranks without sharding):
     {"format": FORMAT, "step": int, "dp_rank": int, "dp_size": int, "sharded": bool,
@@ -44,6 +46,8 @@ class ParamInfo:
     """Weight decay applies (weights with >= 2 dims)."""
     counts_in_norm: bool
     """This rank's copy contributes to the global gradient norm (see clip.counts_toward_norm)."""
+    decoupled: bool = False
+    """Takes --decoupled-lr (the embedding and output weights)."""
 
 
 class ShardState:
@@ -62,15 +66,19 @@ class ShardState:
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
         self.copy_params_to_master()
         layout = buffer.layout
-        decay, norm = [], []
+        decay, norm, decoupled = [], [], []
         for bucket, own, offset in zip(layout.buckets, self.owned, self.offsets):
             for i, overlap in intersections(own, layout.param_ranges, bucket.params):
                 if infos[i].decay:
                     decay.append(overlap.relative_to(own.start - offset))
                 if infos[i].counts_in_norm:
                     norm.append(overlap)
+                if infos[i].decoupled:
+                    decoupled.append(overlap.relative_to(own.start - offset))
         self.decay_ranges = merge(decay)
         """Shard coordinates of the elements that get weight decay."""
+        self.decoupled_ranges = merge(decoupled)
+        """Shard coordinates of the elements that take --decoupled-lr."""
         self.norm_ranges = merge(norm)
         """Buffer coordinates of the owned gradient elements that count toward the norm."""
 
@@ -103,8 +111,26 @@ class ShardState:
         return sum(t.numel() * t.element_size()
                    for t in (self.master, self.exp_avg, self.exp_avg_sq))
 
+    def _by_lr(self, shard_ranges: Sequence[Range]) -> tuple[list[Range], list[Range]]:
+        """`shard_ranges` cut into (plain-lr parts, decoupled-lr parts)."""
+        plain, decoupled = [], []
+        for r in shard_ranges:
+            start = r.start
+            for d in self.decoupled_ranges:
+                inside = r.intersect(d)
+                if inside is None:
+                    continue
+                if inside.start > start:
+                    plain.append(Range(start, inside.start))
+                decoupled.append(inside)
+                start = inside.end
+            if start < r.end:
+                plain.append(Range(start, r.end))
+        return plain, decoupled
+
     @torch.no_grad()
-    def adamw_step(self, cfg: OptimConfig, lr: float, step: int, grad_scale: Tensor) -> None:
+    def adamw_step(self, cfg: OptimConfig, lr: float, step: int, grad_scale: Tensor,
+                   decoupled_lr: float | None = None) -> None:
         """One AdamW update of the owned slice with gradients scaled by `grad_scale`.
 
         The Adam part is one fused pass (`torch._fused_adamw_`: read g, m, v, p; write m, v, p)
@@ -112,24 +138,32 @@ class ShardState:
         the reciprocal. Decay stays a separate multiply on the decay ranges, as torch.optim.AdamW
         does it, so the numerics match it element for element up to rounding of the scale.
         """
+        lrs = (lr, lr if decoupled_lr is None else decoupled_lr)
         if cfg.weight_decay:
-            for r in self.decay_ranges:
-                self.master[r.start:r.end].mul_(1.0 - lr * cfg.weight_decay)
-        masters, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+            for group_lr, ranges in zip(lrs, self._by_lr(self.decay_ranges)):
+                for r in ranges:
+                    self.master[r.start:r.end].mul_(1.0 - group_lr * cfg.weight_decay)
+        to_buffer = {}  # shard start -> buffer start of the same element
         for own, sl in self.pieces():
-            if own.size == 0:
-                continue
-            grad = self.buffer.grad[own.start:own.end]
-            masters.append(self.master[sl])
-            grads.append(grad if grad.dtype == torch.float32 else grad.float())
-            exp_avgs.append(self.exp_avg[sl])
-            exp_avg_sqs.append(self.exp_avg_sq[sl])
-        if masters:
-            steps = [torch.full((), float(step), device=self.master.device)] * len(masters)
-            torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr,
-                                beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, weight_decay=0.0,
-                                eps=cfg.adam_eps, amsgrad=False, maximize=False,
-                                grad_scale=grad_scale.float().reciprocal().reshape(()))
+            to_buffer[sl.start] = own.start
+        pieces = [Range(sl.start, sl.stop) for own, sl in self.pieces() if own.size]
+        for group_lr, ranges in zip(lrs, self._by_lr(pieces)):
+            masters, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+            for r in ranges:
+                origin = max(s for s in to_buffer if s <= r.start)
+                start = to_buffer[origin] + r.start - origin
+                grad = self.buffer.grad[start:start + r.size]
+                masters.append(self.master[r.start:r.end])
+                grads.append(grad if grad.dtype == torch.float32 else grad.float())
+                exp_avgs.append(self.exp_avg[r.start:r.end])
+                exp_avg_sqs.append(self.exp_avg_sq[r.start:r.end])
+            if masters:
+                steps = [torch.full((), float(step), device=self.master.device)] * len(masters)
+                torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+                                    lr=group_lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                                    weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False,
+                                    maximize=False,
+                                    grad_scale=grad_scale.float().reciprocal().reshape(()))
         self.copy_master_to_params()
 
     def layout_meta(self) -> dict:
