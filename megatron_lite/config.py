@@ -7,7 +7,7 @@ live in `validate()`, which runs before any process group or tensor is created.
 
 Glossary: tp/pp/dp = tensor/pipeline/data parallel; "stage" = pp rank; "chunk" = virtual stage;
 "axis" = a parallel axis, "dim" = a tensor dimension; batch sizes are in samples, tokens in tokens.
-This module imports nothing from megatron_lite (stdlib only).
+This module imports only megatron_lite.errors from megatron_lite (stdlib only).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_lite.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration that cannot run; the message names the flag(s) and the fix."""
 
 
@@ -86,6 +88,12 @@ class ParallelConfig:
     """Pipeline-parallel size p (ranks that split the layer stack)."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per virtual chunk for the interleaved schedule; None = plain 1F1B."""
+    pipeline_schedule: str | None = field(
+        default=None, metadata={"choices": ["1f1b", "interleaved", "zb-h1", "zbv"]})
+    """Pipeline schedule; default 1f1b, or interleaved with
+    --num-layers-per-virtual-pipeline-stage. zb-h1 and zbv (zero bubble) split each backward
+    into the input gradient and a deferred weight gradient; zbv runs two chunks per stage in
+    a V, with the embedding and the head on the first stage."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage when it should differ from the even split."""
     decoder_last_pipeline_num_layers: int | None = None
@@ -126,9 +134,24 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
-    """Iterations of linear warm-up from 0 to --lr."""
+    """Iterations of linear warm-up from --lr-warmup-init to --lr."""
     lr_decay_iters: int | None = None
     """Iterations over which the LR decays to --min-lr; default = --train-iters."""
+    lr_warmup_samples: int = 0
+    """Sample-based schedule (with --train-samples): samples of linear warm-up."""
+    lr_decay_samples: int | None = None
+    """Sample-based schedule: samples over which the LR decays; default = --train-samples."""
+    lr_wsd_decay_samples: int | None = None
+    """Sample-based schedule, --lr-decay-style wsd: samples of the final decay phase."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up length as this fraction of the decay length (iterations or samples); replaces
+    --lr-warmup-iters / --lr-warmup-samples."""
+    lr_warmup_init: float = 0.0
+    """LR the warm-up starts from (it rises linearly to --lr)."""
+    decoupled_lr: float | None = None
+    """Peak LR of the embedding and output weights (same schedule shape); default --lr."""
+    decoupled_min_lr: float | None = None
+    """With --decoupled-lr: their LR at the end of decay; default --min-lr."""
     lr_decay_style: str = field(
         default="cosine", metadata={"choices": ["cosine", "linear", "constant", "wsd"]}
     )
@@ -143,6 +166,15 @@ class OptimConfig:
     """Adam beta2."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
+
+    def __post_init__(self) -> None:
+        if self.lr_warmup_fraction is not None:
+            if not 0 <= self.lr_warmup_fraction <= 1:
+                raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
+                                  f"{self.lr_warmup_fraction}")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                raise ConfigError("--lr-warmup-fraction replaces --lr-warmup-iters / "
+                                  "--lr-warmup-samples; pass only one of them")
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
 
@@ -155,8 +187,14 @@ class TrainConfig:
     """Samples per forward/backward on one rank."""
     global_batch_size: int | None = None
     """Samples per optimizer step over all DP ranks; default = micro x dp (no accumulation)."""
-    train_iters: int = 20
-    """Optimizer steps to run."""
+    train_iters: int | None = None
+    """Optimizer steps to run (default 20); or give --train-samples."""
+    train_samples: int | None = None
+    """Samples to train on instead of --train-iters (Megatron's sample-based schedule; the
+    LR then follows --lr-warmup-samples / --lr-decay-samples); needs --global-batch-size."""
+    rampup_batch_size: list[int] = field(default_factory=list)
+    """START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in
+    equal steps over the first SAMPLES samples, up to --global-batch-size."""
     seed: int = 1234
     """Seed for weights, data order and mock data."""
     bf16: bool = False
@@ -164,7 +202,15 @@ class TrainConfig:
     eval_interval: int = 1000
     """Evaluate on the validation split every this many iterations (and at the end)."""
     eval_iters: int = 10
-    """Micro-batch rounds per evaluation."""
+    """Global batches per evaluation; 0 = no evaluation."""
+    manual_gc: bool = False
+    """Turn off Python's automatic garbage collector and collect every --manual-gc-interval
+    steps on all ranks at once, so no rank stalls alone in a collection."""
+    manual_gc_interval: int = 0
+    """With --manual-gc: steps between collections (0 = only at start-up and evaluations)."""
+    empty_unused_memory_level: int = field(default=0, metadata={"choices": [0, 1, 2]})
+    """Return cached, unused CUDA memory to the device: 1 = after each step, 2 = also after
+    each evaluation (costs time; helps when another process shares the GPU)."""
     compile: bool = False
     """torch.compile each model chunk as one graph (each layer with TP > 1, whose collectives
     sit between layers); graph breaks only at communication points."""
@@ -187,6 +233,25 @@ class TrainConfig:
     checked and matched, memory measured against the planner."""
 
     def __post_init__(self) -> None:
+        if self.train_samples is not None:
+            if self.train_iters is not None:
+                raise ConfigError("--train-samples replaces --train-iters; pass only one")
+            if not self.global_batch_size:
+                raise ConfigError("--train-samples needs --global-batch-size (its iteration "
+                                  "count depends on it)")
+            self.train_iters = iterations_for_samples(self, self.train_samples)
+        elif self.train_iters is None:
+            self.train_iters = 20
+        if self.rampup_batch_size:
+            start, increment, samples = [*self.rampup_batch_size, 0, 0, 0][:3]
+            gbs = self.global_batch_size or 0
+            if (len(self.rampup_batch_size) != 3 or start < 1 or increment < 1 or samples < 1
+                    or gbs <= start or (gbs - start) % increment):
+                raise ConfigError(
+                    f"--rampup-batch-size {' '.join(map(str, self.rampup_batch_size))}: give "
+                    "START INCREMENT SAMPLES, all positive, with --global-batch-size "
+                    f"({self.global_batch_size}) above START and reached from it in whole "
+                    "INCREMENTs")
         if self.recompute_granularity == "full":
             self.recompute_method = self.recompute_method or "uniform"
             self.recompute_num_layers = self.recompute_num_layers or 1
@@ -198,6 +263,37 @@ class TrainConfig:
                 "--recompute-method/--recompute-num-layers apply only with "
                 f"--recompute-granularity full (got {self.recompute_granularity}); add "
                 "--recompute-granularity full or drop them")
+
+
+def global_batch_at(train: TrainConfig, consumed_samples: int) -> int:
+    """The global batch of the step that starts after `consumed_samples` samples.
+
+    Megatron's ramp-up: with --rampup-batch-size START INCREMENT SAMPLES the batch is START,
+    then grows by INCREMENT every SAMPLES / ((GBS - START) / INCREMENT) samples, and is GBS
+    once more than SAMPLES samples are consumed. A pure function of the position, so a
+    resumed run takes exactly the batches it would have taken.
+    """
+    gbs = train.global_batch_size
+    if not train.rampup_batch_size or gbs is None:
+        return gbs or 0
+    start, increment, samples = train.rampup_batch_size
+    if consumed_samples > samples:
+        return gbs
+    per_increment = samples / ((gbs - start) // increment)
+    return min(gbs, start + int(consumed_samples / per_increment) * increment)
+
+
+def iterations_for_samples(train: TrainConfig, samples: int) -> int:
+    """Steps --train-samples takes: the ramp-up's steps, then whole global batches (as
+    Megatron counts them)."""
+    gbs = train.global_batch_size or 1
+    if not train.rampup_batch_size:
+        return samples // gbs
+    iterations = consumed = 0
+    while consumed <= train.rampup_batch_size[2]:
+        consumed += global_batch_at(train, consumed)
+        iterations += 1
+    return iterations + max(0, samples - consumed) // gbs
 
 
 @dataclass
@@ -212,6 +308,17 @@ class DataConfig:
     """Train,valid,test proportions of the documents."""
     tokenizer_model: str | None = None
     """sentencepiece .model file; sets the vocab size and EOD id."""
+    tokenizer_type: str | None = field(default=None, metadata={"choices": [
+        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+        "NullTokenizer"]})
+    """Megatron's tokenizer names: the three sentencepiece ones load --tokenizer-model;
+    NullTokenizer has no file (vocab = --vocab-size, EOD = vocab - 1, as Megatron's)."""
+    train_data_path: list[str] = field(default_factory=list)
+    """Training data only (blend syntax as --data-path), instead of --data-path + --split."""
+    valid_data_path: list[str] = field(default_factory=list)
+    """Validation data only (blend syntax), e.g. a held-out corpus."""
+    test_data_path: list[str] = field(default_factory=list)
+    """Test data only (blend syntax); evaluated once at the end of training."""
     data_sharding: str = field(default="global", metadata={"choices": ["global", "node-local"]})
     """global = shared storage, global shuffle; node-local = each DP rank reads its own shards."""
     num_workers: int = 1
@@ -222,6 +329,25 @@ class DataConfig:
     """Do not train on predicting the token after an end-of-document token."""
     verify_checksums: bool = False
     """Before training, compare every shard this rank reads with its manifest sha256 (reads all)."""
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_type == "NullTokenizer" and self.tokenizer_model:
+            raise ConfigError("--tokenizer-type NullTokenizer reads no file (vocab = "
+                              "--vocab-size); drop --tokenizer-model")
+        if self.tokenizer_type not in (None, "NullTokenizer") and not self.tokenizer_model:
+            raise ConfigError(f"--tokenizer-type {self.tokenizer_type} loads a sentencepiece "
+                              "model: pass its .model file with --tokenizer-model")
+        if self.data_path and (self.train_data_path or self.valid_data_path
+                               or self.test_data_path):
+            raise ConfigError("--data-path (split by --split) and --train/valid/test-data-path "
+                              "are two ways to give the data; pass one of them")
+        if (self.valid_data_path or self.test_data_path) and not self.train_data_path:
+            raise ConfigError("--valid-data-path / --test-data-path need --train-data-path")
+
+    def all_paths(self) -> list[list[str]]:
+        """Every blend given (--data-path, or the per-split ones)."""
+        return [p for p in (self.data_path, self.train_data_path, self.valid_data_path,
+                            self.test_data_path) if p]
 
 
 @dataclass
@@ -247,10 +373,49 @@ class LoggingConfig:
         default=None, metadata={"choices": ["online", "offline", "disabled"]}
     )
     """Force a wandb mode; default online with an API key, offline without."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard event files here (same scalar names as the JSONL)."""
+    tensorboard_log_interval: int = 1
+    """Write TensorBoard scalars every this many iterations."""
+    log_timers_to_tensorboard: bool = False
+    """Also write iteration and forward/backward times to TensorBoard."""
+    log_memory_to_tensorboard: bool = False
+    """Also write device memory statistics to TensorBoard."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Also write validation (and test) perplexity, exp(loss), to TensorBoard."""
+    log_params_norm: bool = False
+    """Compute the global L2 norm of the weights at each log line (one extra reduction)."""
+    log_num_zeros_in_grad: bool = False
+    """Count gradient elements that are exactly zero at each log line (one extra reduction)."""
+    log_throughput: bool = False
+    """Also write tokens/s, TFLOP/s and MFU to TensorBoard (the log line always has them)."""
+    profile: bool = False
+    """Record a torch.profiler trace (CPU and CUDA) of steps --profile-step-start..end."""
+    profile_step_start: int = 10
+    """First profiled iteration."""
+    profile_step_end: int = 12
+    """Iteration at which profiling stops (not profiled itself)."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile; each writes its own trace file named by rank."""
+    profile_dir: str | None = None
+    """Directory for the traces; default --tensorboard-dir."""
     straggler_threshold: float = 0.10
     """Warn when a rank's forward-backward time is this fraction above the median rank's."""
     straggler_intervals: int = 3
     """Log intervals in a row a rank must stay that slow before the warning (one is noise)."""
+
+    def __post_init__(self) -> None:
+        if self.tensorboard_log_interval < 1:
+            raise ConfigError(f"--tensorboard-log-interval must be >= 1, got "
+                              f"{self.tensorboard_log_interval}")
+        if not self.profile:
+            return
+        if self.profile_step_end <= self.profile_step_start:
+            raise ConfigError(f"--profile-step-end {self.profile_step_end} must be above "
+                              f"--profile-step-start {self.profile_step_start}")
+        if not (self.profile_dir or self.tensorboard_dir):
+            raise ConfigError("--profile writes its traces into --profile-dir or "
+                              "--tensorboard-dir; pass one of them")
 
 
 @dataclass
@@ -261,7 +426,8 @@ class CheckpointConfig:
     """Directory for checkpoints (iter_XXXXXXX/ subdirectories and a `latest` pointer)."""
     load: str | None = None
     """Checkpoint directory to resume from; default --save (a restarted job resumes itself)."""
-    save_interval: int | None = None
+    save_interval: int | None = field(default=None,
+                                      metadata={"aliases": ["--persistent-save-interval"]})
     """Save every this many iterations (and always at the end with --save)."""
     save_interval_minutes: float | None = None
     """Also save when this many wall-clock minutes have passed since the last save."""
@@ -273,6 +439,18 @@ class CheckpointConfig:
     """Save and exit cleanly when the iteration is a multiple of this (splits a run into jobs)."""
     ckpt_step: int | None = None
     """Load this iteration instead of the one `latest` points to."""
+    no_load_optim: bool = False
+    """Resume weights, position and RNG but start the optimizer (Adam moments, step) fresh."""
+    no_load_rng: bool = False
+    """Do not restore the RNG states saved in the checkpoint."""
+    finetune: bool = False
+    """Load only the weights: start at iteration 0 with a fresh optimizer and data position."""
+    use_checkpoint_args: bool = False
+    """Take the model shape (every model flag) from the config saved in the checkpoint."""
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata={
+        "flag": "--use-checkpoint-opt_param-scheduler",
+        "aliases": ["--use-checkpoint-opt-param-scheduler"]})
+    """Take the LR schedule (--lr*, --min-lr, --decoupled-*) from the checkpoint's config."""
     ckpt_fallback: bool = True
     """When the newest checkpoint fails verification (checksums, sizes, missing files), load
     the previous complete one; --no-ckpt-fallback stops with the error instead."""
@@ -432,12 +610,31 @@ def validate(cfg: Config, world_size: int) -> None:
             )
     if not world_size % (tp * pp):
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
+        errors += _rampup_errors(cfg, world_size // (tp * pp))
+    errors += _schedule_errors(cfg)
     errors += _dry_run_errors(cfg, world_size)
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
         errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
                       "all-gather; add --use-distributed-optimizer or drop it")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _rampup_errors(cfg: Config, dp: int) -> list[str]:
+    """Every batch of a ramp-up must split into whole micro-batches on every DP rank."""
+    train, pp = cfg.train, cfg.parallel.pipeline_model_parallel_size
+    if not train.rampup_batch_size:
+        return []
+    unit = train.micro_batch_size * dp
+    start, increment, _ = train.rampup_batch_size
+    if start % unit or increment % unit:
+        return [f"--rampup-batch-size START {start} and INCREMENT {increment} must be multiples "
+                f"of --micro-batch-size x data-parallel size = {unit}, so every batch of the "
+                "ramp splits into whole micro-batches"]
+    if pp > 1 and start // unit < pp:
+        return [f"--rampup-batch-size START {start} gives {start // unit} micro-batches per "
+                f"step, fewer than --pipeline-model-parallel-size {pp}; raise START"]
+    return []
 
 
 def dry_run_rank_list(cfg: Config, world_size: int) -> list[int]:
@@ -461,6 +658,47 @@ def _dry_run_errors(cfg: Config, world_size: int) -> list[str]:
         return [f"--dry-run-ranks {' '.join(bad)}: each must be a global rank in 0.."
                 f"{world_size - 1} (--world-size {world_size}), or the single word `all`"]
     return []
+
+
+def pipeline_schedule(parallel: ParallelConfig) -> str:
+    """The schedule in effect: --pipeline-schedule, else what --num-layers-per-virtual-
+    pipeline-stage implies (interleaved with it, 1f1b without)."""
+    if parallel.pipeline_schedule is not None:
+        return parallel.pipeline_schedule
+    return "1f1b" if parallel.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+
+
+def _schedule_errors(cfg: Config) -> list[str]:
+    """What --pipeline-schedule needs of the other flags."""
+    p = cfg.parallel
+    kind, lpv = p.pipeline_schedule, p.num_layers_per_virtual_pipeline_stage
+    uneven = (p.decoder_first_pipeline_num_layers is not None
+              or p.decoder_last_pipeline_num_layers is not None)
+    if kind is None:
+        return []
+    if kind == "interleaved" and lpv is None:
+        return ["--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
+                "(the chunk size)"]
+    if kind != "interleaved" and lpv is not None:
+        return [f"--num-layers-per-virtual-pipeline-stage {lpv} is for the interleaved "
+                f"schedule, not --pipeline-schedule {kind}; drop one of them"]
+    if kind not in ("zb-h1", "zbv"):
+        return []
+    errors = []
+    if p.pipeline_model_parallel_size == 1:
+        errors.append(f"--pipeline-schedule {kind} needs --pipeline-model-parallel-size > 1")
+    if cfg.train.compile:
+        errors.append(f"--pipeline-schedule {kind} queues weight gradients from Python in "
+                      "backward, which torch.compile does not trace; drop --compile")
+    pieces = 2 * p.pipeline_model_parallel_size
+    if kind == "zbv" and uneven:
+        errors.append("--pipeline-schedule zbv places 2 equal chunks per stage in a V; drop "
+                      "--decoder-first/last-pipeline-num-layers")
+    elif kind == "zbv" and cfg.model.num_layers % pieces:
+        errors.append(f"--pipeline-schedule zbv splits --num-layers {cfg.model.num_layers} "
+                      f"into 2 x --pipeline-model-parallel-size = {pieces} equal chunks; use "
+                      f"a multiple of {pieces}")
+    return errors
 
 
 def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:

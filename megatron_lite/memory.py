@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.config import Config, validate
 from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
-from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.planner import estimate_memory, stage_params
 
 GIB = 2**30
@@ -186,9 +186,7 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
     validate(cfg, world_size)
     model, parallel = cfg.model, cfg.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    part = partition_layers(model.num_layers, pp, parallel.num_layers_per_virtual_pipeline_stage,
-                            parallel.decoder_first_pipeline_num_layers,
-                            parallel.decoder_last_pipeline_num_layers)
+    part = config_partition(cfg, pp)
     lines = [f"dry run: world size {world_size} = pp {pp} x dp {world_size // (tp * pp)} x "
              f"tp {tp}; config is valid", "rank grid [pp][dp] -> tp ranks:",
              format_grid(rank_grid(world_size, tp, pp), full=cfg.logging.log_rank_grid),
@@ -200,7 +198,8 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
                            if s.layer_ids else f"chunk {i}: no layers"
                            for i, s in enumerate(specs))
         est = estimate_memory(cfg, world_size, stage=stage)
-        lines.append(f"  stage {stage}: {chunks} | {stage_params(model, tp, pp, stage, layers):,} "
-                     f"params per rank | states {fmt_bytes(est.state_bytes)} + activations "
+        params = stage_params(model, tp, pp, stage, layers, part.v_shape)
+        lines.append(f"  stage {stage}: {chunks} | {params:,} params per rank | states "
+                     f"{fmt_bytes(est.state_bytes)} + activations "
                      f"{fmt_bytes(est.activation_bytes)} = {fmt_bytes(est.total_bytes)}")
     return "\n".join(lines)

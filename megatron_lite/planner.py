@@ -3,8 +3,9 @@
 Pure arithmetic (imports only `megatron_lite.config`). Three users:
 - `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
   per-rank bytes of the layout in a `Config`;
-- `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x v x DP x micro-batch x
-  ZeRO-1 x recompute, predicts memory and step time for each and ranks them;
+- `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x schedule (1F1B, interleaved
+  v, ZB-H1, ZBV) x DP x micro-batch x ZeRO-1 x recompute, predicts memory and step time for
+  each and ranks them;
 - `metrics.py` takes its FLOPs per token from `training_flops_per_token`, so the training log's
   MFU and the planner's are the same number for the same run.
 
@@ -36,7 +37,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_lite.config import Config, ConfigError, ModelConfig, num_microbatches
+from megatron_lite.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    num_microbatches,
+    pipeline_schedule,
+)
 
 GIB = 2**30
 
@@ -139,20 +146,24 @@ def layer_params(model: ModelConfig, tp: int) -> int:
     return 2 * model.hidden_size + matmul_params_per_layer(ModelShape.from_config(model)) // tp
 
 
-def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int) -> int:
+def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int,
+                 v_shape: bool = False) -> int:
     """Parameters held by one rank of a pipeline stage.
 
     The first stage holds the vocab-parallel embedding; the last holds the final norm and the
     output layer, which with tied weights and pp > 1 is a second copy of the embedding
-    (model/llama.py), and with pp = 1 and tied weights is the embedding itself.
+    (model/llama.py), and with pp = 1 and tied weights is the embedding itself. `v_shape`
+    (ZBV) puts the final norm and the output layer on the first stage, where a tied output
+    layer is the embedding itself.
     """
     vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
     n = num_stage_layers * layer_params(model, tp)
+    head_stage = 0 if v_shape else pp - 1
     if stage == 0:
         n += vocab
-    if stage == pp - 1:
+    if stage == head_stage:
         n += model.hidden_size
-        if model.untie_embeddings_and_output_weights or pp > 1:
+        if model.untie_embeddings_and_output_weights or head_stage != 0:
             n += vocab
     return n
 
@@ -320,12 +331,21 @@ def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
     return math.ceil(layers / n) * kept, n * full
 
 
-def in_flight(pp: int, stage: int, chunks: int, microbatches: int) -> int:
+def in_flight(pp: int, stage: int, chunks: int, microbatches: int,
+              schedule: str | None = None) -> int:
     """Peak micro-batch chunks whose activations a stage holds at once.
 
     1F1B: p - stage (warm-up + 1). Interleaved 1F1B (Megatron's warm-up count):
     2·(p - stage - 1) + (v - 1)·p + 1 chunk forwards, capped by the m·v that exist.
+    Zero-bubble schedules hold a micro-batch from its F to its W (the queued weight GEMMs keep
+    the linears' inputs and output gradients, counted here as the chunk's activations): ZB-H1
+    p on every stage (1F1B's first-stage peak), ZBV 2p chunks of half a stage (the same
+    bytes); pipeline/zero_bubble.py's priority rules stop forwards at these counts.
     """
+    if schedule == "zb-h1":
+        return min(microbatches, pp)
+    if schedule == "zbv":
+        return min(2 * microbatches, 2 * pp)
     if chunks == 1:
         return min(microbatches, pp - stage)
     return min(microbatches * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)
@@ -374,22 +394,29 @@ class StageSpec:
     zero1: bool
     recompute: Recompute
     act: ActivationSetup
+    schedule: str | None = None
+    """--pipeline-schedule (None: 1F1B or interleaved by `chunks`); ZBV holds the head on
+    stage 0."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
-    n = stage_params(model, spec.tp, spec.pp, stage, layers)
+    v_shape = spec.schedule == "zbv"
+    n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
     pb, gb, ob = state_bytes(n, spec.dp, spec.zero1, spec.act.bf16)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
-    last = stage == spec.pp - 1
-    head = head_activation_bytes(model, spec.act) if last else 0.0
+    holds_head = stage == (0 if v_shape else spec.pp - 1)
+    # Zero-bubble: each micro-batch between its F and its W keeps the head's saved input and
+    # logits gradient (the output layer's W needs them).
+    heads = min(spec.pp, spec.microbatches) if spec.schedule in ("zb-h1", "zbv") else 1
+    head = heads * head_activation_bytes(model, spec.act) if holds_head else 0.0
     # the embedding's int64 ids, plus with TP its bool mask of ids outside this rank's slice
     id_bytes = 8 + (spec.tp > 1)
     ids = id_bytes * model.seq_length * spec.act.micro_batch if stage == 0 else 0
-    flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches)
+    flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches, spec.schedule)
     working = layer_activation_bytes(model, spec.act) + recompute_peak
-    if last:
+    if holds_head:
         working += head_transient_bytes(model, spec.act)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
@@ -420,12 +447,13 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     counts = stage_layer_counts(model.num_layers, pp, parallel.decoder_first_pipeline_num_layers,
                                 parallel.decoder_last_pipeline_num_layers)
     per_chunk = parallel.num_layers_per_virtual_pipeline_stage
-    chunks = counts[0] // per_chunk if per_chunk else 1
+    schedule = pipeline_schedule(parallel)
+    chunks = 2 if schedule == "zbv" else counts[0] // per_chunk if per_chunk else 1
     fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu")
     spec = StageSpec(tp, pp, world_size // (tp * pp), chunks, num_microbatches(cfg, world_size),
-                     parallel.use_distributed_optimizer, _recompute_from(cfg), act)
+                     parallel.use_distributed_optimizer, _recompute_from(cfg), act, schedule)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]
@@ -475,6 +503,13 @@ class Layout:
     zero1: bool
     recompute: Recompute
     sequence_parallel: bool
+    schedule: str | None = None
+    """zb-h1 (chunks 1) or zbv (chunks 2); None: 1F1B, or interleaved when chunks > 1."""
+
+    @property
+    def schedule_name(self) -> str:
+        """The --pipeline-schedule this layout runs."""
+        return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
 
 
 @dataclass(frozen=True)
@@ -513,6 +548,33 @@ def _layer_work_per_token(shape: ModelShape, seq_length: int, rc: Recompute) -> 
     return layer + rerun / 3
 
 
+def pipeline_op_costs(model: ModelConfig, tp: int = 1) -> tuple[float, float, float]:
+    """Relative time of one layer's F, B and W per token, from FLOPs (what the zero-bubble
+    timelines are built with, and what splits a stage's time in `bubble_time`): F = the
+    matmuls (2N) + causal attention forward; B = the matmuls' input gradients (2N) + the
+    attention backward (twice its forward, and all in B: attention has no weights);
+    W = the matmuls' weight gradients (2N)."""
+    shape = ModelShape.from_config(model, tp)
+    gemm = 2 * matmul_params_per_layer(shape)
+    attention = attention_flops_per_layer(shape, model.seq_length, causal=True) / 3
+    return gemm + attention, gemm + 2 * attention, gemm
+
+
+def bubble_time(pp: int, stage_s: float, chunks: int, schedule: str,
+                op_costs: tuple[float, float, float]) -> float:
+    """Idle seconds per step of a stage whose micro-batch takes `stage_s` (F + B + W).
+
+    1F1B (p - 1)(F + B + W) (Narayanan et al. 2021), interleaved the same over v; ZB-H1
+    (p - 1)(F + B - W) (Qi et al. 2024: W's fill the cool-down) and ZBV half of ZB-H1 (its
+    chunks are half a stage), F, B and W split `stage_s` as `op_costs`. The simulator
+    (tests/pipeline) gets exactly these at F = B = W.
+    """
+    if schedule in ("zb-h1", "zbv"):
+        f, b, w = (x / sum(op_costs) for x in op_costs)
+        return (pp - 1) * stage_s * (f + b - w) / (2 if schedule == "zbv" else 1)
+    return (pp - 1) * stage_s / chunks
+
+
 def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: float) -> float:
     """Ring collective: factor = 2 for all-reduce, 1 for all-gather / reduce-scatter."""
     if ranks == 1:
@@ -525,7 +587,7 @@ def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage:
     tokens, e = model.seq_length * lay.micro_batch, 2
     shape = ModelShape.from_config(model, lay.tp)
     work = layers * _layer_work_per_token(shape, model.seq_length, lay.recompute)
-    if stage == lay.pp - 1:
+    if stage == (0 if lay.schedule == "zbv" else lay.pp - 1):
         work += 6 * shape.vocab * shape.hidden  # the output layer
     compute = tokens * work / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency)
     lat = c.latency_us * 1e-6
@@ -566,14 +628,16 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
     mbs = global_batch // (lay.dp * lay.micro_batch)
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True)
-    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act)
+    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act,
+                     lay.schedule)
     per_stage = model.num_layers // lay.pp
     mems = [stage_memory(model, spec, i, per_stage) for i in range(lay.pp)]
     worst = max(mems, key=lambda est: est.total_bytes)
     times = [_stage_time(model, lay, c, per_stage, i) for i in range(lay.pp)]
     compute, tp_comm, p2p = max(times, key=sum)
     stage_s = compute + tp_comm + p2p
-    bubble = (lay.pp - 1) * stage_s / lay.chunks
+    bubble = bubble_time(lay.pp, stage_s, lay.chunks, lay.schedule_name,
+                         pipeline_op_costs(model, lay.tp))
     dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s)
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
@@ -599,7 +663,8 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
     layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
     micro-batches m >= pp; ZeRO-1 only with dp > 1; SP always on with TP (same traffic, less
-    memory).
+    memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
+    layers.
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
@@ -610,15 +675,22 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
             if c.gpus % (tp * pp):
                 continue
             dp = c.gpus // (tp * pp)
-            for v in _divisors(model.num_layers // pp) if pp > 1 else [1]:
+            schedules = [(v, None) for v in (_divisors(model.num_layers // pp) if pp > 1
+                                                else [1])]
+            if pp > 1:
+                schedules.append((1, "zb-h1"))
+                if model.num_layers % (2 * pp) == 0:
+                    schedules.append((2, "zbv"))
+            for v, schedule in schedules:
                 for mb in (1, 2, 4, 8, 16, 32):
                     if global_batch % (dp * mb):
                         continue
                     n_mb = global_batch // (dp * mb)
-                    if n_mb < pp or (v > 1 and n_mb % pp):
+                    if n_mb < pp or (v > 1 and schedule is None and n_mb % pp):
                         continue
                     for zero1 in ([False, True] if dp > 1 else [False]):
-                        out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1))
+                        out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1,
+                                          schedule))
     return out
 
 
@@ -662,7 +734,9 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    if lay.chunks > 1:
+    if lay.schedule is not None:
+        flags += ["--pipeline-schedule", lay.schedule]
+    elif lay.chunks > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage",
                   model.num_layers // (lay.pp * lay.chunks)]
     if lay.sequence_parallel:

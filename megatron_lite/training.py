@@ -23,15 +23,17 @@ from torch import Tensor, nn
 
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.checkpoint import files as checkpoint_files
-from megatron_lite.config import Config, num_microbatches, validate
-from megatron_lite.data.builder import build_data_loaders, resolve_tokenizer
+from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
+from megatron_lite.config import Config, num_microbatches, pipeline_schedule, validate
+from megatron_lite.data.builder import build_loaders, resolve_tokenizer
 from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.errors import found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
-from megatron_lite.optim.lr import lr_at
+from megatron_lite.optim.lr import step_lrs
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
@@ -39,8 +41,11 @@ from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.parallel.state import ParallelState, format_grid
 from megatron_lite.pipeline import engine
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
-from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.pipeline.schedule import stage_schedule
+from megatron_lite.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES
+from megatron_lite.planner import pipeline_op_costs
+from megatron_lite.profiling import StepHooks
 from megatron_lite.provenance import git_commit
 from megatron_lite.reliability import Guard, report_partial_checkpoints
 
@@ -52,11 +57,14 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[float] = field(default_factory=list)
     iteration: int = 0
+    test_loss: float | None = None
+    """Loss on the test set after training (None without one, or with --eval-iters 0)."""
 
 
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
+    apply_checkpoint_args(cfg)  # --use-checkpoint-args: the model shape comes from there
     tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     if env.rank == 0:
         for warning in tokenizer.warnings:
@@ -64,7 +72,8 @@ def run(cfg: Config) -> TrainResult:
     validate(cfg, env.world_size)
     pstate = parallel_state.initialize(cfg, env)
     try:
-        return train(cfg, pstate, env.source)
+        with found_on_rank(pstate.rank):  # from here on a rank may find what the others do not
+            return train(cfg, pstate, env.source)
     finally:
         parallel_state.destroy(pstate)
 
@@ -82,6 +91,8 @@ class Trainer:
     logger: MetricsLogger
     checkpointer: Checkpointer
     guard: Guard
+    hooks: StepHooks
+    """Profiler window, manual GC, cache emptying (each a no-op unless asked for)."""
 
 
 def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> TrainResult:
@@ -92,7 +103,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
     optimizer = Optimizer(cfg, chunks, pstate)
     with ExitStack() as cleanup:
         cleanup.callback(optimizer.close)  # frees model and process groups before shutdown
-        train_loader, valid_loader = build_data_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+        loaders = build_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+        train_loader, valid_loader = loaders.train, loaders.valid
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
         checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
                                     extra_state={"reliability": guard})
@@ -109,8 +121,13 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
         guard.start()
         cleanup.callback(guard.close)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+        hooks = StepHooks(cfg, pstate.rank, pstate.device)
+        cleanup.callback(hooks.close)
         result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader, valid_loader,
-                                    logger, checkpointer, guard), start_iteration)
+                                    logger, checkpointer, guard, hooks), start_iteration)
+        if loaders.test is not None and cfg.train.eval_iters > 0:
+            result.test_loss = evaluate(cfg, runner, loaders.test, pstate)
+            logger.log_eval(result.iteration, result.test_loss, split="test")
     if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
         print("warning: the final loss is not finite", flush=True)
     return result
@@ -125,15 +142,17 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
     iteration = start_iteration
     while iteration < cfg.train.train_iters:
         iteration += 1
+        trainer.hooks.before_step(iteration)
         started = time.perf_counter()
         plan = guard.before_step(iteration, loader.consumed_samples)
-        lr = lr_at(iteration - 1, cfg.optim, cfg.train.train_iters) * plan.lr_scale
+        lr, decoupled_lr = _learning_rates(trainer, iteration, plan.lr_scale)
         if plan.skip_data:
+            samples = loader.current_global_batch_size
             loader.next_step()
-            step = StepOutcome(math.nan, math.nan, skipped=True)
+            step = StepOutcome(math.nan, math.nan, skipped=True, samples=samples)
         else:
             step = train_step(trainer.runner, trainer.optimizer, loader, trainer.pstate, lr,
-                              guard)
+                              guard, decoupled_lr)
         skipped += step.skipped
         window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds()))
         result.losses.append(step.loss)
@@ -145,6 +164,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             result.eval_losses.append(evaluate(cfg, trainer.runner, trainer.valid_loader,
                                                trainer.pstate))
             trainer.logger.log_eval(iteration, result.eval_losses[-1])
+            trainer.hooks.after_evaluation()
+        trainer.hooks.after_step(iteration)
         result.iteration = iteration
         decision = guard.after_step(step)
         if decision.rollback:
@@ -170,39 +191,48 @@ class StepOutcome:
     """Before clipping; NaN when no optimizer step ran."""
     skipped: bool
     """The weights were not updated."""
+    samples: int = 0
+    """Samples in this step's global batch (it grows during a batch-size ramp-up)."""
 
 
 def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
-               pstate: ParallelState, lr: float, guard: Guard | None = None) -> StepOutcome:
-    """One optimizer step over the next global batch.
+               pstate: ParallelState, lr: float, guard: Guard | None = None,
+               decoupled_lr: float | None = None) -> StepOutcome:
+    """One optimizer step over the next global batch (`decoupled_lr`: --decoupled-lr's LR for
+    the embedding and output weights).
 
     With a `guard` the local loss (and, through `optimizer.grad_check`, the local gradients)
     is checked before any reduction, and all ranks agree whether to update at all.
     """
+    samples = loader.current_global_batch_size
     batches = loader.next_step()
     num_tokens = global_token_count(batches, pstate)
-    optimizer.zero_grad()
+    optimizer.zero_grad(len(batches))
     local = runner(batches, num_tokens)
     if guard is not None:
         local = guard.check_loss(local)
     optimizer.finalize_grads()
     loss = reduce_loss(local, pstate)
     if guard is not None and guard.decide(loss).skip:
-        return StepOutcome(loss, math.nan, skipped=True)
-    result = optimizer.step(lr)
-    return StepOutcome(loss, result.grad_norm, result.skipped)
+        return StepOutcome(loss, math.nan, skipped=True, samples=samples)
+    result = optimizer.step(lr, decoupled_lr)
+    return StepOutcome(loss, result.grad_norm, result.skipped, samples)
 
 
 class StepRunner:
     """Runs one step's forward/backward over this stage's chunks with the pipeline schedule.
 
-    Without pipelining the schedule is plain gradient accumulation; with it, 1F1B or
-    interleaved 1F1B. Schedules are cached per (micro-batches, forward-only).
+    Without pipelining the schedule is plain gradient accumulation; with it, 1F1B,
+    interleaved 1F1B, or a zero-bubble schedule (--pipeline-schedule zb-h1/zbv, whose W's
+    fill the bubble). Schedules are cached per (micro-batches, forward-only).
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                  on_grads_ready: Callable[[int], None] | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        self.kind = pipeline_schedule(cfg.parallel)
+        # zero-bubble timelines are built for the layers' F, B and W FLOP ratios
+        self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
         self.on_grads_ready = on_grads_ready  # starts a chunk's DP reduction (overlap)
         self._schedules: dict[tuple[int, bool], list] = {}
         self.comm = None
@@ -215,12 +245,14 @@ class StepRunner:
 
     def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor, *,
                  backward: bool = True) -> Tensor:
-        """Sum over micro-batches of sum(token losses) / num_tokens (last stage; else 0)."""
+        """Sum over micro-batches of sum(token losses) / num_tokens on the stage holding the
+        head (the last; the first under ZBV), else 0."""
         key = (len(batches), not backward)
         if key not in self._schedules:
             self._schedules[key] = stage_schedule(self.pstate.pp_size, self.pstate.pp_rank,
                                                   len(batches), len(self.chunks),
-                                                  forward_only=not backward)
+                                                  forward_only=not backward, kind=self.kind,
+                                                  costs=self.op_costs)
         device = self.pstate.device
         if backward:
             self.timer.start()
@@ -259,10 +291,21 @@ def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tens
 
 
 def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
-    """Global-batch loss from the last stage's per-DP-rank partial sums, on every rank."""
-    owner = pstate.is_last_stage and pstate.tp_rank == 0
+    """Global-batch loss from the per-DP-rank partial sums of the stage holding the head (the
+    last one; the first under ZBV), on every rank. Other stages hold exact zeros."""
+    owner = pstate.tp_rank == 0
     value = local.clone() if owner else torch.zeros_like(local)
     return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
+
+
+def _learning_rates(trainer: Trainer, iteration: int, scale: float
+                    ) -> tuple[float, float | None]:
+    """This step's LR and --decoupled-lr's (None without it), both times the guard's scale."""
+    loader = trainer.train_loader
+    lr, decoupled = step_lrs(iteration - 1, loader.consumed_samples,
+                             loader.current_global_batch_size, trainer.cfg.optim,
+                             trainer.cfg.train)
+    return lr * scale, None if decoupled is None else decoupled * scale
 
 
 def _evaluation_due(cfg: Config, iteration: int) -> bool:
@@ -274,12 +317,18 @@ def _log_window(trainer: Trainer, iteration: int, lr: float,
                 window: list[tuple[StepOutcome, float, float]], skipped: int) -> None:
     """One log line / JSONL record: means over the steps since the last one."""
     n = len(window)
-    trainer.logger.log_train(
+    lg, scalars = trainer.cfg.logging, {}
+    if lg.log_params_norm:
+        scalars["params_norm"] = trainer.optimizer.params_norm()
+    if lg.log_num_zeros_in_grad:
+        scalars["num_zeros_in_grad"] = trainer.optimizer.num_zeros_in_grad()
+    trainer.logger.log_train(scalars=scalars,
         iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
         loss=sum(step.loss for step, _, _ in window) / n, lr=lr,
         grad_norm=sum(step.grad_norm for step, _, _ in window) / n,
         iter_time_s=sum(seconds for _, seconds, _ in window) / n,
-        tokens=trainer.train_loader.global_batch_size * trainer.cfg.model.seq_length,
+        tokens=sum(step.samples for step, _, _ in window) // n * trainer.cfg.model.seq_length,
+        global_batch_size=window[-1][0].samples if trainer.cfg.train.rampup_batch_size else None,
         skipped=skipped, compute_time_s=sum(compute for _, _, compute in window) / n)
 
 
@@ -330,21 +379,23 @@ def model_dtype(cfg: Config) -> torch.dtype:
 
 
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
-    """This rank's model chunks: one per virtual stage (one without interleaving)."""
+    """This rank's model chunks: one per virtual stage (one without interleaving, two in
+    ZBV's V, where stage 0's head reuses its embedding)."""
     opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                         dtype=model_dtype(cfg),
                         use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device),
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
-                        recompute_num_layers=cfg.train.recompute_num_layers or 1)
-    parallel = cfg.parallel
-    part = partition_layers(cfg.model.num_layers, pstate.pp_size,
-                            parallel.num_layers_per_virtual_pipeline_stage,
-                            parallel.decoder_first_pipeline_num_layers,
-                            parallel.decoder_last_pipeline_num_layers)
-    chunks = [LlamaChunk(cfg.model, pstate, spec.layer_ids, pre_process=spec.pre_process,
-                         post_process=spec.post_process, opts=opts)
-              for spec in stage_chunks(part, pstate.pp_rank)]
+                        recompute_num_layers=cfg.train.recompute_num_layers or 1,
+                        split_backward=pipeline_schedule(cfg.parallel) in ZERO_BUBBLE_SCHEDULES)
+    part = config_partition(cfg, pstate.pp_size)
+    chunks: list[LlamaChunk] = []
+    for spec in stage_chunks(part, pstate.pp_rank):
+        tied = chunks[0].embedding.weight if part.v_shape and spec.post_process else None
+        chunks.append(LlamaChunk(cfg.model, pstate, spec.layer_ids,
+                                 pre_process=spec.pre_process, post_process=spec.post_process,
+                                 opts=opts, head_on_stage=part.v_shape and spec.pre_process,
+                                 tied_embedding=tied))
     if cfg.train.compile:
         for chunk in chunks:
             if pstate.tp_size == 1:

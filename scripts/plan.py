@@ -6,8 +6,9 @@
         --seq-length 4096 --vocab-size 32000 --gpus 64 --gpu-memory-gib 40 --peak-tflops 312
 
 The model lives in megatron_lite/planner.py (assumptions in its docstrings and in `Cluster`).
-Prints the best fitting layouts, the fastest ones that do not fit (with why), and the pretrain.py
-flags of the best plan.
+Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
+schedules ranked on the best plan's TP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
+step time, bubble, memory), and the pretrain.py flags of the best plan.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.planner import (
     GIB,
     PRESETS,
@@ -57,9 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     flt = ap.add_argument_group("restrict the search")
     for flag in ("tp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
+    flt.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"])
     flt.add_argument("--zero1", choices=["on", "off"])
     flt.add_argument("--recompute", choices=["none", "selective", "full"])
     ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    add_debug_flag(ap)
     return ap
 
 
@@ -75,14 +79,14 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
     missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                            "vocab_size") if n not in fields]
     if missing:
-        raise SystemExit("plan.py: give --preset or " +
-                         ", ".join("--" + n.replace("_", "-") for n in missing))
+        raise ConfigError("give --preset or " +
+                          ", ".join("--" + n.replace("_", "-") for n in missing))
     if not base:
         fields.setdefault("ffn_hidden_size", None)
         fields.setdefault("num_query_groups", None)
     gbs = args.global_batch_size or gbs
     if gbs is None:
-        raise SystemExit("plan.py: give --global-batch-size (sequences per step)")
+        raise ConfigError("give --global-batch-size (sequences per step)")
     return ModelConfig(**fields), gbs
 
 
@@ -92,20 +96,23 @@ def _keep(args: argparse.Namespace):
                   (args.vpp, lay.chunks), (args.micro_batch_size, lay.micro_batch))
         if any(want is not None and want != have for want, have in checks):
             return False
+        if args.schedule is not None and args.schedule != lay.schedule_name:
+            return False
         if args.zero1 is not None and (args.zero1 == "on") != lay.zero1:
             return False
         return args.recompute is None or args.recompute == lay.recompute.granularity
     return keep
 
 
-HEADER = (f"{'#':>3} {'TP':>3} {'PP':>3} {'v':>3} {'DP':>5} {'mbs':>4} {'m':>5} {'ZeRO1':>5} "
-          f"{'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} {'step s':>7} "
-          f"{'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
+HEADER = (f"{'#':>3} {'TP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
+          f"{'m':>5} {'ZeRO1':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
+          f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
 
 
 def row(i: int, plan: Plan, gpus: int) -> str:
     lay, mem = plan.layout, plan.memory
-    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.chunks:>3} {lay.dp:>5} {lay.micro_batch:>4} "
+    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.schedule_name:>11} {lay.chunks:>3} "
+            f"{lay.dp:>5} {lay.micro_batch:>4} "
             f"{plan.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
             f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
@@ -140,27 +147,46 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
     if not fitting and plans:
         lines += ["", "closest to fitting:", HEADER, row(1, plans[0], cluster.gpus),
                   f"      {plans[0].reason}"]
+    if fitting and fitting[0].layout.pp > 1:
+        lines += ["", "pipeline schedules on #1's TP x PP x DP x micro-batch (each with its "
+                  "fastest fitting recompute and, interleaved, v), fastest first:", HEADER]
+        lines += [row(i + 1, p, cluster.gpus) + ("" if p.fits else f"  (does not fit: "
+                                                  f"{p.reason})")
+                  for i, p in enumerate(schedule_ranking(plans, fitting[0]))]
     if fitting:
         lines += ["", "pretrain.py flags for #1:", " ".join(pretrain_flags(model, fitting[0], gbs))]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def schedule_ranking(plans: list[Plan], best: Plan) -> list[Plan]:
+    """The best plan of each pipeline schedule among `plans` with `best`'s TP, PP, DP, micro-
+    batch and ZeRO-1 (plans come sorted, fitting and fastest first)."""
+    same = ("tp", "pp", "dp", "micro_batch", "zero1")
+    ranked: dict[str, Plan] = {}
+    for plan in plans:
+        if all(getattr(plan.layout, k) == getattr(best.layout, k) for k in same):
+            ranked.setdefault(plan.layout.schedule_name, plan)
+    return list(ranked.values())
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        model, gbs = model_from_args(args)
-    except ConfigError as err:
-        raise SystemExit(f"plan.py: {err}") from err
+    model, gbs = model_from_args(args)
     cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
                       if f.name != "dp_overlap"}
     cluster = Cluster(**cluster_fields, dp_overlap=not args.no_dp_overlap)
     tokens = args.train_tokens or 20 * total_params(model)
     plans = search(model, cluster, gbs, tokens, keep=_keep(args))
     if not plans:
-        raise SystemExit("plan.py: no valid layout (check that --global-batch-size is divisible "
-                         "by dp x micro-batch and the filters agree with the GPU count)")
+        raise ConfigError("no valid layout (check that --global-batch-size is divisible by "
+                          "dp x micro-batch and the filters agree with the GPU count)")
     print(report(model, cluster, gbs, tokens, plans, args.top))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Impossible model flags or filters end in one `error:` line and exit status 2."""
+    return run_cli(_main, argv)
 
 
 if __name__ == "__main__":

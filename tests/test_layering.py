@@ -11,27 +11,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # component -> megatron_lite components it may import (itself is always allowed)
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
+    "errors": set(),  # UserError and how entrypoints report it: below everything, stdlib only
+    "config": {"errors"},
     "provenance": set(),
-    "arguments": {"config"},
-    "parallel": {"config"},
+    "arguments": {"config", "errors"},
+    "parallel": {"config", "errors"},
     "kernels": set(),
     "layers": {"config", "parallel", "kernels"},
     "model": {"config", "parallel", "kernels", "layers"},
     "pipeline": {"config", "parallel", "kernels", "layers", "model"},
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
     "optim": {"config", "parallel", "layers"},
-    "data": {"config"},
+    "data": {"config", "errors"},
     "planner": {"config"},
     "memory": {"config", "parallel", "pipeline", "planner"},
     "metrics": {"config", "parallel", "planner"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
-                   "provenance"},
-    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels"},
+                   "provenance", "errors"},
+    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
     "reliability": {"config", "parallel"},
+    "profiling": {"config"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
-                 "provenance"},
+                 "provenance", "errors", "profiling"},
     "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
                 "checkpoint", "training"},
 }

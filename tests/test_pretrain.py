@@ -107,3 +107,76 @@ def test_torchrun_pp4_interleaved_trains(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _read_losses(log)
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.1, losses
+
+
+# Zero-bubble schedules: (extra flags, world, tp, pp); the DP layouts shard the optimizer and
+# overlap both its gradient reduction (after the last W) and its parameter gather.
+ZERO_BUBBLE_OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--overlap-param-gather", "--micro-batch-size", "1"]
+ZERO_BUBBLE_LAYOUTS = {
+    "pp2-zb-h1-tp2-sp-full-recompute": (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+         "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--recompute-granularity", "full", "--micro-batch-size", "1"], 4, 2, 2),
+    "pp2-zbv-tp2-sp-selective-recompute": (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--num-layers",
+         "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--recompute-granularity", "selective"], 4, 2, 2),
+    "pp2-zb-h1-dp2-zero1-overlap": (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+         *ZERO_BUBBLE_OVERLAP], 4, 1, 2),
+    "pp2-zbv-dp2-zero1-overlap": (
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--num-layers",
+         "4", *ZERO_BUBBLE_OVERLAP], 4, 1, 2),
+}
+
+
+def _grad_norms(path: Path) -> list[float]:
+    return [r["grad_norm"] for r in map(json.loads, path.read_text().splitlines())
+            if "grad_norm" in r]
+
+
+def _train_and_evaluate(pstate: ParallelState, flags: list[str]) -> list[float]:
+    result = train(parse_config(flags), pstate)
+    return result.losses + result.eval_losses
+
+
+@pytest.mark.parametrize("layout", sorted(ZERO_BUBBLE_LAYOUTS))
+def test_zero_bubble_loss_curve_matches_single_process(tmp_path, layout: str) -> None:
+    """--pipeline-schedule zb-h1 / zbv through the whole training loop vs one process: the
+    losses, the evaluation losses (forward-only schedule) and the global gradient norms
+    (after the DP reduction, before clipping)."""
+    extra, world, tp, pp = ZERO_BUBBLE_LAYOUTS[layout]
+    single_flags = [*FLAGS, "--num-layers", "4"] if "--num-layers" in extra else FLAGS
+    evaluation = ["--eval-iters", "1", "--eval-interval", "5"]
+    single_log, parallel_log = tmp_path / "single.jsonl", tmp_path / "parallel.jsonl"
+    single = _train_and_evaluate(single_process_state(), [
+        *single_flags, *evaluation, "--log-jsonl", str(single_log)])
+    parallel = run_ranks(_train_and_evaluate, world, tmp_path, tp=tp, pp=pp, timeout=240,
+                         flags=[*FLAGS, *extra, *evaluation, "--log-jsonl", str(parallel_log)])
+    assert len(single) == 12  # 10 steps, evaluations after 5 and 10
+    for rank_losses in parallel:
+        assert len(rank_losses) == len(single)
+        assert all(_rel(a, b) <= 1e-5 for a, b in zip(rank_losses, single)), \
+            (rank_losses, single)
+    norms, reference = _grad_norms(parallel_log), _grad_norms(single_log)
+    assert len(norms) == len(reference) == 10
+    assert all(_rel(a, b) <= 1e-5 for a, b in zip(norms, reference)), (norms, reference)
+
+
+def test_torchrun_pp4_zb_h1_equals_single_process(tmp_path) -> None:
+    """The zero-bubble issue's acceptance command: PP=4 under ZB-H1 logs one process's losses."""
+    flags = [*FLAGS, "--num-layers", "4", "--micro-batch-size", "1", "--train-iters", "12"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one, four = tmp_path / "pp1.jsonl", tmp_path / "pp4.jsonl"
+    subprocess.run([sys.executable, "pretrain.py", *flags, "--log-jsonl", str(one)], cwd=ROOT,
+                   env=env, check=True, capture_output=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+         "pretrain.py", *flags, "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+         "zb-h1", "--log-jsonl", str(four)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = _read_losses(one), _read_losses(four)
+    assert len(a) == len(b) == 12
+    assert all(_rel(x, y) <= 1e-5 for x, y in zip(b, a)), (a, b)

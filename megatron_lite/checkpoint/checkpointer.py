@@ -20,6 +20,7 @@ restored when the layout is unchanged (they are per rank).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
 import random
@@ -44,24 +45,21 @@ from megatron_lite.checkpoint.reshard import (
     local_slice,
     model_parameters,
 )
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ModelConfig
 from megatron_lite.data.format import find_manifest
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.layers import tags
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.pipeline.partition import partition_layers, stage_chunks
+from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.provenance import git_commit
 
 
 def layout_partition(cfg: Config, pp_size: int) -> list[list[list[int]]]:
-    """partition[stage][chunk] = global layer ids (JSON-able)."""
-    parallel = cfg.parallel
-    part = partition_layers(cfg.model.num_layers, pp_size,
-                            parallel.num_layers_per_virtual_pipeline_stage,
-                            parallel.decoder_first_pipeline_num_layers,
-                            parallel.decoder_last_pipeline_num_layers)
+    """partition[stage][chunk] = global layer ids (JSON-able); ZBV's V included, so a
+    checkpoint saved under one schedule reshards into any other."""
+    part = config_partition(cfg, pp_size)
     return [[list(spec.layer_ids) for spec in stage_chunks(part, s)] for s in range(pp_size)]
 
 
@@ -374,7 +372,13 @@ class Checkpointer:
         reader = CheckpointReader(ckpt_dir)
         self._validate(reader)
         self._load_weights(reader)
-        self._load_optimizer(reader)
+        if ckpt_cfg.finetune:
+            if self.pstate.rank == 0:
+                print(f"checkpoint: --finetune: loaded the weights of {ckpt_dir}; starting at "
+                      "iteration 0 with a fresh optimizer and data position", flush=True)
+            return 0
+        if not ckpt_cfg.no_load_optim:
+            self._load_optimizer(reader)
         restored_rng = self._load_rank_state(reader)
         saved_extra = reader.meta.get("extra_state", {}) if restore_extra else {}
         for key, obj in self.extra_state.items():
@@ -390,7 +394,8 @@ class Checkpointer:
             print(f"checkpoint: loaded iteration {iteration} from {ckpt_dir} (saved with tp "
                   f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp']}): {total / 1e9:.4f} GB "
                   f"read in {seconds:.3f} s ({total / 1e9 / seconds:.3f} GB/s); RNG "
-                  f"{'restored' if restored_rng else 'not restored (layout changed)'}",
+                  f"{'restored' if restored_rng else 'not restored'}"
+                  f"{'' if restored_rng else ' (layout changed or --no-load-rng)'}",
                   flush=True)
         return iteration
 
@@ -486,7 +491,7 @@ class Checkpointer:
         same = ((saved["world_size"], saved["tp"], saved["pp"])
                 == (pstate.world_size, pstate.tp_size, pstate.pp_size))
         name = ckpt_files.rank_file(pstate.rank)
-        if not same or name not in reader.meta["files"]:
+        if not same or name not in reader.meta["files"] or self.cfg.checkpoint.no_load_rng:
             return False
         f = reader.file(name)
         torch.set_rng_state(f.get("torch_cpu"))
@@ -497,3 +502,25 @@ class Checkpointer:
         kind, keys, pos, has_gauss, cached = f.meta["numpy_random"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         return True
+
+
+def apply_checkpoint_args(cfg: Config) -> None:
+    """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model section
+    / the LR-schedule flags with those saved in the checkpoint --load (or --save) would load.
+    Runs before the model is built (every rank reads the same small metadata file)."""
+    ckpt_cfg = cfg.checkpoint
+    if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
+        return
+    root = ckpt_cfg.load or ckpt_cfg.save
+    ckpt_dir = ckpt_files.resolve_checkpoint_dir(Path(root), ckpt_cfg.ckpt_step) if root else None
+    if ckpt_dir is None:
+        raise ckpt_files.CheckpointError(
+            "--use-checkpoint-args / --use-checkpoint-opt_param-scheduler read the config of "
+            f"the checkpoint to load, but there is none in {root or '(no --load or --save)'}")
+    saved = ckpt_files.read_metadata(ckpt_dir)["config"]
+    if ckpt_cfg.use_checkpoint_args:
+        cfg.model = ModelConfig(**saved["model"])
+    if ckpt_cfg.use_checkpoint_opt_param_scheduler:
+        schedule = {k: v for k, v in saved["optim"].items()
+                    if k.startswith(("lr", "min_lr", "decoupled"))}
+        cfg.optim = dataclasses.replace(cfg.optim, **schedule)

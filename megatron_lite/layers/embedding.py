@@ -8,6 +8,9 @@ slice and hands per-rank logits to a cross-entropy that never gathers the full v
 Padded rows start at zero and their logits are masked inside the loss, so they never win and
 never receive gradient: a padded vocab is numerically invisible, whatever the TP size.
 Both take `sequence_parallel` as the flag in effect, already False at TP=1.
+Given a `WeightGradQueue` (zero-bubble schedules, see layers/linear.py) both defer their
+weight gradient to the W step, so a tied weight used by two chunks of one stage (ZBV puts
+the embedding and the head on the first stage) receives its gradient in W only, summed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import Tensor, nn
 from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.layers import tags
 from megatron_lite.layers.init import init_shard
-from megatron_lite.layers.linear import column_parallel_linear
+from megatron_lite.layers.linear import DeferredWeight, WeightGradQueue, column_parallel_linear
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
@@ -33,12 +36,33 @@ def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, pstate: Pa
         tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype, real_rows=vocab_size)), split)
 
 
+class _EmbeddingWeightGrad(torch.autograd.Function):
+    """Identity on looked-up rows (a leaf: the lookup read a detached weight) whose backward
+    queues the embedding's weight gradient, the scatter of the rows' gradient into the
+    weight rows the ids picked. Token ids have no gradient, so nothing flows further."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, ids: Tensor, deferred: DeferredWeight) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.deferred = deferred
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, None, None]:
+        (ids,) = ctx.saved_tensors
+        weight = ctx.deferred.weight
+        ctx.deferred.queue.push(weight, lambda: torch.ops.aten.embedding_dense_backward(
+            grad, ids, weight.size(0), -1, False))
+        return None, None, None
+
+
 class VocabParallelEmbedding(nn.Module):
     """tokens [b, s] -> hidden [s, b, h] (or [s/t, b, h] with sequence parallelism)."""
 
     def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
                  *, sequence_parallel: bool, std: float, seed: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         self.tp_group = pstate.tp_group
         self.tp_size = pstate.tp_size
@@ -47,15 +71,25 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = pstate.tp_rank * self.per_rank
         self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
                                         seed=seed, name="embedding.weight", dtype=dtype)
+        self.weight_grads = weight_grads
+        if weight_grads is not None:
+            weight_grads.register(self.weight)
+
+    def _lookup(self, ids: Tensor) -> Tensor:
+        if self.weight_grads is None:
+            return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight.detach()).requires_grad_()
+        return _EmbeddingWeightGrad.apply(rows, ids, DeferredWeight(self.weight,
+                                                                    self.weight_grads))
 
     def forward(self, tokens: Tensor) -> Tensor:
         tokens = tokens.t()  # [s, b]: sequence-first from here on
         if self.tp_size == 1:
-            out = F.embedding(tokens, self.weight)
+            out = self._lookup(tokens)
         else:
             local = tokens - self.vocab_start
             outside = (local < 0) | (local >= self.per_rank)
-            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = self._lookup(local.masked_fill(outside, 0))
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return comms.reduce_scatter_to_sequence_region(out, self.tp_group)
@@ -73,7 +107,8 @@ class VocabParallelOutput(nn.Module):
     def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
                  *, sequence_parallel: bool, std: float, seed: int, weight_name: str,
                  dtype: torch.dtype = torch.float32, use_triton: bool = False,
-                 shared_weight: nn.Parameter | None = None) -> None:
+                 shared_weight: nn.Parameter | None = None,
+                 weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         self.tp_group = pstate.tp_group
         self.sequence_parallel = sequence_parallel
@@ -84,11 +119,17 @@ class VocabParallelOutput(nn.Module):
         if shared_weight is None:
             self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
                                             seed=seed, name=weight_name, dtype=dtype)
+        self.weight_grads = weight_grads
+        if weight_grads is not None:
+            weight_grads.register(self._weight())
+
+    def _weight(self) -> nn.Parameter:
+        return self.shared_weight if self.shared_weight is not None else self.weight
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [s(/t), b, h] -> this rank's logits [s, b, V/t]."""
-        weight = self.shared_weight if self.shared_weight is not None else self.weight
-        return column_parallel_linear(hidden, weight, self.tp_group, self.sequence_parallel)
+        return column_parallel_linear(hidden, self._weight(), self.tp_group,
+                                      self.sequence_parallel, self.weight_grads)
 
     def forward(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Per-token loss [b, s] in fp32 (labels [b, s]; -100 = ignore)."""

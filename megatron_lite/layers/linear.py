@@ -12,11 +12,20 @@ are 1/t the size. The column layer keeps only its input shard for backward and g
 again there (`_SequenceGatherLinear`), so its saved input is 1/t the size too.
 Layers take `sequence_parallel` as the flag in effect, already False at TP=1
 (`model.llama.BuildOptions` resolves it once).
+
+Zero-bubble pipeline schedules split each backward into B (the input gradient, which the
+previous stage waits for) and W (the weight gradient). A layer given a `WeightGradQueue`
+computes only the input gradient in backward and queues the weight-gradient GEMM with what
+it needs (its input, its output gradient); the schedule's W step runs the queue. Without a
+queue (every other schedule) the layers are plain autograd, unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +72,134 @@ class _SequenceGatherLinear(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
+class WeightGradQueue:
+    """The weight-gradient work that B steps deferred, per micro-batch, for one model chunk.
+
+    The engine opens `recording(mb)` around a B step; each deferring layer's backward then
+    `push`es a closure computing its weight gradient. The W step `pop`s the micro-batch's
+    closures and gets one gradient per parameter (a weight used twice, like a tied embedding
+    inside one chunk, gets the sum). Parameters are known up front (`params`) so the engine
+    can tell a weight shared by two chunks of a stage (ZBV's tied embedding and head).
+    """
+
+    def __init__(self) -> None:
+        self.params: dict[int, nn.Parameter] = {}
+        """id -> parameter, for every weight whose gradient comes only from W."""
+        self._recording: int | None = None
+        self._work: dict[int, list[tuple[nn.Parameter, Callable[[], Tensor]]]] = (
+            defaultdict(list))
+
+    def register(self, param: nn.Parameter) -> None:
+        self.params[id(param)] = param
+
+    @contextmanager
+    def recording(self, microbatch: int) -> Iterator[None]:
+        """Backward passes inside queue their weight gradients under `microbatch`."""
+        self._recording = microbatch
+        try:
+            yield
+        finally:
+            self._recording = None
+
+    def push(self, param: nn.Parameter, weight_grad: Callable[[], Tensor]) -> None:
+        if self._recording is None:
+            raise RuntimeError(
+                "a layer built for a zero-bubble schedule (--pipeline-schedule zb-h1/zbv) ran "
+                "backward outside the pipeline engine's B step; its weight gradient would be "
+                "lost. Build the model without a WeightGradQueue for plain autograd")
+        self._work[self._recording].append((param, weight_grad))
+
+    def pop(self, microbatch: int) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        """Run the W work of `microbatch`: (parameter, weight gradient) once per parameter,
+        in the order B queued them, one at a time: the caller accumulates each before the
+        next is computed, so only one weight gradient is alive (as in autograd)."""
+        by_param: dict[int, list[Callable[[], Tensor]]] = defaultdict(list)
+        params: dict[int, nn.Parameter] = {}
+        for param, weight_grad in self._work.pop(microbatch, []):
+            by_param[id(param)].append(weight_grad)
+            params[id(param)] = param
+        for pid in list(by_param):
+            works = by_param.pop(pid)  # dropped once used: frees what the closures hold
+            with torch.no_grad():  # as inside autograd's backward
+                grad = works[0]()
+                for work in works[1:]:
+                    grad = grad + work()
+            del works
+            yield params.pop(pid), grad
+
+    def pending(self) -> list[int]:
+        """Micro-batches whose W has not run (empty after every complete step)."""
+        return sorted(self._work)
+
+
+@dataclass(frozen=True)
+class DeferredWeight:
+    """What a deferring layer's autograd node needs besides its input. Not a tensor, so
+    autograd adds no edge to the weight: its gradient arrives only through the W step (and
+    the optimizer's gradient hooks fire there, once per micro-batch)."""
+
+    weight: nn.Parameter
+    queue: WeightGradQueue
+    gather_group: comms.Group = None
+    """TP group the input of a linear is sequence-sharded over (SP column); None if whole."""
+    scatter_group: comms.Group = None
+    """TP group the output of a linear is reduce-scattered over (SP row); None if not."""
+
+
+def _gather(x: Tensor, group: comms.Group) -> Tensor:
+    return x if group is None else comms.all_gather_dim0(x.contiguous(), group)[0]
+
+
+class _DeferredWeightGradLinear(torch.autograd.Function):
+    """x W^T whose backward returns the input gradient and queues the weight-gradient GEMM.
+
+    Under SP what W keeps is sequence-sharded, as `_SequenceGatherLinear` keeps its input: a
+    column layer's [s/t, b, in] input shard, and a row layer's [s/t, b, out] output-gradient
+    shard (this node also does the row layer's reduce-scatter, so that it sees the shard).
+    W all-gathers them again before its GEMM; every TP rank of a stage runs the same W steps
+    in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, deferred: DeferredWeight) -> Tensor:
+        ctx.deferred = deferred
+        ctx.save_for_backward(x)
+        out = F.linear(_gather(x, deferred.gather_group), deferred.weight)
+        if deferred.scatter_group is not None:
+            out = comms.reduce_scatter_dim0(out.contiguous(), deferred.scatter_group)[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (x,) = ctx.saved_tensors
+        deferred = ctx.deferred
+        grad_x = _gather(grad, deferred.scatter_group).matmul(deferred.weight)
+
+        def weight_grad() -> Tensor:
+            full_grad = _gather(grad, deferred.scatter_group)
+            full_x = _gather(x, deferred.gather_group)
+            return full_grad.reshape(-1, full_grad.size(-1)).t().matmul(
+                full_x.reshape(-1, full_x.size(-1)))
+
+        deferred.queue.push(deferred.weight, weight_grad)
+        if deferred.gather_group is not None:
+            grad_x = comms.reduce_scatter_dim0(grad_x, deferred.gather_group)[0]
+        return grad_x, None
+
+
 def column_parallel_linear(x: Tensor, weight: Tensor, group: comms.Group,
-                           sequence_parallel: bool) -> Tensor:
+                           sequence_parallel: bool,
+                           weight_grads: WeightGradQueue | None = None) -> Tensor:
     """x [s(/t), b, in] (sequence slices iff `sequence_parallel`) -> x W^T [s, b, out/t].
 
     Shared by ColumnParallelLinear and the vocab-parallel output layer. `sequence_parallel`
-    must already be False at TP=1.
+    must already be False at TP=1. With `weight_grads` the weight gradient waits for W.
     """
+    if weight_grads is not None:
+        if sequence_parallel:
+            return _DeferredWeightGradLinear.apply(x, DeferredWeight(weight, weight_grads, group))
+        return _DeferredWeightGradLinear.apply(comms.copy_to_region(x, group),
+                                               DeferredWeight(weight, weight_grads))
     if sequence_parallel:
         return _SequenceGatherLinear.apply(x, weight, group)
     return F.linear(comms.copy_to_region(x, group), weight)
@@ -80,7 +210,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, partitions: Sequence[int], pstate: ParallelState,
                  *, sequence_parallel: bool, std: float, seed: int, name: str,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         for rows in partitions:
             if rows % pstate.tp_size:
@@ -93,9 +224,13 @@ class ColumnParallelLinear(nn.Module):
             (sum(partitions), in_features), split, std=std, seed=seed, name=name,
             tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
             dtype=dtype)), split)
+        self.weight_grads = weight_grads
+        if weight_grads is not None:
+            weight_grads.register(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel)
+        return column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
+                                      self.weight_grads)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,7 +238,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState,
                  *, sequence_parallel: bool, std: float, seed: int, name: str,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         if in_features % pstate.tp_size:
             raise ValueError(f"{name}: {in_features} input features not divisible by TP "
@@ -115,8 +251,18 @@ class RowParallelLinear(nn.Module):
             (out_features, in_features), split, std=std, seed=seed, name=name,
             tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
             dtype=dtype)), split)
+        self.weight_grads = weight_grads
+        if weight_grads is not None:
+            weight_grads.register(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight_grads is not None:
+            if self.sequence_parallel:
+                return _DeferredWeightGradLinear.apply(x, DeferredWeight(
+                    self.weight, self.weight_grads, scatter_group=self.tp_group))
+            partial = _DeferredWeightGradLinear.apply(
+                x, DeferredWeight(self.weight, self.weight_grads))
+            return comms.reduce_from_region(partial, self.tp_group)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             return comms.reduce_scatter_to_sequence_region(partial, self.tp_group)

@@ -6,8 +6,10 @@ dim-0 slice). Token ids and labels stay [b, s] at the edges.
 
 A `LlamaChunk` holds any contiguous run of layers, plus the embedding when it is the first
 piece of the model and the final norm + output layer + loss when it is the last. A whole model
-is one chunk; a pipeline stage holds one chunk (or v chunks when interleaved). Chunks know
-nothing about schedules: they map (tokens | hidden) to (hidden | per-token loss).
+is one chunk; a pipeline stage holds one chunk (or v chunks when interleaved, two under ZBV).
+Chunks know nothing about schedules: they map (tokens | hidden) to (hidden | per-token loss).
+Built with `split_backward` (zero-bubble schedules), a chunk's linears and vocab layers defer
+their weight gradients to its `weight_grads` queue, which the pipeline engine's W steps run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
-from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear, WeightGradQueue
 from megatron_lite.layers.norm import RMSNorm
 from megatron_lite.parallel.state import ParallelState
 
@@ -45,6 +47,8 @@ class BuildOptions:
     """None, "selective" (RoPE + attention core rerun in backward) or "full" (whole layers)."""
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    split_backward: bool = False
+    """Defer weight gradients to the pipeline's W steps (--pipeline-schedule zb-h1/zbv)."""
 
     def for_tp_size(self, tp_size: int) -> BuildOptions:
         """These options for a TP group of `tp_size`: at TP=1 there is no group to split the
@@ -56,12 +60,13 @@ class Attention(nn.Module):
     """Causal GQA self-attention; each TP rank owns heads/t query and groups/t KV heads."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
-                 opts: BuildOptions) -> None:
+                 opts: BuildOptions, weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         t, d = pstate.tp_size, cfg.head_dim
         self.heads, self.groups, self.head_dim = (cfg.num_attention_heads // t,
                                                   cfg.num_query_groups // t, d)
-        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype)
+        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype,
+                      weight_grads=weight_grads)
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.num_query_groups * d],
@@ -111,10 +116,11 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up)), gate and up fused in one column layer."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
-                 opts: BuildOptions) -> None:
+                 opts: BuildOptions, weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         ffn = cfg.ffn_hidden_size
-        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype)
+        common = dict(sequence_parallel=opts.sequence_parallel, seed=opts.seed, dtype=opts.dtype,
+                      weight_grads=weight_grads)
         self.gate_up = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn], pstate,
                                             std=cfg.init_method_std,
                                             name=f"layers.{layer}.mlp.gate_up", **common)
@@ -132,15 +138,15 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
-                 opts: BuildOptions) -> None:
+                 opts: BuildOptions, weight_grads: WeightGradQueue | None = None) -> None:
         super().__init__()
         self.layer_number = layer
         norm = dict(sequence_parallel=opts.sequence_parallel,
                     device=pstate.device, dtype=opts.dtype, use_triton=opts.use_triton)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
-        self.attention = Attention(cfg, pstate, layer, opts)
+        self.attention = Attention(cfg, pstate, layer, opts, weight_grads)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
-        self.mlp = MLP(cfg, pstate, layer, opts)
+        self.mlp = MLP(cfg, pstate, layer, opts, weight_grads)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -148,41 +154,53 @@ class TransformerLayer(nn.Module):
 
 
 class LlamaChunk(nn.Module):
-    """A contiguous run of layers, with the embedding and/or the head when at the ends."""
+    """A contiguous run of layers, with the embedding and/or the head when at the ends.
+
+    `head_on_stage` (for the first chunk) and `tied_embedding` (for the last) build ZBV's
+    first stage, which holds both ends: the head reuses the first chunk's embedding, one
+    parameter, instead of a stage copy whose gradient is summed across stages.
+    """
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer_ids: Sequence[int],
-                 *, pre_process: bool, post_process: bool, opts: BuildOptions) -> None:
+                 *, pre_process: bool, post_process: bool, opts: BuildOptions,
+                 head_on_stage: bool = False,
+                 tied_embedding: nn.Parameter | None = None) -> None:
         super().__init__()
         opts = opts.for_tp_size(pstate.tp_size)
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(layer_ids)
         self.full_recompute = (opts.recompute_granularity == "full", opts.recompute_method,
                                opts.recompute_num_layers)
+        self.weight_grads = WeightGradQueue() if opts.split_backward else None
         padded = cfg.padded_vocab_size(pstate.tp_size)
         tied = not cfg.untie_embeddings_and_output_weights
         if pre_process:
             self.embedding = VocabParallelEmbedding(
                 cfg.vocab_size, padded, cfg.hidden_size, pstate,
                 sequence_parallel=opts.sequence_parallel, std=cfg.init_method_std,
-                seed=opts.seed, dtype=opts.dtype)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, pstate, i, opts) for i in layer_ids)
+                seed=opts.seed, dtype=opts.dtype, weight_grads=self.weight_grads)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, pstate, i, opts, self.weight_grads)
+                                    for i in layer_ids)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon,
                                       sequence_parallel=opts.sequence_parallel,
                                       device=pstate.device, dtype=opts.dtype,
                                       use_triton=opts.use_triton)
             shared = self.embedding.weight if (tied and pre_process) else None
+            if tied and tied_embedding is not None:
+                shared = tied_embedding
             self.output = VocabParallelOutput(
                 cfg.vocab_size, padded, cfg.hidden_size, pstate,
                 sequence_parallel=opts.sequence_parallel, std=cfg.init_method_std,
                 seed=opts.seed, dtype=opts.dtype,
                 weight_name="embedding.weight" if tied else "output.weight",
-                use_triton=opts.use_triton, shared_weight=shared)
-            if tied and not pre_process:
+                use_triton=opts.use_triton, shared_weight=shared,
+                weight_grads=self.weight_grads)
+            if tied and shared is None:
                 # A second copy of the embedding on the last stage: it starts equal (same
                 # seed and name) and its gradient is summed with the first stage's.
                 tags.mark_shared_embedding(self.output.weight)
-        if tied and pre_process and not post_process:
+        if tied and pre_process and not post_process and not head_on_stage:
             tags.mark_shared_embedding(self.embedding.weight)
         cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
                                device=pstate.device)

@@ -3,9 +3,10 @@
 Shapes are never communicated: every stage computes the one shape that crosses a stage
 boundary, [s, b, h] (or [s/t, b, h] under sequence parallelism), from the config. Each
 `Communicate` action of the schedule becomes one `batch_isend_irecv` whose requests are all
-waited before the stage moves on; the schedule guarantees the neighbours post matching
-batches. Activations use tag 0 and gradients tag 1: gloo matches on tags, NCCL ignores them
-and matches in posting order, which the schedule also keeps consistent.
+waited before the stage moves on; a `Post` (zero-bubble schedules) is one that is waited
+later, by a `Wait`. The schedule guarantees the neighbours post matching batches.
+Activations use tag 0 and gradients tag 1: gloo matches on tags, NCCL ignores them and
+matches in posting order, which the schedule also keeps consistent.
 """
 
 from __future__ import annotations
@@ -32,17 +33,52 @@ def boundary_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_
     return seq, micro_batch_size, hidden_size
 
 
+class PostedBatch:
+    """One posted batch of transfers: `wait()` blocks until all are done and returns the
+    received tensors by op (valid only after it)."""
+
+    def __init__(self, works: list[dist.Work], received: dict[Recv, torch.Tensor],
+                 sent: list[torch.Tensor]) -> None:
+        self.works, self.received = works, received
+        self._sent = sent  # the send buffers, kept alive until the sends are done
+
+    def wait(self) -> dict[Recv, torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works, self._sent = [], []
+        return self.received
+
+
 class StageComm:
-    """Sends and receives one stage's boundary tensors to and from its pipeline neighbours."""
+    """Sends and receives one stage's boundary tensors to and from its pipeline neighbours.
+
+    A transfer whose peer is this stage (the turn of ZBV's V on the last stage) is handed
+    over locally, in posting order, without p2p.
+    """
 
     def __init__(self, pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.pstate, self.shape, self.dtype = pstate, tuple(shape), dtype
+        self._local: list[torch.Tensor] = []
+
+    def is_local(self, op: Send | Recv) -> bool:
+        return op.peer == self.pstate.pp_rank
 
     def exchange(self, ops: Sequence[Send | Recv], outgoing: Mapping[Send, torch.Tensor]
                  ) -> dict[Recv, torch.Tensor]:
         """Post every op of one batch, wait for all; return the received tensors by op."""
-        p2p_ops, received = [], {}
+        return self.post(ops, outgoing).wait()
+
+    def post(self, ops: Sequence[Send | Recv], outgoing: Mapping[Send, torch.Tensor]
+             ) -> PostedBatch:
+        """Post every op of one batch as one batched isend/irecv, without waiting."""
+        p2p_ops, received, sent = [], {}, []
         for op in ops:
+            if self.is_local(op):
+                if isinstance(op, Send):
+                    self._local.append(outgoing[op])
+                else:
+                    received[op] = self._local.pop(0)
+                continue
             peer = self.pstate.pp_ranks[op.peer]
             tag = _TAGS[op.tensor]
             if isinstance(op, Send):
@@ -53,12 +89,11 @@ class StageComm:
                         f"{tuple(tensor.shape)} {tensor.dtype}, the pipeline expects "
                         f"{self.shape} {self.dtype}; the model chunk's output does not match "
                         "--seq-length/--micro-batch-size/--hidden-size (and /TP under SP)")
-                p2p_ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, tag=tag))
+                sent.append(tensor.contiguous())
+                p2p_ops.append(dist.P2POp(dist.isend, sent[-1], peer, tag=tag))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.pstate.device)
                 received[op] = buffer
                 p2p_ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
-        if p2p_ops:
-            for work in dist.batch_isend_irecv(p2p_ops):
-                work.wait()
-        return received
+        works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+        return PostedBatch(works, received, sent)

@@ -10,13 +10,17 @@ Uneven first/last stages (`--decoder-first-pipeline-num-layers`,
 `--decoder-last-pipeline-num-layers`) fix those stages' layer counts; the remaining layers are
 shared evenly by the other stages. Each stage then splits its own count evenly over its v
 chunks, and virtual round c still visits stages in order, so layer order is preserved.
+
+The V shape of the ZBV schedule (`--pipeline-schedule zbv`) cuts the stack into 2p even
+pieces and gives stage s pieces s and 2p - 1 - s: a micro-batch goes down the stages and back
+up, and stage 0 holds both the embedding and the head (a tied embedding is one parameter).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import ConfigError
+from megatron_lite.config import Config, ConfigError, pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class Partition:
     """Layer ids per (stage, chunk): `layers[stage][chunk]` is a tuple of global layer indices."""
 
     layers: tuple[tuple[tuple[int, ...], ...], ...]
+    v_shape: bool = False
+    """Chunks placed in a V (ZBV) rather than round-robin; see `virtual_stage`."""
 
     @property
     def pp_size(self) -> int:
@@ -132,6 +138,35 @@ def partition_layers(
     return Partition(tuple(tuple(chunks) for chunks in layers))
 
 
+def virtual_stage(pp_size: int, stage: int, chunk: int, v_shape: bool = False) -> int:
+    """Position in the model (0 = the embedding's) of chunk `chunk` of stage `stage`.
+
+    Round-robin (interleaving): chunk c of stage s is piece c*p + s. V shape (ZBV, two
+    chunks): chunk 0 of stage s is piece s and chunk 1 is piece 2p - 1 - s.
+    """
+    if v_shape:
+        return stage if chunk == 0 else 2 * pp_size - 1 - stage
+    return chunk * pp_size + stage
+
+
+def stage_and_chunk(pp_size: int, virtual: int, v_shape: bool = False) -> tuple[int, int]:
+    """(stage, chunk) holding piece `virtual` of the model; the inverse of `virtual_stage`."""
+    if v_shape:
+        return (virtual, 0) if virtual < pp_size else (2 * pp_size - 1 - virtual, 1)
+    return virtual % pp_size, virtual // pp_size
+
+
+def config_partition(cfg: Config, pp_size: int) -> Partition:
+    """The partition a run's flags ask for: the V under --pipeline-schedule zbv, else
+    round-robin with the virtual stage size and the uneven first/last stages."""
+    parallel, layers = cfg.parallel, cfg.model.num_layers
+    if pipeline_schedule(parallel) == "zbv":
+        return v_partition(layers, pp_size)
+    return partition_layers(layers, pp_size, parallel.num_layers_per_virtual_pipeline_stage,
+                            parallel.decoder_first_pipeline_num_layers,
+                            parallel.decoder_last_pipeline_num_layers)
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """What one model chunk of a stage is built from."""
@@ -143,9 +178,25 @@ class ChunkSpec:
     """Holds the final norm, output layer and loss (last chunk of the last stage)."""
 
 
+def v_partition(num_layers: int, pp_size: int) -> Partition:
+    """ZBV's placement: 2p even pieces, stage s holds pieces s and 2p - 1 - s."""
+    pieces = 2 * pp_size
+    if num_layers % pieces:
+        raise ConfigError(
+            f"--pipeline-schedule zbv splits --num-layers {num_layers} into 2 x "
+            f"--pipeline-model-parallel-size {pp_size} = {pieces} equal chunks; use a "
+            f"multiple of {pieces}")
+    n = num_layers // pieces
+    layers = tuple(tuple(tuple(range(virtual * n, (virtual + 1) * n))
+                         for virtual in (stage, pieces - 1 - stage))
+                   for stage in range(pp_size))
+    return Partition(layers, v_shape=True)
+
+
 def stage_chunks(part: Partition, pp_rank: int) -> list[ChunkSpec]:
     """The chunks stage `pp_rank` builds, in chunk order."""
-    last_stage, last_chunk = part.pp_size - 1, part.num_chunks - 1
-    return [ChunkSpec(part.layer_ids(pp_rank, c), pp_rank == 0 and c == 0,
-                      pp_rank == last_stage and c == last_chunk)
+    last = part.pp_size * part.num_chunks - 1
+    virtual = [virtual_stage(part.pp_size, pp_rank, c, part.v_shape)
+               for c in range(part.num_chunks)]
+    return [ChunkSpec(part.layer_ids(pp_rank, c), virtual[c] == 0, virtual[c] == last)
             for c in range(part.num_chunks)]

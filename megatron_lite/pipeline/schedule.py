@@ -3,7 +3,8 @@
 A schedule is decided before any tensor exists, so it can be printed, diffed and checked
 exhaustively by a simulator in the tests; `engine.py` only walks the list.
 
-Three schedules, chosen by `build_schedule` from (pp_size, num_chunks):
+Without `kind` (--pipeline-schedule 1f1b / interleaved), `build_schedule` picks one of three
+from (pp_size, num_chunks):
   * p = 1: no pipelining, gradient accumulation: F0 B0 F1 B1 ...
   * v = 1: 1F1B. Stage r runs p-r-1 warm-up forwards, then alternates one forward and one
     backward, then drains the remaining backwards. At most p-r micro-batches are in flight.
@@ -12,19 +13,28 @@ Three schedules, chosen by `build_schedule` from (pp_size, num_chunks):
     chunk 1, ...; backwards visit the chunks in reverse. Warm-up is (p-r-1)*2 + (v-1)*p
     virtual micro-batches (Megatron's count), which covers the round trip through the other
     stages before chunk 1's first input and chunk v-1's first gradient arrive.
+The zero-bubble schedules (kind zb-h1, zbv) split each backward into B (`BackwardInput`) and
+W (`BackwardWeight`), in the order of a `zero_bubble.timeline`.
 
 Communication: before a compute that needs a remote input the stage receives it, after a
 compute whose result another stage needs it sends it. All transfers that fall between two
 consecutive computes form one `Communicate` action, executed as one batched isend/irecv and
 waited together, which is what keeps neighbours that send to each other at the same moment
 from deadlocking. Transfers between the same two ranks are matched in posting order (NCCL
-ignores tags), so every list is built so that both sides post them in the same order.
+ignores tags), so every list is built so that both sides post them in the same order. The
+zero-bubble lists `Post` batches ahead and `Wait` for one only before the compute reading
+it (a W between a send and the next receive would otherwise hold up both neighbours); see
+`_zero_bubble_schedule`.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
+
+from megatron_lite.pipeline import zero_bubble
+from megatron_lite.pipeline.partition import stage_and_chunk, virtual_stage
 
 TensorKind = Literal["activation", "grad"]
 """What a transfer carries: a forward activation or a backward gradient."""
@@ -41,6 +51,24 @@ class Forward:
 @dataclass(frozen=True)
 class Backward:
     """Backpropagate micro-batch `microbatch` through chunk `chunk`."""
+
+    microbatch: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class BackwardInput:
+    """B of a zero-bubble schedule: only the gradient w.r.t. the chunk's input (what the
+    previous stage waits for); the chunk's weight-gradient GEMMs are queued for W."""
+
+    microbatch: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """W of a zero-bubble schedule: run the weight-gradient GEMMs that B(mb, chunk) queued and
+    accumulate them into the parameters' gradients (needed only by the optimizer)."""
 
     microbatch: int
     chunk: int
@@ -74,14 +102,32 @@ class Communicate:
 
 
 @dataclass(frozen=True)
+class Post:
+    """One batch of transfers posted without waiting (zero-bubble schedules).
+
+    Batches complete in posting order, as on one NCCL stream; a compute waits (`Wait`) only
+    for the batch holding its input, so a send never holds up the computes after it.
+    """
+
+    ops: tuple[Send | Recv, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until the batch holding each of `ops`, and every batch posted before it, is done."""
+
+    ops: tuple[Send | Recv, ...]
+
+
+@dataclass(frozen=True)
 class ReduceGrads:
     """All backwards of `chunk` are done: its data-parallel gradient reduction may start."""
 
     chunk: int
 
 
-Compute = Forward | Backward
-Action = Forward | Backward | Communicate | ReduceGrads
+Compute = Forward | Backward | BackwardInput | BackwardWeight
+Action = Compute | Communicate | Post | Wait | ReduceGrads
 
 
 def compute_order(pp_size: int, pp_rank: int, num_microbatches: int,
@@ -132,13 +178,13 @@ def _virtual_microbatch_table(pp_size: int, num_microbatches: int,
     return table
 
 
-def _neighbours(pp_size: int, stage: int, chunk: int, num_chunks: int
+def _neighbours(pp_size: int, stage: int, chunk: int, num_chunks: int, v_shape: bool = False
                 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(stage, chunk) before and after this one in the model, or None at either end."""
-    virtual = chunk * pp_size + stage
+    virtual = virtual_stage(pp_size, stage, chunk, v_shape)
     last = pp_size * num_chunks - 1
-    prev = None if virtual == 0 else ((virtual - 1) % pp_size, (virtual - 1) // pp_size)
-    nxt = None if virtual == last else ((virtual + 1) % pp_size, (virtual + 1) // pp_size)
+    prev = None if virtual == 0 else stage_and_chunk(pp_size, virtual - 1, v_shape)
+    nxt = None if virtual == last else stage_and_chunk(pp_size, virtual + 1, v_shape)
     return prev, nxt
 
 
@@ -156,9 +202,27 @@ def _transfers(op: Compute, pp_size: int, stage: int, num_chunks: int
     return recvs, sends
 
 
+SCHEDULES = ("1f1b", "interleaved", *zero_bubble.ZERO_BUBBLE_SCHEDULES)
+"""--pipeline-schedule choices; 1f1b and interleaved are today's (v = 1 or v > 1 chunks)."""
+
+
+def schedule_chunks(kind: str, num_chunks: int) -> int:
+    """Chunks per stage the schedule `kind` runs: ZB-H1 one, ZBV two, the others as built."""
+    return {"zb-h1": 1, "zbv": 2}.get(kind, num_chunks)
+
+
 def stage_schedule(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1,
-                   forward_only: bool = False) -> list[Action]:
-    """Full action list of one stage: computes, batched transfers and grad-reduction points."""
+                   forward_only: bool = False, kind: str | None = None,
+                   costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[Action]:
+    """Full action list of one stage: computes, batched transfers and grad-reduction points.
+
+    `kind` None (or 1f1b / interleaved) picks by `num_chunks`; zb-h1 and zbv build every
+    stage's list from one timeline (timed by `costs`, see `build_schedule`) and return this
+    stage's.
+    """
+    if kind in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+        return build_schedule(pp_size, num_microbatches, num_chunks, forward_only, kind,
+                              costs)[pp_rank]
     steps = compute_steps(pp_size, pp_rank, num_microbatches, num_chunks, forward_only)
     last_backward = {op.chunk: i for i, step in enumerate(steps) for op in step
                      if isinstance(op, Backward)}
@@ -187,12 +251,97 @@ def _posting_order(ops: list[Send | Recv]) -> tuple[Send | Recv, ...]:
     return tuple(sorted(ops, key=lambda op: op.tensor != "activation"))
 
 
+def _zero_bubble_schedule(kind: str, pp_size: int, num_microbatches: int, forward_only: bool,
+                          costs: tuple[float, float, float]) -> list[list[Action]]:
+    """Every stage's actions from the `zero_bubble.timeline` of `kind`.
+
+    Each transfer is keyed by the time its producer finishes in the timeline, and every
+    stage posts its transfers in key order: a send right after its producer, a receive as
+    soon as every transfer keyed before it has been posted (so it is usually waiting when
+    the data is sent). Both ends of every channel then post in the same order and the
+    stages' posting orders agree with one clock, which is what rules out a deadlock; a
+    compute waits only for its own input. A transfer to the same stage (the V's turn on the
+    last stage) is a local hand-over, posted send first. W's send nothing; a chunk's
+    gradients are ready after its last W, and under ZBV chunk 0 (holding the embedding that
+    chunk 1's head is tied to) after both chunks' last W.
+    """
+    slots = zero_bubble.timeline(kind, pp_size, num_microbatches, forward_only, costs)
+    v_shape = kind == "zbv"
+    num_chunks = schedule_chunks(kind, 1)
+    index = [{(s.kind, s.microbatch, s.chunk): i for i, s in enumerate(stage_slots)}
+             for stage_slots in slots]
+    # per stage: (key, is_recv, index of the compute it follows or feeds, op)
+    streams: list[list[tuple[tuple, bool, int, Send | Recv]]] = [[] for _ in range(pp_size)]
+    for stage, stage_slots in enumerate(slots):
+        for i, slot in enumerate(stage_slots):
+            prev, nxt = _neighbours(pp_size, stage, slot.chunk, num_chunks, v_shape)
+            target = {"F": nxt, "B": prev}.get(slot.kind)
+            if target is None:
+                continue
+            tensor: TensorKind = "activation" if slot.kind == "F" else "grad"
+            key = (slot.end, tensor != "activation", slot.microbatch)
+            consumer = index[target[0]][(slot.kind, slot.microbatch, target[1])]
+            streams[stage].append((key, False, i, Send(tensor, slot.microbatch, slot.chunk,
+                                                       target[0])))
+            streams[target[0]].append((key, True, consumer,
+                                       Recv(tensor, slot.microbatch, target[1], stage)))
+    return [_stage_actions(stage_slots, streams[stage], v_shape)
+            for stage, stage_slots in enumerate(slots)]
+
+
+def _stage_actions(slots: list[zero_bubble.Slot],
+                   stream: list[tuple[tuple, bool, int, Send | Recv]],
+                   v_shape: bool) -> list[Action]:
+    """One stage's computes with its posts (grouped by position and key) and waits."""
+    computes: list[Compute] = [
+        {"F": Forward, "B": BackwardInput, "W": BackwardWeight}[s.kind](s.microbatch, s.chunk)
+        for s in slots]
+    # position (index of the compute it precedes) -> time -> ops, one batch per time
+    posts: dict[int, dict[float, list[Send | Recv]]] = defaultdict(lambda: defaultdict(list))
+    needs: dict[int, list[Recv]] = defaultdict(list)
+    position = 0
+    for key, is_recv, compute, op in sorted(stream, key=lambda item: item[:2]):
+        if is_recv:
+            needs[compute].append(op)
+        else:
+            position = max(position, compute + 1)
+        posts[position][key[0]].append(op)
+    last_weight = {op.chunk: i for i, op in enumerate(computes)
+                   if isinstance(op, BackwardWeight)}
+    if v_shape and len(last_weight) == 2:
+        last_weight[0] = max(last_weight.values())
+    actions: list[Action] = []
+    for i in range(len(computes) + 1):
+        actions += [Post(tuple(ops)) for _, ops in sorted(posts[i].items())]
+        if i == len(computes):
+            break
+        if needs[i]:
+            actions.append(Wait(tuple(needs[i])))
+        actions.append(computes[i])
+        actions += [ReduceGrads(c) for c in sorted(last_weight) if last_weight[c] == i]
+    if stream:
+        actions.append(Wait(tuple(op for _, _, _, op in stream)))
+    return actions
+
+
 def build_schedule(pp_size: int, num_microbatches: int, num_chunks: int = 1,
-                   forward_only: bool = False) -> list[list[Action]]:
-    """Action lists for every stage; validates the schedule's own preconditions."""
+                   forward_only: bool = False, kind: str | None = None,
+                   costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[list[Action]]:
+    """Action lists for every stage; validates the schedule's own preconditions.
+
+    `costs` (F, B, W of a whole stage) time the zero-bubble timeline: unit costs by default;
+    the measured ones place each stage's W's where that machine's bubbles are.
+    """
     if num_microbatches < 1:
         raise ValueError(f"need at least one micro-batch, got {num_microbatches}")
     if num_chunks > 1 and pp_size == 1:
         raise ValueError("virtual chunks need more than one pipeline stage")
+    if kind in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+        if pp_size == 1:
+            raise ValueError(f"the {kind} schedule needs more than one pipeline stage")
+        if num_chunks != schedule_chunks(kind, num_chunks):
+            raise ValueError(f"the {kind} schedule runs {schedule_chunks(kind, 1)} chunk(s) per "
+                             f"stage, the model was built with {num_chunks}")
+        return _zero_bubble_schedule(kind, pp_size, num_microbatches, forward_only, costs)
     return [stage_schedule(pp_size, rank, num_microbatches, num_chunks, forward_only)
             for rank in range(pp_size)]

@@ -171,10 +171,11 @@ class Guard:
     # ---- local checks (before any reduction) -----------------------------------------------
 
     def check_loss(self, local: Tensor) -> Tensor:
-        """This rank's partial loss, checked (on the last stage, the only one that has it)."""
+        """This rank's partial loss, checked; exactly zero on ranks whose chunks have no head
+        (which stage holds it depends on the schedule: the last, or stage 0 under ZBV)."""
         self.phase("gradient reduction and loss all-reduce")
         local = self.faults.corrupt_loss(self._iteration, local)
-        if self.rel.check_for_nan_in_loss_and_grad and self.pstate.is_last_stage:
+        if self.rel.check_for_nan_in_loss_and_grad:
             self._loss_bad = not bool(torch.isfinite(local).all())
         return local
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
-from megatron_lite.pipeline.partition import partition_layers, stage_chunks
-from megatron_lite.pipeline.schedule import stage_schedule
+from megatron_lite.pipeline.partition import partition_layers, stage_chunks, v_partition
+from megatron_lite.pipeline.schedule import schedule_chunks, stage_schedule
 from tests.distributed import run_ranks
 
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -50,7 +51,8 @@ def _loss_fn(num_tokens: torch.Tensor):
 def _canonical(name: str, layer_ids: tuple[int, ...]) -> str:
     """Chunk-local parameter name -> whole-model name (layers.<local> -> layers.<global>)."""
     name = re.sub(r"^layers\.(\d+)\.", lambda match: f"layers.{layer_ids[int(match[1])]}.", name)
-    return "embedding.weight" if name == "output.weight" else name  # the tied copy
+    # the tied copy, or (ZBV) the head's reference to the same stage's embedding
+    return "embedding.weight" if name in ("output.weight", "output.shared_weight") else name
 
 
 def _unique_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
@@ -65,14 +67,33 @@ def _finalize(params: list[nn.Parameter], pstate: ParallelState) -> None:
             comms.all_reduce_(p.grad, pstate.embedding_group)
 
 
-def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: bool) -> dict:
-    cfg = ModelConfig(**MODEL)
-    lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
-    specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv), pstate.pp_rank)
-    opts = BuildOptions(seed=SEED, sequence_parallel=sp)
-    chunks = [LlamaChunk(cfg, pstate, s.layer_ids, pre_process=s.pre_process,
-                         post_process=s.post_process, opts=opts) for s in specs]
-    actions = stage_schedule(pstate.pp_size, pstate.pp_rank, microbatches, v)
+def _build_chunks(cfg: ModelConfig, pstate: ParallelState, v: int, kind: str | None,
+                  opts: BuildOptions) -> tuple[list[LlamaChunk], list]:
+    """This stage's chunks for the schedule, the way training.build_model builds them."""
+    if kind == "zbv":
+        specs = stage_chunks(v_partition(cfg.num_layers, pstate.pp_size), pstate.pp_rank)
+    else:
+        lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
+        specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv),
+                             pstate.pp_rank)
+    opts = replace(opts, split_backward=kind in ("zb-h1", "zbv"))
+    chunks: list[LlamaChunk] = []
+    v_shape = kind == "zbv"
+    for s in specs:
+        tied = chunks[0].embedding.weight if v_shape and s.post_process else None
+        chunks.append(LlamaChunk(cfg, pstate, s.layer_ids, pre_process=s.pre_process,
+                                 post_process=s.post_process, opts=opts,
+                                 head_on_stage=v_shape and s.pre_process, tied_embedding=tied))
+    return chunks, specs
+
+
+def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: bool,
+           kind: str | None = None, num_layers: int = MODEL["num_layers"]) -> dict:
+    cfg = ModelConfig(**{**MODEL, "num_layers": num_layers})
+    v = schedule_chunks(kind, v) if kind else v
+    chunks, specs = _build_chunks(cfg, pstate, v, kind, BuildOptions(seed=SEED,
+                                                                     sequence_parallel=sp))
+    actions = stage_schedule(pstate.pp_size, pstate.pp_rank, microbatches, v, kind=kind)
     shape = boundary_shape(cfg.seq_length, MBS, cfg.hidden_size, pstate.tp_size, sp)
     comm = StageComm(pstate, shape, torch.float32) if pstate.pp_size > 1 else None
     params = _unique_params(chunks)
@@ -93,7 +114,7 @@ def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: boo
         out = forward_backward(chunks, actions, batches, comm, _loss_fn(num_tokens),
                                on_grads_ready=dp_reduce)
         _finalize(params, pstate)
-        owner = pstate.is_last_stage and pstate.tp_rank == 0
+        owner = any(c.post_process for c in chunks) and pstate.tp_rank == 0
         loss = torch.stack(out).sum() if owner else torch.zeros(())
         losses.append(comms.all_reduce_(loss, pstate.world_group).item())
         if step == 0:
@@ -105,10 +126,10 @@ def _train(pstate: ParallelState, v: int, microbatches: int, steps: int, sp: boo
     return {"losses": losses, "grads": grads, "hooks": hooks}
 
 
-def _reference(microbatches: int, steps: int) -> dict:
+def _reference(microbatches: int, steps: int, num_layers: int = MODEL["num_layers"]) -> dict:
     """The whole model in this process, a plain loop over every micro-batch of each step."""
     pstate = single_process_state()
-    cfg = ModelConfig(**MODEL)
+    cfg = ModelConfig(**{**MODEL, "num_layers": num_layers})
     model = LlamaChunk(cfg, pstate, range(cfg.num_layers), pre_process=True, post_process=True,
                        opts=BuildOptions(seed=SEED))
     losses, grads = [], {}
@@ -227,3 +248,30 @@ def test_live_activations_on_stage0_stay_within_1f1b_bound(tmp_path) -> None:
     assert interleaved["peak"] == (pp - 1) * 2 + pp + 1  # warm-up + 1 chunk outputs, not 8 x v
     # Every earlier output had been sent and its storage released by the next forward.
     assert plain["unfreed"] == 0 and interleaved["unfreed"] == 0
+
+
+def _train_schedules(pstate: ParallelState, kinds: tuple[str, ...], microbatches: int,
+                     steps: int, sp: bool, num_layers: int) -> list[dict]:
+    return [_train(pstate, 1, microbatches, steps, sp, kind, num_layers) for kind in kinds]
+
+
+ZERO_BUBBLE = ("zb-h1", "zbv")
+
+
+@pytest.mark.parametrize(("world", "tp", "pp", "sp", "layers"),
+                         [(2, 1, 2, False, 4), (4, 1, 4, False, 8), (4, 2, 2, True, 4)])
+def test_zero_bubble_schedules_match_single_process(tmp_path, world: int, tp: int, pp: int,
+                                                    sp: bool, layers: int) -> None:
+    """ZB-H1 and ZBV (B/W split, W's in the bubbles; ZBV's V with the tied embedding and head
+    on stage 0) give the single process's losses and gradients; each chunk's DP hook runs
+    once per step, after its last W."""
+    microbatches, steps = 2 * pp, 6
+    ref = _reference(microbatches, steps, layers)
+    ranks = run_ranks(_train_schedules, world, tmp_path, tp=tp, pp=pp, kinds=ZERO_BUBBLE,
+                      microbatches=microbatches, steps=steps, sp=sp, num_layers=layers,
+                      timeout=240)
+    for i, kind in enumerate(ZERO_BUBBLE):
+        _check([out[i] for out in ranks], ref, tp=tp, check_grads=True)
+        for out in ranks:
+            assert sorted(out[i]["hooks"]) == sorted(list(range(schedule_chunks(kind, 1)))
+                                                     * steps)
