@@ -48,8 +48,8 @@ class LiveBytes(TorchDispatchMode):
     and uncounted when Python frees it (a weak reference on the storage). One storage is
     counted once however many views share it. Storages can also shrink outside the
     dispatcher: the pipeline frees a sent activation with `UntypedStorage.resize_(0)` right
-    after a p2p op, so after any communication op the next allocation re-measures every
-    tracked storage before the peak moves.
+    after its send, so after a send the next allocation re-measures every tracked storage
+    before the peak moves (not after every collective: that re-measure is O(storages)).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -63,7 +63,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d":
+        if func._schema.name == "c10d::send":  # only a sent activation is freed by resize_
             self._stale = True
         for t in _tensors(out):
             if t.device == self.device:
