@@ -321,6 +321,9 @@ class DataConfig:
     """Test data only (blend syntax); evaluated once at the end of training."""
     data_sharding: str = field(default="global", metadata={"choices": ["global", "node-local"]})
     """global = shared storage, global shuffle; node-local = each DP rank reads its own shards."""
+    expect_full_pass: bool = False
+    """The run is meant to see all of its training data: warn at start-up when the planned
+    samples cover less than one epoch (it prints the planned epochs either way)."""
     num_workers: int = 1
     """Training steps of micro-batches a background thread prepares ahead (0 = none)."""
     data_cache_path: str | None = None
@@ -488,6 +491,18 @@ class ReliabilityConfig:
     checkpoint."""
     spike_patience: int = 3
     """Consecutive spikes that trigger a rollback (--on-spike rollback)."""
+    spike_accept_after: int = 5
+    """Spikes in a row after which the loss is taken as a new level (a genuine shift): the
+    detector restarts its statistics from those losses and the step trains, instead of every
+    later step being skipped. 0 = never (under --on-spike rollback, --spike-patience acts
+    first when it is smaller)."""
+    max_skipped_iterations_in_a_row: int = 10
+    """Save and stop with a non-zero exit once this many steps in a row were skipped (NaN/Inf,
+    loss spikes, non-finite gradient norm): a rank that keeps producing NaNs must not consume
+    the data. 0 = no limit."""
+    max_skipped_iterations: int = 100
+    """Save and stop the same way once this many steps were skipped in all, counted across
+    resumes (--skip-iterations are not counted). 0 = no limit."""
     spike_skip_samples: int | None = None
     """After a rollback, skip this many samples past the spike (default: the spiking steps')."""
     spike_lr_factor: float = 0.5
@@ -513,6 +528,17 @@ class ReliabilityConfig:
             raise ConfigError(f"--spike-skip-samples must be >= 0, got {self.spike_skip_samples}")
         if self.spike_lr_iters < 0:
             raise ConfigError(f"--spike-lr-iters must be >= 0, got {self.spike_lr_iters}")
+        for name in ("max_skipped_iterations_in_a_row", "max_skipped_iterations"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_dash(name)} must be >= 0 (0 = no limit), got "
+                                  f"{getattr(self, name)}")
+        accept, in_a_row = self.spike_accept_after, self.max_skipped_iterations_in_a_row
+        if accept == 1 or accept < 0:
+            raise ConfigError(f"--spike-accept-after must be 0 (never) or >= 2, got {accept}")
+        if self.spike_threshold is not None and accept and in_a_row and accept > in_a_row:
+            raise ConfigError(f"--spike-accept-after {accept} can never act: the run stops "
+                              f"after --max-skipped-iterations-in-a-row {in_a_row}; lower the "
+                              "first or raise the second")
 
 
 @dataclass

@@ -33,7 +33,8 @@ from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
                ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("V100", 125.0))
 JSONL_TRAIN_KEYS = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "iter_time_ms",
-                    "tokens_per_sec", "tflops_per_device", "mfu")
+                    "tokens_per_sec", "tflops_per_device", "mfu", "data_wait_ms", "comm_wait_ms",
+                    "tokens_seen", "epoch")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -226,6 +227,9 @@ class MetricsLogger:
         self.wandb: Any = None
         self.wandb_sync_hint = ""
         self.tensorboard: Any = None
+        self.samples_per_epoch: int | None = None
+        """Training samples in one pass over the corpus, all DP ranks' shards together (set
+        by the loop once the data is known); `epoch` in the records is consumed / this."""
         if not self.enabled:
             return
         n = matmul_params(shape)
@@ -289,21 +293,36 @@ class MetricsLogger:
     def log_train(self, *, iteration: int, consumed_samples: int, loss: float, lr: float,
                   grad_norm: float, iter_time_s: float, tokens: int, skipped: int,
                   compute_time_s: float | None = None, global_batch_size: int | None = None,
-                  scalars: dict[str, float] | None = None) -> dict:
+                  scalars: dict[str, float] | None = None, data_wait_s: float = 0.0,
+                  comm_wait_s: float = 0.0) -> dict:
         """One log interval (averages over it); `compute_time_s` is this rank's forward/backward
         time per iteration, gathered from every rank for the spread and the straggler check;
         `global_batch_size` is the last step's (given with a ramp-up, where it changes);
-        `scalars` are extra values for the record (--log-params-norm, --log-num-zeros-in-grad)."""
+        `scalars` are extra values for the record (--log-params-norm, --log-num-zeros-in-grad).
+
+        `data_wait_s` (time blocked on the loader) and `comm_wait_s` (exposed communication,
+        comms.WaitClock: token-count and loss all-reduces, DP gradient reductions, ZeRO-1
+        gathers, pipeline transfers; not TP collectives, the grad-norm or the guard's
+        all-reduce; training._pop_comm_wait) are this rank's per-iteration means; the record
+        holds the largest over all ranks, the one that held the step up. `tokens_seen` and
+        `epoch` come from `consumed_samples`, the global position a checkpoint restores
+        (samples of skipped steps count: they were consumed)."""
         mem = memory_stats(self.pstate.device)
         own = iter_time_s if compute_time_s is None else compute_time_s
-        gathered = _gather_floats([own, _peak_gib(mem)], self.pstate)
+        gathered = _gather_floats([own, _peak_gib(mem), data_wait_s, comm_wait_s], self.pstate)
+        data_wait_ms = max(g[2] for g in gathered) * 1e3
+        comm_wait_ms = max(g[3] for g in gathered) * 1e3
+        tokens_seen = consumed_samples * self.cfg.model.seq_length
+        epoch = (consumed_samples / self.samples_per_epoch if self.samples_per_epoch
+                 else float("nan"))
         tokens_per_sec = tokens / iter_time_s
         tflops = tokens_per_sec * self.flops_per_token / self.pstate.world_size / 1e12
         causal = tflops * self.flops_per_token_causal / self.flops_per_token
         record = {"iteration": iteration, "consumed_samples": consumed_samples, "loss": loss,
                   "lr": lr, "grad_norm": grad_norm, "iter_time_ms": iter_time_s * 1e3,
                   "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
-                  "mfu": tflops / self.peak_tflops}
+                  "mfu": tflops / self.peak_tflops, "data_wait_ms": data_wait_ms,
+                  "comm_wait_ms": comm_wait_ms, "tokens_seen": tokens_seen, "epoch": epoch}
         if global_batch_size is not None:
             record["global_batch_size"] = global_batch_size
         record.update(scalars or {})
@@ -317,7 +336,9 @@ class MetricsLogger:
                 f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
                 f"{tokens_per_sec:,.0f} tok/s | {tflops:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
                 f"MFU {100 * record['mfu']:.3g}% (causal {100 * causal / self.peak_tflops:.3g}%) | "
-                f"skipped {skipped} | mem {_format_memory(mem)}")
+                f"data wait {data_wait_ms:.1f} ms | comm wait {comm_wait_ms:.1f} ms | epoch "
+                f"{epoch:.4g} ({tokens_seen:,} tokens) | skipped {skipped} | mem "
+                f"{_format_memory(mem)}")
         if len(times) > 1:
             line += (f" | max mem {gathered[mem_peak][1]:.2f} GiB (rank {mem_peak}) | rank fwd-bwd"
                      f" ms min/med/max {spread.min_s * 1e3:.1f}/{spread.median_s * 1e3:.1f}/"
@@ -342,6 +363,20 @@ class MetricsLogger:
                   f"threshold {100 * self.stragglers.threshold:.0f}%); every other rank waits "
                   f"for it at the gradient all-reduce. Check that node's clocks/thermals, other "
                   f"processes on it, and its data loading.", flush=True)
+
+    def log_event(self, record: dict) -> None:
+        """A reliability event (`{"event", "iteration", "time", ...}`, reliability/guard.py):
+        one JSONL line as it is, and wandb `events/<name>` = 1 with its numbers."""
+        if not self.enabled:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            name = record["event"]
+            numbers = {f"events/{name}/{k}": v for k, v in record.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool)
+                       and k not in ("iteration", "time")}
+            self.wandb.log({f"events/{name}": 1, **numbers}, step=record["iteration"])
 
     def log_eval(self, iteration: int, eval_loss: float, split: str = "eval") -> None:
         """An evaluation's loss; `split` "test" for the test set after training."""
@@ -387,9 +422,10 @@ def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
         return {}
     wanted = {"loss", "lr", "grad_norm", "global_batch_size", "consumed_samples",
               "skipped_iterations", "params_norm", "num_zeros_in_grad", "eval_loss",
-              "test_loss"}
+              "test_loss", "tokens_seen", "epoch"}
     prefixes = tuple(p for flag, group in (
-        (lg.log_timers_to_tensorboard, ("iter_time_ms", "rank_time/")),
+        (lg.log_timers_to_tensorboard, ("iter_time_ms", "rank_time/", "data_wait_ms",
+                                        "comm_wait_ms")),
         (lg.log_memory_to_tensorboard, ("memory/",)),
         (lg.log_throughput, ("tokens_per_sec", "tflops_per_device", "mfu")),
         (lg.log_validation_ppl_to_tensorboard, ("eval_ppl", "test_ppl"))) if flag for p in group)

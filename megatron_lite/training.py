@@ -25,7 +25,12 @@ from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
 from megatron_lite.config import Config, num_microbatches, pipeline_schedule, validate
-from megatron_lite.data.builder import build_loaders, resolve_tokenizer
+from megatron_lite.data.builder import (
+    build_loaders,
+    planned_samples,
+    resolve_tokenizer,
+    samples_per_epoch_of,
+)
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.errors import found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
@@ -48,6 +53,9 @@ from megatron_lite.planner import pipeline_op_costs
 from megatron_lite.profiling import StepHooks
 from megatron_lite.provenance import git_commit
 from megatron_lite.reliability import Guard, report_partial_checkpoints
+
+MAX_EPOCHS = 4
+"""More passes over the training data than this draw a start-up warning."""
 
 
 @dataclass
@@ -116,8 +124,10 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
         log_memory(cfg, pstate, chunks, optimizer)
         logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
         cleanup.callback(logger.close)
+        logger.samples_per_epoch = plan_epochs(cfg, pstate, train_loader)
         checkpointer.on_save = logger.log_checkpoint
-        guard.attach(optimizer, checkpointer)
+        guard.on_event = logger.log_event
+        guard.attach(optimizer, checkpointer, train_loader)
         guard.start()
         cleanup.callback(guard.close)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
@@ -137,7 +147,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
     """Iterations from `start_iteration` to --train-iters (or an earlier agreed exit)."""
     cfg, guard, loader = trainer.cfg, trainer.guard, trainer.train_loader
     result = TrainResult(iteration=start_iteration)
-    window: list[tuple[StepOutcome, float, float]] = []  # step, seconds, fwd-bwd seconds
+    # step, seconds, fwd-bwd seconds, data wait seconds, comm wait seconds
+    window: list[tuple[StepOutcome, float, float, float, float]] = []
     skipped = 0
     iteration = start_iteration
     while iteration < cfg.train.train_iters:
@@ -154,7 +165,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             step = train_step(trainer.runner, trainer.optimizer, loader, trainer.pstate, lr,
                               guard, decoupled_lr)
         skipped += step.skipped
-        window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds()))
+        window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
+                       loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
         result.losses.append(step.loss)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
             _log_window(trainer, iteration, lr, window, skipped)
@@ -165,6 +177,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
                                                trainer.pstate))
             trainer.logger.log_eval(iteration, result.eval_losses[-1])
             trainer.hooks.after_evaluation()
+            _pop_comm_wait(trainer)  # evaluation's pipeline waits are not the next step's
         trainer.hooks.after_step(iteration)
         result.iteration = iteration
         decision = guard.after_step(step)
@@ -172,12 +185,15 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             iteration = result.iteration = _roll_back(trainer.checkpointer, guard, iteration,
                                                       loader)
             continue
-        if _save_if_due(trainer, iteration, started) or decision.exit_reason:
+        if (_save_if_due(trainer, iteration, started) or decision.exit_reason
+                or decision.stop_reason):
             break
     guard.phase("checkpoint")
     trainer.checkpointer.finish(result.iteration)
     if guard.decision.exit_reason:
         guard.log_exit(result.iteration, guard.decision.exit_reason)
+    if guard.decision.stop_reason:  # too many skipped steps: saved above, now fail loudly
+        raise guard.log_stop(result.iteration)
     return result
 
 
@@ -206,13 +222,15 @@ def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoade
     """
     samples = loader.current_global_batch_size
     batches = loader.next_step()
-    num_tokens = global_token_count(batches, pstate)
+    with optimizer.wait_clock:  # the first collective after the data: it waits for the slowest
+        num_tokens = global_token_count(batches, pstate)
     optimizer.zero_grad(len(batches))
     local = runner(batches, num_tokens)
     if guard is not None:
         local = guard.check_loss(local)
     optimizer.finalize_grads()
-    loss = reduce_loss(local, pstate)
+    with optimizer.wait_clock:
+        loss = reduce_loss(local, pstate)
     if guard is not None and guard.decide(loss).skip:
         return StepOutcome(loss, math.nan, skipped=True, samples=samples)
     result = optimizer.step(lr, decoupled_lr)
@@ -313,8 +331,20 @@ def _evaluation_due(cfg: Config, iteration: int) -> bool:
     return t.eval_iters > 0 and (iteration % t.eval_interval == 0 or iteration == t.train_iters)
 
 
+def _pop_comm_wait(trainer: Trainer) -> float:
+    """This rank's exposed communication since the last call (comms.WaitClock): the global
+    token count and loss all-reduces, the DP gradient reduction's finish, ZeRO-1 parameter
+    gathers, pipeline transfer waits. Not counted: TP/SP collectives inside the layers, the
+    grad-norm and reliability all-reduces. Popped after the step's loss is on the host, so
+    reading the CUDA events does not stall the stream."""
+    comm = trainer.runner.comm
+    return trainer.optimizer.wait_clock.pop_seconds() + (
+        comm.wait_clock.pop_seconds() if comm is not None else 0.0)
+
+
 def _log_window(trainer: Trainer, iteration: int, lr: float,
-                window: list[tuple[StepOutcome, float, float]], skipped: int) -> None:
+                window: list[tuple[StepOutcome, float, float, float, float]], skipped: int
+                ) -> None:
     """One log line / JSONL record: means over the steps since the last one."""
     n = len(window)
     lg, scalars = trainer.cfg.logging, {}
@@ -324,12 +354,51 @@ def _log_window(trainer: Trainer, iteration: int, lr: float,
         scalars["num_zeros_in_grad"] = trainer.optimizer.num_zeros_in_grad()
     trainer.logger.log_train(scalars=scalars,
         iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
-        loss=sum(step.loss for step, _, _ in window) / n, lr=lr,
-        grad_norm=sum(step.grad_norm for step, _, _ in window) / n,
-        iter_time_s=sum(seconds for _, seconds, _ in window) / n,
-        tokens=sum(step.samples for step, _, _ in window) // n * trainer.cfg.model.seq_length,
+        loss=sum(w[0].loss for w in window) / n, lr=lr,
+        grad_norm=sum(w[0].grad_norm for w in window) / n,
+        iter_time_s=sum(w[1] for w in window) / n,
+        tokens=sum(w[0].samples for w in window) // n * trainer.cfg.model.seq_length,
         global_batch_size=window[-1][0].samples if trainer.cfg.train.rampup_batch_size else None,
-        skipped=skipped, compute_time_s=sum(compute for _, _, compute in window) / n)
+        skipped=skipped, compute_time_s=sum(w[2] for w in window) / n,
+        data_wait_s=sum(w[3] for w in window) / n, comm_wait_s=sum(w[4] for w in window) / n)
+
+
+def plan_epochs(cfg: Config, pstate: ParallelState, loader: MicroBatchLoader) -> int:
+    """Samples in one pass over the training corpus (every DP rank's shards, node-local);
+    rank 0 prints the planned epochs and warns above MAX_EPOCHS, or below one epoch with
+    --expect-full-pass. Node-local ranks read only their shards, each at its own rate: the
+    pass is the sum of their epochs, each rank's repetition its share over its own epoch
+    (counting a node's local epoch as the corpus's is the under-training bug this prints)."""
+    local = sum(samples_per_epoch_of(s) for s in loader.streams)
+    node_local = loader.node_local and pstate.dp_size > 1
+    per_rank = [local]
+    if node_local:
+        row = torch.zeros(pstate.dp_size, dtype=torch.float64, device=pstate.device)
+        row[pstate.dp_rank] = local
+        per_rank = [int(x) for x in comms.all_reduce_(row, pstate.dp_group).tolist()]
+    total = sum(per_rank)
+    planned = planned_samples(cfg, loader.global_batch_size)
+    epochs = planned / total
+    if pstate.rank != 0:
+        return total
+    text = (f"data: {planned:,} training samples planned ({cfg.train.train_iters} steps) over "
+            f"{total:,} samples per epoch = {epochs:.3g} epochs")
+    if node_local:
+        share = planned / pstate.dp_size
+        text += (f"; node-local: each of the {pstate.dp_size} DP ranks reads its own shards, "
+                 f"{min(per_rank):,}-{max(per_rank):,} samples per epoch, so it sees them "
+                 f"{share / max(per_rank):.3g}-{share / min(per_rank):.3g} times")
+    print(text, flush=True)
+    if epochs > MAX_EPOCHS:
+        print(f"warning: the run would see its training data {epochs:.3g} times (more than "
+              f"{MAX_EPOCHS}): repeated data gives little and invites memorisation; add data "
+              "or lower --train-iters / --train-samples", flush=True)
+    elif epochs < 1 and cfg.data.expect_full_pass:
+        print(f"warning: --expect-full-pass, but the run covers only {epochs:.3g} of its "
+              f"training data ({planned:,} of {total:,} samples); raise --train-iters / "
+              f"--train-samples to {math.ceil(total / loader.global_batch_size)} steps' worth",
+              flush=True)
+    return total
 
 
 def _save_if_due(trainer: Trainer, iteration: int, step_started: float) -> bool:

@@ -238,6 +238,7 @@ class Checkpointer:
         pstate, parallel = self.pstate, self.cfg.parallel
         return {
             "consumed_samples": self.loader.consumed_samples,
+            "data_stream_dp": self.loader.stream_dp,  # node-local: the streams' DP layout
             "has_optimizer": True,
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
@@ -439,12 +440,6 @@ class Checkpointer:
             raise ckpt_files.CheckpointError(
                 f"{reader.dir} holds a different model than this run's config:\n  "
                 + "\n  ".join(diffs) + "\npass the checkpoint's values (or load another one)")
-        if (self.cfg.data.data_sharding == "node-local"
-                and reader.dp != self.pstate.dp_size):
-            raise ckpt_files.CheckpointError(
-                f"--data-sharding node-local: {reader.dir} was saved with data-parallel size "
-                f"{reader.dp}, this run has {self.pstate.dp_size}; each DP rank's shards and "
-                "position would change. Resume with the same DP size")
         saved_data = reader.meta.get("data")  # absent in imported (never trained) checkpoints
         if saved_data and saved_data != data_fingerprint(self.cfg) and self.pstate.rank == 0:
             print(f"checkpoint: warning: the data (--data-path, --split, manifests or tokenizer)"
@@ -487,7 +482,12 @@ class Checkpointer:
     def _load_rank_state(self, reader: CheckpointReader) -> bool:
         """RNG states, when this rank's saved counterpart exists (same layout)."""
         pstate, saved = self.pstate, reader.meta["layout"]
-        self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"]})
+        # node-local data at another DP size: the loader takes over the saved layout's
+        # streams where it can and says what changes (data/loader.py)
+        self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"],
+                                     "stream_dp": reader.meta.get("data_stream_dp", reader.dp)})
+        if self.loader.resume_note and pstate.rank == 0:
+            print(self.loader.resume_note, flush=True)
         same = ((saved["world_size"], saved["tp"], saved["pp"])
                 == (pstate.world_size, pstate.tp_size, pstate.pp_size))
         name = ckpt_files.rank_file(pstate.rank)

@@ -77,10 +77,11 @@ def tokenizer_info(cfg: Config) -> TokenizerInfo:
     return TokenizerInfo(ref[1], ref[2], ref[0], warnings)
 
 
-def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:
+def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int, *,
+                   train_only: bool = False) -> list:
     d, t = cfg.data, cfg.train
     node_local = (dp_rank, dp_size) if d.data_sharding == "node-local" else None
-    eval_samples = t.eval_iters * gbs if t.eval_iters > 0 else 0
+    eval_samples = t.eval_iters * gbs if t.eval_iters > 0 and not train_only else 0
     needed = [t.train_iters * gbs, eval_samples, eval_samples]
     if node_local:
         needed = [n // dp_size for n in needed]
@@ -96,7 +97,7 @@ def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int) -> list:
                         if paths else None
                         for which, (paths, n) in enumerate(zip(
                             (d.train_data_path, d.valid_data_path, d.test_data_path), needed))]
-        if d.verify_checksums:
+        if d.verify_checksums and not train_only:
             _verify(cfg, node_local)
     except (ShardError, ValueError) as e:
         raise ConfigError(str(e)) from e
@@ -161,7 +162,42 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
     train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")
+    # a node-local resume at another DP size reads the old ranks' streams (loader docstring)
+    streams = partial(_old_rank_stream, cfg, gbs)
     return Loaders(MicroBatchLoader(train, consumed_samples=consumed_train_samples,
-                                    prefetch=cfg.data.num_workers, batch_size_at=ramp, **common),
+                                    prefetch=cfg.data.num_workers, batch_size_at=ramp,
+                                    stream_factory=streams, **common),
                    MicroBatchLoader(valid, **common) if valid is not None else None,
                    MicroBatchLoader(test, **common) if test is not None else None)
+
+
+def _old_rank_stream(cfg: Config, gbs: int, dp_rank: int, dp_size: int) -> object:
+    """The node-local training dataset DP rank `dp_rank` of a DP-`dp_size` run reads (the same
+    shards, sample count, seed and therefore index as that run built)."""
+    return _real_datasets(cfg, dp_rank, dp_size, gbs, train_only=True)[0]
+
+
+def samples_per_epoch_of(dataset: object) -> int:
+    """Samples of one pass over a dataset: a GPT dataset's epoch, the sum over a blend's parts
+    (one pass over every source), else its length (mock data)."""
+    index = getattr(dataset, "index", None)
+    if index is not None:
+        return int(index.samples_per_epoch)
+    parts = getattr(dataset, "datasets", None)
+    if parts is not None:
+        return sum(samples_per_epoch_of(p) for p in parts)
+    return len(dataset)  # type: ignore[arg-type]
+
+
+def planned_samples(cfg: Config, global_batch_size: int) -> int:
+    """Training samples the run will draw: --train-samples, or --train-iters global batches
+    (summed over a batch-size ramp-up)."""
+    t = cfg.train
+    if t.train_samples is not None:
+        return t.train_samples
+    if not t.rampup_batch_size:
+        return t.train_iters * global_batch_size
+    consumed = 0
+    for _ in range(t.train_iters):
+        consumed += global_batch_at(t, consumed)
+    return consumed

@@ -10,6 +10,16 @@ With `node_local=True` each DP rank's dataset holds only its own shards: the ran
 dataset sequentially from consumed_samples / dp, so every rank still takes the same number of
 samples per step and the position is still the one global number.
 
+Node-local data at another DP size (a resume after losing nodes): the checkpoint says which DP
+size S the sample streams were made for. When the new size D divides S, DP rank r takes over
+the streams of the old ranks r, r + D, r + 2D, ... (exactly the shards i % D == r that it would
+own anyway) and reads each from its old position, consumed_samples / S, B / S samples per step
+and stream. Every global batch then holds exactly the samples the DP-S run would have used;
+only their micro-batch and rank change, which the token-sum loss does not see. Otherwise
+(D grows, or does not divide S) the shards are re-assigned round robin over D, each rank reads
+its new sample order from consumed_samples / D, and `resume_note` says so: the data order
+changes from there on (the epoch count and the samples per step do not).
+
 With `batch_size_at` (a batch-size ramp-up) the global batch of a step is a function of the
 position it starts at, so the position still says everything: a resume mid-ramp continues
 with the same batches.
@@ -17,6 +27,7 @@ with the same batches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -50,7 +61,8 @@ class MicroBatchLoader:
                  dp_rank: int, dp_size: int, consumed_samples: int = 0,
                  eod_id: int | None = None, eod_mask_loss: bool = False,
                  node_local: bool = False, prefetch: int = 0,
-                 batch_size_at: Callable[[int], int] | None = None) -> None:
+                 batch_size_at: Callable[[int], int] | None = None,
+                 stream_factory: Callable[[int, int], TokenDataset] | None = None) -> None:
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of micro batch x dp")
         self.dataset = dataset
@@ -63,6 +75,19 @@ class MicroBatchLoader:
         self.batch_size_at = batch_size_at or (lambda consumed: global_batch_size)
         self._pool = ThreadPoolExecutor(1, "batch-prefetch") if prefetch > 0 else None
         self._ahead: dict[int, Future] = {}
+        self.streams: list[TokenDataset] = [dataset]
+        """Node-local: the sample streams this rank reads (more than one after a resume at a
+        DP size that divides the saved one; see the module docstring)."""
+        self.stream_dp = dp_size
+        """Node-local: the DP size the streams were made for (saved in checkpoints)."""
+        self.stream_factory = stream_factory
+        """Node-local: (old DP rank, old DP size) -> that rank's training dataset."""
+        self.resume_note: str | None = None
+        """What a node-local resume at another DP size did to the data order (for the log)."""
+        self.before_fetch: Callable[[], None] | None = None
+        """Called inside the timed fetch of every step (fault injection: a slow loader)."""
+        self.wait_seconds = 0.0
+        """Time the caller was blocked in `next_step` since the last `pop_wait_seconds`."""
 
     @property
     def current_global_batch_size(self) -> int:
@@ -73,20 +98,28 @@ class MicroBatchLoader:
     def num_microbatches(self) -> int:
         return self.current_global_batch_size // (self.micro_batch_size * self.dp_size)
 
-    def sample_indices(self, consumed: int) -> list[list[int]]:
-        """Dataset indices of this rank's micro-batches for the step starting at `consumed`."""
+    def sample_indices(self, consumed: int) -> list[list[tuple[int, int]]]:
+        """(stream, dataset index) of each sample of this rank's micro-batches for the step
+        starting at `consumed` (stream 0 unless node-local streams were taken over)."""
         mb, dp = self.micro_batch_size, self.dp_size
-        steps = self.batch_size_at(consumed) // (mb * dp)
+        batch = self.batch_size_at(consumed)
+        steps = batch // (mb * dp)
         if self.node_local:
-            start = consumed // dp
-            return [[(start + j * mb + i) % len(self.dataset) for i in range(mb)]
-                    for j in range(steps)]
-        return [[(consumed + (j * dp + self.dp_rank) * mb + i) % len(self.dataset)
-                 for i in range(mb)] for j in range(steps)]
+            per_stream, start = batch // self.stream_dp, consumed // self.stream_dp
+            flat = [(s, (start + i) % len(stream)) for s, stream in enumerate(self.streams)
+                    for i in range(per_stream)]
+            return [flat[j * mb:(j + 1) * mb] for j in range(steps)]
+        n = len(self.dataset)
+        return [[(0, (consumed + (j * dp + self.dp_rank) * mb + i) % n) for i in range(mb)]
+                for j in range(steps)]
 
     def _build(self, consumed: int) -> list[dict[str, Tensor]]:
-        return [to_batch([self.dataset[i] for i in idx], self.eod_id, self.eod_mask_loss)
-                for idx in self.sample_indices(consumed)]
+        return [to_batch([self.streams[s][i] for s, i in refs], self.eod_id, self.eod_mask_loss)
+                for refs in self.sample_indices(consumed)]
+
+    def pop_wait_seconds(self) -> float:
+        seconds, self.wait_seconds = self.wait_seconds, 0.0
+        return seconds
 
     def next_step(self) -> list[dict[str, Tensor]]:
         """The step starting at `consumed_samples`, then advance.
@@ -95,8 +128,12 @@ class MicroBatchLoader:
         Work is keyed by the position it starts at, so a position set from outside (resume,
         evaluation restart) simply misses and is built here: batches never depend on timing.
         """
+        started = time.perf_counter()
+        if self.before_fetch is not None:
+            self.before_fetch()
         future = self._ahead.pop(self.consumed_samples, None)
         batches = future.result() if future else self._build(self.consumed_samples)
+        self.wait_seconds += time.perf_counter() - started
         self.consumed_samples += self.batch_size_at(self.consumed_samples)
         if self._pool is not None:
             for stale in [k for k in self._ahead if k < self.consumed_samples]:
@@ -109,7 +146,40 @@ class MicroBatchLoader:
         return batches
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "stream_dp": self.stream_dp}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position; node-local, also the streams of the saved DP layout (`stream_dp`)."""
         self.consumed_samples = int(state["consumed_samples"])
+        self.resume_note = None
+        saved = int(state.get("stream_dp", self.stream_dp))
+        if self.node_local and saved != self.stream_dp:
+            self._take_over_streams(saved)
+
+    def _take_over_streams(self, saved: int) -> None:
+        """Resume node-local data made for DP size `saved` at this loader's DP size."""
+        dp, r, c = self.dp_size, self.dp_rank, self.consumed_samples
+        self._ahead.clear()
+        head = f"node-local data: the checkpoint's sample streams were made for DP {saved}, "
+        if saved % dp == 0 and self.global_batch_size % saved == 0 and self.stream_factory:
+            self.stream_dp = saved
+            if saved == dp:  # back at the streams' own size: this rank's own dataset
+                self.streams, self.resume_note = [self.dataset], None
+                return
+            self.streams = [self.stream_factory(q, saved) for q in range(r, saved, dp)]
+            self.resume_note = (
+                f"{head}this run has DP {dp}: DP rank r continues the streams of the old ranks "
+                f"r, r+{dp}, ... ({saved // dp} each; shards i % {dp} == r, as before) from their "
+                f"saved position, sample {c // saved} of each, {self.global_batch_size // saved} "
+                "samples per stream and step: every global batch holds exactly the samples "
+                f"the DP-{saved} run would have used (only their rank and micro-batch change)")
+            return
+        self.streams, self.stream_dp = [self.dataset], dp
+        why = (f"{dp} does not divide {saved}" if saved % dp else
+               f"--global-batch-size {self.global_batch_size} is not a multiple of {saved}")
+        self.resume_note = (
+            f"{head}this run has DP {dp} ({why}): the shards are re-assigned round robin "
+            f"(shard i -> DP rank i % {dp}) and each rank starts its new sample order at sample "
+            f"{c // dp} (consumed_samples {c} / {dp}). The data order changes from here: "
+            "samples already trained on may come again and others be left out; samples per "
+            "step and epochs are unchanged")

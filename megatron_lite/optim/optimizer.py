@@ -118,6 +118,11 @@ class Optimizer:
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
         """DP bytes/calls of the gradient reduction and parameter gather (tests, bench)."""
+        self.wait_clock = comms.WaitClock(pstate.device)
+        """Exposed DP communication: `finalize_grads` (the gradient reductions still running,
+        the tied-embedding and SP all-reduces), ZeRO-1's parameter all-gathers (their waits
+        under --overlap-param-gather, the whole gather otherwise); the training step adds its
+        token-count and loss all-reduces."""
         named = _named_parameters(chunks)
         self.params = [p for _, p, _ in named]
         self._names = [n for n, _, _ in named]
@@ -277,6 +282,11 @@ class Optimizer:
 
     def finalize_grads(self) -> None:
         """Finish the step's gradient reduction: tied embeddings, DP, then SP norms over TP."""
+        with self.wait_clock:
+            self._finish_reductions()
+        self._finalized = True
+
+    def _finish_reductions(self) -> None:
         pstate = self.pstate
         for key in sorted(self._deferred):
             buffer = self.buffers[key[0]]
@@ -294,7 +304,6 @@ class Optimizer:
             flat = comms.all_reduce_(torch.cat(grads), pstate.tp_group)
             for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(reduced)
-        self._finalized = True
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -314,7 +323,11 @@ class Optimizer:
         self._step += 1
         for shard in self.shards:
             shard.adamw_step(self.cfg.optim, lr, self._step, coeff, decoupled_lr)
-        self._start_param_sync(async_op=self.cfg.parallel.overlap_param_gather)
+        if self.cfg.parallel.overlap_param_gather:
+            self._start_param_sync(async_op=True)  # waited in the next forward's hooks
+        else:
+            with self.wait_clock:
+                self._start_param_sync(async_op=False)
         return StepResult(norm_value, skipped=False)
 
     def params_norm(self) -> float:
@@ -350,7 +363,8 @@ class Optimizer:
         for key in keys:
             handle = self._gathers.pop(key, None)
             if handle is not None:
-                handle.wait()
+                with self.wait_clock:
+                    handle.wait()
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers; call before reading model weights

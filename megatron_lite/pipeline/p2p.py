@@ -12,10 +12,12 @@ matches in posting order, which the schedule also keeps consistent.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel.comms import WaitClock
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline.schedule import Recv, Send
 
@@ -38,13 +40,15 @@ class PostedBatch:
     received tensors by op (valid only after it)."""
 
     def __init__(self, works: list[dist.Work], received: dict[Recv, torch.Tensor],
-                 sent: list[torch.Tensor]) -> None:
+                 sent: list[torch.Tensor], clock: WaitClock | None = None) -> None:
         self.works, self.received = works, received
         self._sent = sent  # the send buffers, kept alive until the sends are done
+        self.clock = clock
 
     def wait(self) -> dict[Recv, torch.Tensor]:
-        for work in self.works:
-            work.wait()
+        with self.clock if self.clock is not None and self.works else nullcontext():
+            for work in self.works:
+                work.wait()
         self.works, self._sent = [], []
         return self.received
 
@@ -59,6 +63,9 @@ class StageComm:
     def __init__(self, pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.pstate, self.shape, self.dtype = pstate, tuple(shape), dtype
         self._local: list[torch.Tensor] = []
+        self.wait_clock = WaitClock(pstate.device)
+        """Exposed pipeline communication: time blocked in the waits of posted batches (a
+        receive waiting for the neighbour's compute counts: that is the bubble seen here)."""
 
     def is_local(self, op: Send | Recv) -> bool:
         return op.peer == self.pstate.pp_rank
@@ -96,4 +103,4 @@ class StageComm:
                 received[op] = buffer
                 p2p_ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
         works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
-        return PostedBatch(works, received, sent)
+        return PostedBatch(works, received, sent, self.wait_clock)

@@ -6,7 +6,8 @@
 
 Kinds: `exit` (os._exit(1)), `kill` (SIGKILL to itself), `hang` (sleeps forever in the loop),
 `nan_loss` / `nan_grad` (this rank's local loss / one local gradient element becomes NaN),
-`spike` (this rank's local loss x SPIKE_FACTOR), `sigterm` (SIGTERM to itself between steps),
+`spike` (this rank's local loss x SPIKE_FACTOR), `slow_data` (this rank's loader takes
+SLOW_DATA_S longer to hand over the iteration's batch), `sigterm` (SIGTERM to itself between steps),
 `sigterm_in_save` / `kill_in_save` (SIGTERM / SIGKILL to itself while writing the checkpoint of
 that iteration, after its first file is written).
 
@@ -30,8 +31,9 @@ from torch import Tensor
 
 FAULT_ENV = "MEGATRON_LITE_FAULT"
 KINDS = ("exit", "kill", "hang", "nan_loss", "nan_grad", "spike", "sigterm", "sigterm_in_save",
-         "kill_in_save")
+         "kill_in_save", "slow_data")
 SPIKE_FACTOR = 20.0
+SLOW_DATA_S = 0.2
 _SPEC = re.compile(r"rank(\d+):iter(\d+)(?:-(\d+))?:([a-z_]+)(?::attempt(\d+))?")
 
 
@@ -103,6 +105,11 @@ class FaultInjector:
         """Called with each local gradient bucket before its reduction."""
         if grad.numel() and self.take(iteration, "nan_grad"):
             grad.view(-1)[0] = float("nan")
+
+    def delay_data(self, iteration: int) -> None:
+        """Loader hook, inside the timed fetch of a step's batch: `slow_data` faults."""
+        if self.take(iteration, "slow_data"):
+            time.sleep(SLOW_DATA_S)
 
     def file_written(self, iteration: int) -> None:
         """Checkpointer hook, after each file of a save: `*_in_save` faults of `iteration`."""

@@ -9,7 +9,8 @@ Per iteration:
         (the optimizer calls guard.check_grads(bucket) before each bucket's DP reduction)
       decision = guard.decide(loss)                ONE small all-reduce: exit flags + NaN/Inf;
                                                    then the spike rule on the reduced loss
-    decision = guard.after_step(step)              accept the loss, say: go on, roll back, exit
+    decision = guard.after_step(step)              accept the loss, count skips in a row and
+                                                   in total; say: go on, roll back, exit, stop
 
 `attach(optimizer, checkpointer)` wires the gradient check and the checkpointer's
 file-written hook (for injected faults during a save) once, before the loop.
@@ -18,12 +19,25 @@ file-written hook (for injected faults during a save) once, before the loop.
 rank 0's wall-clock budget, and NaN/Inf found in any rank's local loss or gradients. The
 NaN/Inf message names the rank, host, iteration and whether it was the loss or a gradient
 (gathered from the ranks that found one, on the rare path only).
+
+Recovery is bounded: a rank that keeps producing NaN/Inf would otherwise make the run skip
+steps forever while it consumes data. After --max-skipped-iterations-in-a-row skipped steps in
+a row, or --max-skipped-iterations in all (NaN/Inf, spikes, non-finite gradient norms; not
+--skip-iterations, which the user asked for), the loop saves and `SkipLimitError` ends the run
+with a non-zero exit. A run of --spike-accept-after spikes in a row is taken as a genuine level
+shift: the detector restarts its statistics from those losses and the step trains.
+
+Every skip, rollback, recovery and exit is an event `{"event", "iteration", "time", ...}`: kept
+in the checkpointed history, printed on rank 0, and handed to `on_event` (the metrics logger's
+JSONL / wandb).
 """
 
 from __future__ import annotations
 
 import socket
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +58,10 @@ class NonFiniteError(RuntimeError):
     """NaN/Inf in a loss or gradient with --on-nan stop."""
 
 
+class SkipLimitError(RuntimeError):
+    """Too many skipped steps in a row or in total: the run saved and stops (non-zero exit)."""
+
+
 @dataclass
 class Decision:
     """What every rank does with this iteration (identical on all ranks)."""
@@ -55,6 +73,8 @@ class Decision:
     """--on-spike rollback: reload the last checkpoint before the next iteration."""
     exit_reason: str | None = None
     """Save and exit cleanly after this iteration."""
+    stop_reason: str | None = None
+    """Save, then stop with `SkipLimitError`: automatic recovery has given up."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,14 @@ class Counters:
     data_skipped: int = 0
     rollbacks: int = 0
     events: list[dict] = field(default_factory=list)
-    """Every action with its numbers (iteration, kind, values), oldest first."""
+    """Every action with its numbers (event, iteration, time, values), oldest first."""
+    other_skipped: int = 0
+    """Optimizer steps skipped for a non-finite gradient norm (NaN checks off)."""
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped without the user asking: what --max-skipped-iterations bounds."""
+        return self.nan_skipped + self.spike_skipped + self.other_skipped
 
 
 class Guard:
@@ -104,10 +131,15 @@ class Guard:
         self._loss_bad = False
         self._grad_bad: Tensor | None = None
         self._consecutive_spikes = 0
+        self._spike_run: list[float] = []
+        """The losses of the current run of spikes (a new level if it lasts)."""
+        self._skipped_in_a_row = 0
         self._lr_scaled_until = 0
         self._advised = False
         self.decision = Decision()
         """This iteration's agreed decision (reset by `begin`)."""
+        self.on_event: Callable[[dict], None] | None = None
+        """Called with every event record on every rank (the metrics logger writes rank 0's)."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -127,12 +159,16 @@ class Guard:
         if self.watchdog is not None:
             self.watchdog.phase(name, self._iteration)
 
-    def attach(self, optimizer: object, checkpointer: object) -> None:
+    def attach(self, optimizer: object, checkpointer: object, loader: object | None = None
+               ) -> None:
         """Check each gradient bucket before its DP reduction; fire `*_in_save` faults after
-        each checkpoint file is written."""
+        each checkpoint file is written and `slow_data` faults in the loader's fetch."""
         optimizer.grad_check = self.check_grads  # type: ignore[attr-defined]
         checkpointer.on_file_written = (  # type: ignore[attr-defined]
             lambda: self.faults.file_written(self._iteration))
+        if loader is not None and self.faults.faults:
+            loader.before_fetch = (  # type: ignore[attr-defined]
+                lambda: self.faults.delay_data(self._iteration))
 
     def before_step(self, iteration: int, consumed_samples: int) -> StepPlan:
         """Start of an iteration whose batch starts at sample `consumed_samples`."""
@@ -146,15 +182,60 @@ class Guard:
 
     def after_step(self, step: StepOutcome) -> Decision:
         """The step is done: a loss that updated the weights joins the spike statistics;
-        returns the iteration's decision (roll back, exit, or neither)."""
+        returns the iteration's decision (roll back, exit, stop, or neither)."""
         if not step.skipped and self.spikes is not None:
             self.spikes.accept(step.loss)
+        if step.skipped and not self.decision.skip:
+            if self._iteration in self.skip_set:  # --skip-iterations: asked for, not counted
+                return self.decision
+            self.counters.other_skipped += 1  # the optimizer found a non-finite norm
+            self._log(f"iteration {self._iteration}: optimizer step skipped (non-finite "
+                      "gradient norm)", event="grad_norm_skip")
+        if step.skipped:
+            self._skipped_in_a_row += 1
+            self._check_skip_limits()
+        elif self._skipped_in_a_row:
+            self._log(f"iteration {self._iteration}: trained again after "
+                      f"{self._skipped_in_a_row} skipped step(s) in a row", event="recovered",
+                      after_skipped=self._skipped_in_a_row)
+            self._skipped_in_a_row = 0
         return self.decision
 
+    def _check_skip_limits(self) -> None:
+        r, total = self.rel, self.counters.skipped
+        if r.max_skipped_iterations_in_a_row and \
+                self._skipped_in_a_row >= r.max_skipped_iterations_in_a_row:
+            why = (f"{self._skipped_in_a_row} steps in a row were skipped "
+                   f"(--max-skipped-iterations-in-a-row {r.max_skipped_iterations_in_a_row})")
+        elif r.max_skipped_iterations and total >= r.max_skipped_iterations:
+            why = (f"{total} steps were skipped in all (--max-skipped-iterations "
+                   f"{r.max_skipped_iterations})")
+        else:
+            return
+        self.decision.stop_reason = (
+            f"{why}: {self.counters.nan_skipped} for NaN/Inf, {self.counters.spike_skipped} for "
+            f"loss spikes, {self.counters.other_skipped} for a non-finite gradient norm")
+        self.decision.rollback = False
+
+    def log_stop(self, iteration: int) -> SkipLimitError:
+        """The event and the error that end the run after the loop saved `iteration`."""
+        reason = self.decision.stop_reason
+        saved = (f"checkpoint of iteration {iteration} saved in {self.cfg.checkpoint.save}"
+                 if self.cfg.checkpoint.save else "nothing saved (no --save)")
+        self._log(f"stopping after iteration {iteration}: {reason}; {saved}. The weights are "
+                  "those of the last trained step; find the faulty rank or batch in the events "
+                  "above, then resume (raise the limit to go on as before)", event="stop",
+                  reason=reason)
+        return SkipLimitError(f"stopped after iteration {iteration}: {reason}; {saved}")
+
     def _log(self, text: str, **event: object) -> None:
-        self.counters.events.append({"iteration": self._iteration, **event})
+        name = event.pop("event")
+        record = {"event": name, "iteration": self._iteration, "time": time.time(), **event}
+        self.counters.events.append(record)
         if self.pstate.rank == 0:
             print(text, flush=True)
+        if self.on_event is not None:
+            self.on_event(record)
 
     # ---- data ------------------------------------------------------------------------------
 
@@ -164,7 +245,7 @@ class Guard:
             return False
         self.counters.data_skipped += 1
         self._log(f"iteration {iteration}: skipped by --skip-iterations (samples "
-                  f"{consumed_samples}.. not trained on)", kind="skip_iteration",
+                  f"{consumed_samples}.. not trained on)", event="skip_iteration",
                   consumed_samples=consumed_samples)
         return True
 
@@ -236,15 +317,21 @@ class Guard:
         self.counters.nan_skipped += 1
         decision.skip, decision.reason = True, "nan"
         self._log(f"{where}; step skipped on every rank (--on-nan skip), "
-                  f"{self.counters.nan_skipped} skipped so far", kind="nan_skip", found=found)
+                  f"{self.counters.nan_skipped} skipped so far", event="nan_skip", found=found)
 
     def _spike_rule(self, iteration: int, loss: float, decision: Decision) -> None:
         assert self.spikes is not None
         limit = self.spikes.limit()
         if not self.spikes.is_spike(loss):
             self._consecutive_spikes = 0
+            self._spike_run = []
             return
         self._consecutive_spikes += 1
+        accept = self.rel.spike_accept_after
+        if accept and self._consecutive_spikes >= accept:
+            self._accept_level(iteration, loss, limit)
+            return
+        self._spike_run.append(loss)
         decision.skip, decision.reason = True, "spike"
         self.counters.spike_skipped += 1
         rollback = (self.rel.on_spike == "rollback"
@@ -253,9 +340,23 @@ class Guard:
                   f"step skipped (spike {self._consecutive_spikes} in a row)")
         self._log(f"iteration {iteration}: loss spike {loss:.4f} > limit {limit:.4f} "
                   f"(--spike-threshold {self.rel.spike_threshold:g}); {action}; its batch "
-                  f"(from sample {self._consumed}) is not trained on", kind="spike", loss=loss,
-                  limit=limit, rollback=rollback, consumed_samples=self._consumed)
+                  f"(from sample {self._consumed}) is not trained on", event="spike",
+                  spike_loss=loss, limit=limit, rollback=rollback,
+                  consumed_samples=self._consumed)
         decision.rollback = rollback
+
+    def _accept_level(self, iteration: int, loss: float, limit: float | None) -> None:
+        """--spike-accept-after spikes in a row: a new level, not an outlier. The statistics
+        restart from the run's losses (`after_step` adds this one) and this step trains."""
+        assert self.spikes is not None
+        run = self._consecutive_spikes
+        self.spikes.reset(self._spike_run)
+        self._consecutive_spikes, self._spike_run = 0, []
+        self._log(f"iteration {iteration}: loss {loss:.4f} above the limit {limit:.4f} for {run} "
+                  f"steps in a row (--spike-accept-after {self.rel.spike_accept_after}): "
+                  "accepted as the new level; the spike statistics restart from these losses "
+                  "and this step trains", event="spike_level_accepted", spike_loss=loss,
+                  limit=limit, spikes_in_a_row=run)
 
     # ---- rollback ----------------------------------------------------------------------------
 
@@ -269,12 +370,12 @@ class Guard:
             skip = consumed_at_spike_end - restored
         loader.consumed_samples = restored + skip  # type: ignore[attr-defined]
         self._lr_scaled_until = restored_iteration + self.rel.spike_lr_iters
-        self._consecutive_spikes = 0
+        self._consecutive_spikes, self._spike_run = 0, []
         self.counters.rollbacks += 1
         self._log(f"loss spike rollback at iteration {at_iteration}: reloaded iteration "
                   f"{restored_iteration}, consumed_samples {restored} -> {restored + skip} "
                   f"({skip} samples skipped), LR x{self.rel.spike_lr_factor:g} through "
-                  f"iteration {self._lr_scaled_until}", kind="rollback",
+                  f"iteration {self._lr_scaled_until}", event="rollback",
                   restored_iteration=restored_iteration, skipped_samples=skip,
                   consumed_samples=restored + skip, lr_until=self._lr_scaled_until)
 
@@ -282,7 +383,7 @@ class Guard:
         saved = (f"checkpoint of iteration {iteration} in {self.cfg.checkpoint.save}"
                  if self.cfg.checkpoint.save else "nothing saved (no --save)")
         self._log(f"exiting cleanly after iteration {iteration}: {reason}; {saved}",
-                  kind="exit", reason=reason)
+                  event="exit", reason=reason)
 
     # ---- checkpoint interval advice ----------------------------------------------------------
 
@@ -313,13 +414,16 @@ class Guard:
         return {"nan_skipped": c.nan_skipped, "spike_skipped": c.spike_skipped,
                 "data_skipped": c.data_skipped, "rollbacks": c.rollbacks,
                 "events": list(c.events), "lr_scaled_until": self._lr_scaled_until,
-                "consecutive_spikes": self._consecutive_spikes,
+                "consecutive_spikes": self._consecutive_spikes, "spike_run": self._spike_run,
+                "other_skipped": c.other_skipped, "skipped_in_a_row": self._skipped_in_a_row,
                 "spikes": self.spikes.state_dict() if self.spikes is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.counters = Counters(state["nan_skipped"], state["spike_skipped"],
                                  state["data_skipped"], state["rollbacks"],
-                                 list(state["events"]))
+                                 list(state["events"]), int(state.get("other_skipped", 0)))
+        self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self._spike_run = [float(x) for x in state.get("spike_run", [])]
         self._lr_scaled_until = int(state["lr_scaled_until"])
         self._consecutive_spikes = int(state.get("consecutive_spikes", 0))
         if self.spikes is not None and state.get("spikes"):

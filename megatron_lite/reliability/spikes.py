@@ -39,6 +39,11 @@ class SpikeDetector:
         if math.isfinite(loss):
             self.history.append(loss)
 
+    def reset(self, losses: list[float]) -> None:
+        """Start the statistics over from `losses` (a level shift was accepted): detection
+        resumes once MIN_HISTORY losses of the new level are in."""
+        self.history = deque((x for x in losses if math.isfinite(x)), maxlen=WINDOW)
+
     def state_dict(self) -> dict:
         return {"history": list(self.history)}
 
