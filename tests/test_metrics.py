@@ -390,3 +390,83 @@ def test_straggler_warning_names_the_sleeping_rank(tmp_path) -> None:
     assert "rank 1 on host" in lines[warnings[0]]
     iters = [line for line in lines if line.startswith("iter ")]
     assert all("(slowest rank 1 on " in line for line in iters), iters
+
+
+# ---------------------------------------------------------------- where the time went
+
+
+def _jsonl_trains(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def test_slow_loader_shows_in_data_wait(monkeypatch, tmp_path) -> None:
+    """An injected 200 ms loader delay at iterations 3-4 appears in their data_wait_ms and in
+    no other's; every record carries the four fields."""
+    from megatron_lite.reliability.faults import FAULT_ENV, SLOW_DATA_S
+
+    monkeypatch.setenv(FAULT_ENV, "rank0:iter3-4:slow_data")
+    jsonl = tmp_path / "m.jsonl"
+    cfg = parse_config([*FLAGS, "--train-iters", "6", "--log-interval", "1", "--eval-iters",
+                        "0", "--peak-tflops", "1", "--log-jsonl", str(jsonl)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        train(cfg, _single_state(cfg))
+    trains = _jsonl_trains(jsonl)
+    waits = {r["iteration"]: r["data_wait_ms"] for r in trains}
+    print("data_wait_ms by iteration:", {i: round(w, 2) for i, w in waits.items()})
+    for i, wait in waits.items():
+        if i in (3, 4):
+            assert SLOW_DATA_S * 1e3 <= wait < SLOW_DATA_S * 1e3 + 100
+        else:
+            assert wait < 100  # the first step builds its batch cold: tens of ms
+    for r in trains:
+        assert r["tokens_seen"] == r["iteration"] * 4 * 16
+        assert r["epoch"] == r["consumed_samples"] / 2**40  # mock data: 2^40 samples a pass
+        assert r["comm_wait_ms"] >= 0
+    assert "data wait 2" in out.getvalue()  # the log line has it too (200-300 ms)
+
+
+def _train_slow_rank1(pstate: ParallelState, flags: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        train(parse_config(flags), pstate)
+    return out.getvalue()
+
+
+def test_slow_loader_on_one_rank_is_comm_wait_on_the_other(monkeypatch, tmp_path) -> None:
+    """Rank 1's loader is 200 ms late at iteration 3: the record's data_wait_ms (the largest over
+    ranks) shows it, and so does comm_wait_ms, rank 0's wait for rank 1 at the first collective
+    after the data (the global token count)."""
+    from megatron_lite.reliability.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "rank1:iter3:slow_data")
+    jsonl = tmp_path / "m.jsonl"
+    flags = [*FLAGS, "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0",
+             "--peak-tflops", "1", "--log-jsonl", str(jsonl)]
+    run_ranks(_train_slow_rank1, 2, tmp_path, flags=flags)
+    trains = {r["iteration"]: r for r in _jsonl_trains(jsonl)}
+    print("data_wait_ms / comm_wait_ms:", {i: (round(r["data_wait_ms"], 1),
+                                              round(r["comm_wait_ms"], 1))
+                                          for i, r in trains.items()})
+    assert trains[3]["data_wait_ms"] >= 200 and trains[3]["comm_wait_ms"] >= 150
+    for i in (1, 2, 4):
+        assert trains[i]["data_wait_ms"] < 100 and trains[i]["comm_wait_ms"] < 150
+
+
+def _posted_recv_wait(pstate: ParallelState) -> float:
+    from megatron_lite.pipeline.p2p import StageComm
+    from megatron_lite.pipeline.schedule import Recv, Send
+
+    comm = StageComm(pstate, (2, 1, 4), torch.float32)
+    if pstate.pp_rank == 0:
+        comm.exchange([Recv("activation", 0, 0, peer=1)], {})
+    else:
+        time.sleep(0.2)  # the neighbour is still computing
+        send = Send("activation", 0, 0, peer=0)
+        comm.exchange([send], {send: torch.ones(2, 1, 4)})
+    return comm.wait_clock.pop_seconds()
+
+
+def test_blocking_pipeline_receive_is_counted(tmp_path) -> None:
+    waited, _ = run_ranks(_posted_recv_wait, 2, tmp_path, pp=2)
+    assert 0.15 <= waited < 2
