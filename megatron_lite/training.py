@@ -395,9 +395,9 @@ def plan_epochs(cfg: Config, pstate: ParallelState, loader: MicroBatchLoader) ->
               "or lower --train-iters / --train-samples", flush=True)
     elif epochs < 1 and cfg.data.expect_full_pass:
         print(f"warning: --expect-full-pass, but the run covers only {epochs:.3g} of its "
-              f"training data ({planned:,} of {total:,} samples); raise --train-iters / "
-              f"--train-samples to {math.ceil(total / loader.global_batch_size)} steps' worth",
-              flush=True)
+              f"training data ({planned:,} of {total:,} samples); raise --train-iters to at "
+              f"least {math.ceil(total / loader.global_batch_size)} (or --train-samples to "
+              f"{total})", flush=True)
     return total
 
 

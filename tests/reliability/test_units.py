@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import signal
 import statistics
+import time
 
 import pytest
 
@@ -77,3 +78,40 @@ def test_config_checks() -> None:
                          ({"hang_timeout_seconds": 0}, "--hang-timeout-seconds")):
         with pytest.raises(ConfigError, match=flag):
             ReliabilityConfig(**kwargs)
+
+
+def test_recovery_limit_checks() -> None:
+    for kwargs, match in (({"max_skipped_iterations_in_a_row": -1},
+                           "--max-skipped-iterations-in-a-row must be >= 0"),
+                          ({"max_skipped_iterations": -2}, "--max-skipped-iterations must"),
+                          ({"spike_accept_after": 1}, "--spike-accept-after must be 0"),
+                          ({"spike_threshold": 5, "spike_accept_after": 8,
+                            "max_skipped_iterations_in_a_row": 6}, "can never act")):
+        with pytest.raises(ConfigError, match=match):
+            ReliabilityConfig(**kwargs)
+    ReliabilityConfig(spike_accept_after=8, max_skipped_iterations_in_a_row=6)  # no detector
+    ReliabilityConfig(spike_threshold=5, spike_accept_after=6,
+                      max_skipped_iterations_in_a_row=6)  # 5 skipped, the 6th trains
+
+
+def test_spike_reset_restarts_the_statistics_at_the_new_level() -> None:
+    det = SpikeDetector(threshold=3.0)
+    for _ in range(MIN_HISTORY):
+        det.accept(2.0)
+    assert det.is_spike(20.0)
+    det.reset([20.0, float("nan"), 21.0])
+    assert list(det.history) == [20.0, 21.0] and det.limit() is None  # warming up again
+    for _ in range(MIN_HISTORY):
+        det.accept(20.5)
+    assert not det.is_spike(21.0) and det.is_spike(40.0)
+
+
+def test_slow_data_fault_sleeps_in_the_fetch() -> None:
+    from megatron_lite.reliability.faults import SLOW_DATA_S
+
+    inj = FaultInjector(0, {FAULT_ENV: "rank0:iter2:slow_data"})
+    start = time.perf_counter()
+    inj.delay_data(1)
+    assert time.perf_counter() - start < SLOW_DATA_S / 2
+    inj.delay_data(2)
+    assert time.perf_counter() - start >= SLOW_DATA_S
