@@ -268,13 +268,15 @@ def test_wandb_adapter_with_a_fake_module(monkeypatch, tmp_path) -> None:
                          iter_time_s=0.1, tokens=64, skipped=1, compute_time_s=0.08)
         logger.log_eval(5, 2.0)
         logger.log_checkpoint(5, seconds=2.0, gbytes=1.0)
+        logger.log_event({"event": "nan_skip", "iteration": 6, "time": 1.5e9, "found": "r1"})
         logger.close()
     init = calls[0][1]
     assert (init["project"], init["name"], init["mode"]) == ("p", "e", "offline")
     assert init["config"]["model"]["num_query_groups"] == 2
     assert init["config"]["derived"]["flops_per_token"] == logger.flops_per_token
     logs = [c for c in calls if c[0] == "log"]
-    assert [c[1] for c in logs] == [5, 5, 5]
+    assert [c[1] for c in logs] == [5, 5, 5, 6]
+    assert logs[3][2] == {"events/nan_skip": 1}  # strings stay in the JSONL and the log
     train_keys = set(logs[0][2])
     assert set(JSONL_TRAIN_KEYS) - {"iteration"} <= train_keys
     assert {"mfu_causal", "skipped_iterations", "memory/rss_gib", "rank_time/max_ms"} <= \

@@ -149,7 +149,7 @@ def test_reliability_state_survives_resume(runs) -> None:
     state = states[0]
     assert (state["spike_skipped"], state["rollbacks"], state["lr_scaled_until"]) == (2, 1, 16)
     assert len(state["spikes"]["history"]) >= 10
-    assert [e["event"] for e in state["events"]] == ["spike", "spike", "rollback"]
+    assert [e["event"] for e in state["events"]] == ["spike", "spike", "rollback", "recovered"]
 
 
 def test_corrupt_newest_checkpoint_falls_back(runs) -> None:
