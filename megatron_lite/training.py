@@ -489,10 +489,15 @@ def data_coordinator(cfg: Config, pstate: ParallelState) -> Coordinator:
                         if r % per_dp // pstate.tp_size == pstate.dp_rank)
     minutes = cfg.parallel.distributed_timeout_minutes
 
-    def wait(status: int) -> int:
+    def wait(error: str | None) -> str | None:
         try:
-            return comms.barrier(pstate.world_group, pstate.device, status=status,
-                                 timeout_s=minutes * 60)
+            failed = comms.barrier(pstate.world_group, pstate.device, status=0 if error is None
+                                   else pstate.rank + 1, timeout_s=minutes * 60)
+            if not failed:
+                return None
+            # only when a rank failed: every rank learns what, so each can name the file
+            errors = comms.all_gather_objects(error, pstate.world_group, pstate.device)
+            return f"rank {failed - 1} could not prepare the data: {errors[failed - 1]}"
         except TimeoutError as e:
             whom = ("the other ranks" if preparer == pstate.rank else
                     f"rank {preparer}, which validates the shards and builds the index caches "

@@ -94,9 +94,9 @@ class Coordinator:
 
     rank: int
     preparer: int
-    wait: Callable[[int], int]
-    """Barrier over all ranks: this rank's status (0, or 1 + its rank when it failed) -> the
-    largest status brought; it raises, naming whom it waited for, on its timeout."""
+    wait: Callable[[str | None], str | None]
+    """Barrier over all ranks: this rank's error (None when fine) -> a failed rank's error as
+    `rank R: message`, or None; it raises, naming whom it waited for, on its timeout."""
     world_size: int = 1
     prep: Prep = field(default_factory=Prep)
     """This rank's part, as the dataset code sees it (and its phase times)."""
@@ -110,19 +110,16 @@ def _prepared(build: Callable[[Prep], list], coordinator: Coordinator | None) ->
     """`build` on the preparing rank, then (after the barrier) on the others."""
     if coordinator is None:
         return build(Prep())
+    datasets = None
     if coordinator.rank == coordinator.preparer:
         try:
             datasets = build(coordinator.prep)
-        except Exception:
-            coordinator.wait(coordinator.rank + 1)  # the others learn it and stop too
+        except Exception as e:
+            coordinator.wait(str(e) or type(e).__name__)  # the others learn it and stop too
             raise
-        failed = coordinator.wait(0)
-    else:
-        failed = coordinator.wait(0)
-        datasets = None
+    failed = coordinator.wait(None)
     if failed:
-        raise ConfigError(f"data: rank {failed - 1} could not prepare the data (its error is in "
-                          "its output); this rank stops too")
+        raise ConfigError(f"data: stopping, as {failed}")
     return datasets if datasets is not None else build(coordinator.prep)
 
 

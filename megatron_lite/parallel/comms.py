@@ -229,7 +229,7 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
     value = torch.full((1,), status, dtype=torch.int64, device=device)
     if timeout_s is None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return status if value.is_meta else int(value.item())
+        return status if value.is_meta else int(host_scalar(value))
     work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():  # polled: Work.wait(timeout) is not honoured by every backend
@@ -241,7 +241,7 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
         work.wait()
     except RuntimeError as e:  # gloo's own timeout, or a peer that closed its connection
         raise TimeoutError(f"the barrier over {group_size(group)} ranks failed ({e})") from e
-    return status if value.is_meta else int(value.item())
+    return status if value.is_meta else int(host_scalar(value))
 
 
 def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:

@@ -177,10 +177,12 @@ def test_one_rank_prepares_for_the_others(tmp_path):
 
     errors = [err for _, err in runs["bad ids"]]
     assert "token id" in errors[0] and "outside the vocabulary" in errors[0]
-    assert all("rank 0 could not prepare the data" in err for err in errors[1:])
+    assert all(err.startswith("data: stopping, as rank 0 could not prepare the data: ")
+               and str(tmp_path / "bad.bin") in err for err in errors[1:]), errors
     errors = [err for _, err in runs["unwritable"]]
     assert "set --data-cache-path to a writable directory" in errors[0], errors[0]
-    assert all("rank 0 could not prepare the data" in err for err in errors[1:])
+    assert all("rank 0 could not prepare the data" in err and "--data-cache-path" in err
+               for err in errors[1:])
 
     for _, err in runs["stuck"][1:]:
         assert err is not None and "waited at the start-up barrier for rank 0" in err, err
