@@ -118,6 +118,9 @@ class ParallelConfig:
     """Timeout for every collective before the job fails instead of hanging."""
     world_size: int | None = None
     """With --dry-run: check the layout for this many ranks instead of the launched ones."""
+    allow_tp_across_nodes: bool = False
+    """Let a tensor-parallel group span nodes (refused by default: its per-layer all-reduces
+    would cross the network)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):

@@ -13,12 +13,13 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_lite.checkpoint import Checkpointer
@@ -26,13 +27,14 @@ from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
 from megatron_lite.config import Config, num_microbatches, pipeline_schedule, validate
 from megatron_lite.data.builder import (
+    Coordinator,
     build_loaders,
     planned_samples,
     resolve_tokenizer,
     samples_per_epoch_of,
 )
 from megatron_lite.data.loader import MicroBatchLoader
-from megatron_lite.errors import found_on_rank
+from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
@@ -78,10 +80,12 @@ def run(cfg: Config) -> TrainResult:
         for warning in tokenizer.warnings:
             print(f"warning: {warning}", flush=True)
     validate(cfg, env.world_size)
-    pstate = parallel_state.initialize(cfg, env)
+    startup = StartupTimes()
+    with startup.timed("rendezvous"):  # launch checks first: refused by name, not a hang
+        pstate = parallel_state.initialize(cfg, env)
     try:
         with found_on_rank(pstate.rank):  # from here on a rank may find what the others do not
-            return train(cfg, pstate, env.source)
+            return train(cfg, pstate, env.source, startup)
     finally:
         parallel_state.destroy(pstate)
 
@@ -101,24 +105,32 @@ class Trainer:
     guard: Guard
     hooks: StepHooks
     """Profiler window, manual GC, cache emptying (each a no-op unless asked for)."""
+    startup: StartupTimes | None = None
+    """Start-up phase times, reported after the first step (None: not reported)."""
 
 
-def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> TrainResult:
+def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
+          startup: StartupTimes | None = None) -> TrainResult:
     """Build model, optimizer, data, checkpointer and logger on an initialised `pstate`,
     resume from a checkpoint if there is one, and run the loop."""
+    startup = startup or StartupTimes()
     torch.manual_seed(cfg.train.seed)
-    chunks = build_model(cfg, pstate)
-    optimizer = Optimizer(cfg, chunks, pstate)
+    with startup.timed("model build"):
+        chunks = build_model(cfg, pstate)
+        optimizer = Optimizer(cfg, chunks, pstate)
     with ExitStack() as cleanup:
         cleanup.callback(optimizer.close)  # frees model and process groups before shutdown
-        loaders = build_loaders(cfg, pstate.dp_rank, pstate.dp_size)
+        coordinator = data_coordinator(cfg, pstate)
+        loaders = build_loaders(cfg, pstate.dp_rank, pstate.dp_size, coordinator=coordinator)
+        startup.seconds.update(coordinator.prep.seconds)
         train_loader, valid_loader = loaders.train, loaders.valid
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
-        checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
-                                    extra_state={"reliability": guard})
-        if pstate.rank == 0:
-            report_partial_checkpoints(checkpointer.load_dir)
-        start_iteration = checkpointer.load()
+        with startup.timed("checkpoint load"):
+            checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
+                                        extra_state={"reliability": guard})
+            if pstate.rank == 0:
+                report_partial_checkpoints(checkpointer.load_dir)
+            start_iteration = checkpointer.load()
         peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
         log_startup(cfg, pstate, chunks, peak, launch_source)
         log_memory(cfg, pstate, chunks, optimizer)
@@ -134,7 +146,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test") -> Tr
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
         result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader, valid_loader,
-                                    logger, checkpointer, guard, hooks), start_iteration)
+                                    logger, checkpointer, guard, hooks, startup),
+                            start_iteration)
         if loaders.test is not None and cfg.train.eval_iters > 0:
             result.test_loss = evaluate(cfg, runner, loaders.test, pstate)
             logger.log_eval(result.iteration, result.test_loss, split="test")
@@ -167,6 +180,9 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         skipped += step.skipped
         window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
                        loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
+        if iteration == start_iteration + 1 and trainer.startup is not None:
+            trainer.startup.seconds["first step"] = window[-1][1]
+            trainer.startup.report(trainer.pstate)
         result.losses.append(step.loss)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
             _log_window(trainer, iteration, lr, window, skipped)
@@ -495,6 +511,73 @@ def reduced_parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> T
                 local += p.numel()
     count = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
     return comms.all_reduce_(count, pstate.mp_group)
+
+
+STARTUP_PHASES = ("rendezvous", "data validation", "index", "model build", "checkpoint load",
+                  "first step")
+
+
+@dataclass
+class StartupTimes:
+    """Seconds this rank spent in each start-up phase; `report` prints, on rank 0, the
+    slowest rank's time of each in one `startup:` line (at scale one slow rank sets the pace,
+    and the line says which phase to look at). A reading rank's wait at the data barrier
+    for the rank that prepares its files counts in no phase."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STARTUP_PHASES, 0.0))
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - started
+
+    def report(self, pstate: ParallelState) -> None:
+        """Collective (every rank calls it, after the first step)."""
+        values = torch.tensor([self.seconds[p] for p in STARTUP_PHASES], dtype=torch.float64,
+                              device=pstate.device)
+        comms.all_reduce_(values, pstate.world_group, op=dist.ReduceOp.MAX)
+        if pstate.rank != 0:
+            return
+        parts = ", ".join(f"{phase} {comms.host_scalar(values[i]):.2f} s"
+                          for i, phase in enumerate(STARTUP_PHASES))
+        slowest = f" (slowest of {pstate.world_size} ranks each)" if pstate.world_size > 1 else ""
+        print(f"startup: {parts}{slowest}", flush=True)
+
+
+def data_coordinator(cfg: Config, pstate: ParallelState) -> Coordinator:
+    """Who prepares (validates, indexes) the data files this rank reads, and the barrier where
+    the others wait for it: global rank 0 over shared storage; with --data-sharding
+    node-local, the first rank of this node that reads the same DP shards (ranks of a node are
+    consecutive, so its TP and PP peers on the node share the files)."""
+    preparer = 0
+    if cfg.data.data_sharding == "node-local":
+        per_dp = pstate.dp_size * pstate.tp_size
+        preparer = next(r for r in range(pstate.rank - pstate.local_rank, pstate.rank + 1)
+                        if r % per_dp // pstate.tp_size == pstate.dp_rank)
+    minutes = cfg.parallel.distributed_timeout_minutes
+
+    def wait(error: str | None) -> str | None:
+        try:
+            failed = comms.barrier(pstate.world_group, pstate.device, status=0 if error is None
+                                   else pstate.rank + 1, timeout_s=minutes * 60)
+            if not failed:
+                return None
+            # only when a rank failed: every rank learns what, so each can name the file
+            errors = comms.all_gather_objects(error, pstate.world_group, pstate.device)
+            return f"rank {failed - 1} could not prepare the data: {errors[failed - 1]}"
+        except TimeoutError as e:
+            whom = ("the other ranks" if preparer == pstate.rank else
+                    f"rank {preparer}, which validates the shards and builds the index caches "
+                    "this rank reads")
+            raise UserError(
+                f"data: rank {pstate.rank} waited at the start-up barrier for {whom}: {e}. See "
+                f"that rank's output; a large corpus without a manifest takes long to scan the "
+                f"first time (raise --distributed-timeout-minutes {minutes:g})") from e
+
+    return Coordinator(pstate.rank, preparer, wait, world_size=pstate.world_size)
 
 
 def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],

@@ -5,15 +5,18 @@ one blend per split (`--train-data-path`, `--valid-data-path`, `--test-data-path
 `--tokenizer-model` (vocab size and EOD; must agree with the manifests), `--data-sharding`,
 `--data-cache-path`, `--eod-mask-loss`. Every shard this rank reads is validated before the
 first step; a bad one stops the run with its file name and the command that regenerates it.
+On several ranks one rank does the validation and index building for the others
+(`Coordinator`), and its verdicts and indices are cached for the next start.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 from megatron_lite.config import Config, ConfigError, global_batch_at
-from megatron_lite.data.dataset import build_datasets, parse_blend
+from megatron_lite.data.dataset import Prep, build_datasets, parse_blend
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.data.mock import MockDataset
@@ -77,30 +80,80 @@ def tokenizer_info(cfg: Config) -> TokenizerInfo:
     return TokenizerInfo(ref[1], ref[2], ref[0], warnings)
 
 
-def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int, *,
-                   train_only: bool = False) -> list:
+@dataclass
+class Coordinator:
+    """A multi-rank job's plan for the data at start-up, made by training (which knows the
+    process groups; data imports nothing from parallel).
+
+    Rank `preparer` validates the shards and builds the index caches that this rank reads
+    (global rank 0 for shared storage; one rank per node and DP shard set for node-local
+    data); every rank then meets at `wait`, and the others open the shards with the cached
+    verdicts and memory-map the indices. So a thousand ranks do not each scan every token
+    and write the same cache at once.
+    """
+
+    rank: int
+    preparer: int
+    wait: Callable[[str | None], str | None]
+    """Barrier over all ranks: this rank's error (None when fine) -> a failed rank's error as
+    `rank R: message`, or None; it raises, naming whom it waited for, on its timeout."""
+    world_size: int = 1
+    prep: Prep = field(default_factory=Prep)
+    """This rank's part, as the dataset code sees it (and its phase times)."""
+
+    def __post_init__(self) -> None:
+        self.prep.rank = self.rank
+        self.prep.required = self.rank == self.preparer and self.world_size > 1
+
+
+def _prepared(build: Callable[[Prep], list], coordinator: Coordinator | None) -> list:
+    """`build` on the preparing rank, then (after the barrier) on the others."""
+    if coordinator is None:
+        return build(Prep())
+    datasets = None
+    if coordinator.rank == coordinator.preparer:
+        try:
+            datasets = build(coordinator.prep)
+        except Exception as e:
+            coordinator.wait(str(e) or type(e).__name__)  # the others learn it and stop too
+            raise
+    failed = coordinator.wait(None)
+    if failed:
+        raise ConfigError(f"data: stopping, as {failed}")
+    return datasets if datasets is not None else build(coordinator.prep)
+
+
+def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int,
+                   coordinator: Coordinator | None = None, *, train_only: bool = False) -> list:
     d, t = cfg.data, cfg.train
     node_local = (dp_rank, dp_size) if d.data_sharding == "node-local" else None
     eval_samples = t.eval_iters * gbs if t.eval_iters > 0 and not train_only else 0
     needed = [t.train_iters * gbs, eval_samples, eval_samples]
     if node_local:
         needed = [n // dp_size for n in needed]
-    build = partial(build_datasets, seq_length=cfg.model.seq_length, seed=t.seed,
-                    cache_dir=d.data_cache_path, node_local=node_local,
-                    vocab_size=cfg.model.vocab_size)
-    try:
-        if d.data_path:
-            datasets = build(d.data_path, d.split, num_samples=needed)
-        else:  # one whole corpus per split: split "1,0,0" for train, "0,1,0" for valid, ...
-            datasets = [build(paths, ",".join("1" if j == which else "0" for j in range(3)),
-                              num_samples=[n if j == which else 0 for j in range(3)])[which]
-                        if paths else None
-                        for which, (paths, n) in enumerate(zip(
-                            (d.train_data_path, d.valid_data_path, d.test_data_path), needed))]
-        if d.verify_checksums and not train_only:
-            _verify(cfg, node_local)
-    except (ShardError, ValueError) as e:
-        raise ConfigError(str(e)) from e
+
+    def build_all(prep: Prep) -> list:
+        build = partial(build_datasets, seq_length=cfg.model.seq_length, seed=t.seed,
+                        cache_dir=d.data_cache_path, node_local=node_local,
+                        vocab_size=cfg.model.vocab_size, prep=prep)
+        try:
+            if d.data_path:
+                datasets = build(d.data_path, d.split, num_samples=needed)
+            else:  # one whole corpus per split: split "1,0,0" for train, "0,1,0" for valid, ...
+                datasets = [build(paths, ",".join("1" if j == which else "0" for j in range(3)),
+                                  num_samples=[n if j == which else 0 for j in range(3)])[which]
+                            if paths else None
+                            for which, (paths, n) in enumerate(zip(
+                                (d.train_data_path, d.valid_data_path, d.test_data_path),
+                                needed))]
+            if d.verify_checksums and not train_only and (coordinator is None or prep.required):
+                with prep.timed("data validation"):  # the preparer hashes for its readers
+                    _verify(cfg, node_local)
+        except (ShardError, ValueError) as e:
+            raise ConfigError(str(e)) from e
+        return datasets
+
+    datasets = _prepared(build_all, coordinator)
     if datasets[0] is None:
         given = (f"--data-path {' '.join(d.data_path)} with --split {d.split}" if d.data_path
                  else f"--train-data-path {' '.join(d.train_data_path)}")
@@ -137,9 +190,10 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
     return loaders.train, loaders.valid
 
 
-def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_samples: int = 0
-                  ) -> Loaders:
-    """The train, validation and test loaders of this DP rank (mock data has no test set)."""
+def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_samples: int = 0,
+                  coordinator: Coordinator | None = None) -> Loaders:
+    """The train, validation and test loaders of this DP rank (mock data has no test set);
+    `coordinator`: who prepares the data files of a multi-rank job (see `Coordinator`)."""
     train_cfg, model_cfg = cfg.train, cfg.model
     gbs = train_cfg.global_batch_size or train_cfg.micro_batch_size * dp_size
     common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
@@ -159,7 +213,7 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
     if tok.vocab_size != model_cfg.vocab_size:
         raise ConfigError(f"the model has --vocab-size {model_cfg.vocab_size} but {tok.source} has "
                           f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
-    train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs)
+    train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs, coordinator)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")
     # a node-local resume at another DP size reads the old ranks' streams (loader docstring)

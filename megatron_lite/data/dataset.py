@@ -18,12 +18,21 @@ Sharding modes:
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from megatron_lite.data.format import IndexedShard, Manifest, resolve_prefixes, shards_for_dp_rank
+from megatron_lite.data.format import (
+    IndexedShard,
+    Manifest,
+    ShardVerdicts,
+    resolve_prefixes,
+    shards_for_dp_rank,
+)
 from megatron_lite.data.index import (
     INDEX_ALGORITHM,
     EpochIndex,
@@ -149,29 +158,58 @@ class Source:
     global_tokens: int
 
 
+@dataclass
+class Prep:
+    """How this rank takes part in preparing the data at start-up (training decides; data
+    imports nothing from parallel): what it prints and times, and whether it prepares files
+    that other ranks read."""
+
+    rank: int = 0
+    required: bool = False
+    """This rank validates shards and builds index caches for others to read: a cache
+    directory it cannot write is then an error (each rank would redo the work), not a warning."""
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"data validation": 0.0, "index": 0.0})
+    """Wall time spent per phase, for the start-up line."""
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+
 def open_source(path: str, dp_rank: int = 0, dp_size: int = 1, node_local: bool = False,
-                vocab_size: int | None = None) -> Source:
-    """Open and validate the shards this rank reads (all of them unless node-local)."""
-    prefixes, manifest = resolve_prefixes(path)
-    hint = manifest.hint() if manifest else None
-    if node_local:
-        if manifest is None:
-            raise ValueError(f"--data-sharding node-local needs a manifest for --data-path "
-                             f"{path} (made by data_tools.preprocess --num-shards)")
-        prefixes = [prefixes[i] for i in shards_for_dp_rank(len(prefixes), dp_rank, dp_size)]
-    corpus = Corpus([IndexedShard(p, hint) for p in prefixes])
-    if vocab_size is not None:
-        for shard in corpus.shards:
-            # A manifest records the tokenizer that made the shard (checked against ours
-            # earlier), so a sample suffices; a bare .bin/.idx pair is scanned in full.
-            shard.check_vocab(vocab_size, full=manifest is None)
+                vocab_size: int | None = None, cache_dir: str | None = None,
+                prep: Prep | None = None) -> Source:
+    """Open and validate the shards this rank reads (all of them unless node-local).
+
+    Validation verdicts are cached beside the index (`ShardVerdicts`), so a shard is checked
+    once, not by every rank at every restart.
+    """
+    prep = prep or Prep()
+    with prep.timed("data validation"):
+        prefixes, manifest = resolve_prefixes(path)
+        hint = manifest.hint() if manifest else None
+        if node_local:
+            if manifest is None:
+                raise ValueError(f"--data-sharding node-local needs a manifest for --data-path "
+                                 f"{path} (made by data_tools.preprocess --num-shards)")
+            prefixes = [prefixes[i] for i in shards_for_dp_rank(len(prefixes), dp_rank, dp_size)]
+        verdicts = ShardVerdicts(cache_dir or _default_cache(prefixes), prep.rank, prep.required)
+        # A manifest records the tokenizer that made the shard (checked against ours earlier),
+        # so a sample of its ids suffices; a bare .bin/.idx pair is scanned in full.
+        corpus = Corpus([verdicts.open(p, hint, vocab_size, full=manifest is None)
+                         for p in prefixes])
     total = manifest.total_tokens if manifest else int(corpus.sizes.sum(dtype=np.int64))
     return Source(path, corpus, manifest, total)
 
 
 def _dataset(src: Source, split: str, which: int, num_samples: int, seq_length: int,
-             seed: int, cache_dir: str | None, node_local: tuple[int, int] | None
-             ) -> GPTDataset | None:
+             seed: int, cache_dir: str | None, node_local: tuple[int, int] | None,
+             prep: Prep | None = None) -> GPTDataset | None:
     """Dataset of one split of one source, sized for `num_samples` (this rank's share)."""
     start, end = split_ranges(split, len(src.corpus))[which]
     sizes = src.corpus.sizes[start:end]
@@ -197,40 +235,46 @@ def _dataset(src: Source, split: str, which: int, num_samples: int, seq_length: 
     description = {"shards": [s.prefix.rsplit("/", 1)[-1] for s in src.corpus.shards],
                    "doc_range": [start, end], "seq_length": seq_length, "seed": seed,
                    "split": which, "epochs": epochs, "index_algorithm": INDEX_ALGORITHM}
-    index = load_or_build(cache_dir or _default_cache(src), description, sizes, seq_length,
-                          epochs, seed * 7 + which)
+    prep = prep or Prep()
+    with prep.timed("index"):
+        index = load_or_build(cache_dir or _default_cache([s.prefix for s in src.corpus.shards]),
+                              description, sizes, seq_length, epochs, seed * 7 + which,
+                              rank=prep.rank, required=prep.required)
     return GPTDataset(src.corpus, (start, end), seq_length, index, name)
 
 
-def _default_cache(src: Source) -> str | None:
-    if not src.corpus.shards:
-        return None
-    return str(src.corpus.shards[0].idx_path.parent / "cache")
+def _default_cache(prefixes: Sequence[str]) -> str | None:
+    """`cache/` beside the first shard (where --data-cache-path is not given)."""
+    return str(Path(prefixes[0]).parent / "cache") if prefixes else None
 
 
 def build_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: int,
                    num_samples: Sequence[int], cache_dir: str | None = None,
                    node_local: tuple[int, int] | None = None,
-                   vocab_size: int | None = None) -> list:
+                   vocab_size: int | None = None, prep: Prep | None = None) -> list:
     """[train, valid, test] (None where a split is empty or not needed).
 
     `num_samples` are the samples THIS rank will request per split (global counts in global
     mode; global / dp in node-local mode, with `node_local=(dp_rank, dp_size)`). With
-    `vocab_size`, a sample of every shard's token ids is checked against it.
+    `vocab_size`, a sample of every shard's token ids is checked against it (all of them
+    without a manifest). `prep`: this rank's part in the job's start-up (see `Prep`).
     """
     blend = parse_blend(data_path)
     sources = [open_source(p, *(node_local or (0, 1)), node_local=node_local is not None,
-                           vocab_size=vocab_size) for _, p in blend]
+                           vocab_size=vocab_size, cache_dir=cache_dir, prep=prep)
+               for _, p in blend]
     out: list = []
     for which, n in enumerate(num_samples):
         if len(sources) == 1:
             out.append(_dataset(sources[0], split, which, n, seq_length, seed, cache_dir,
-                                node_local))
+                                node_local, prep))
+            continue
+        if n <= 0:  # a split nobody asks for: no index to build
+            out.append(None)
             continue
         weights = np.array([w for w, _ in blend]) / sum(w for w, _ in blend)
         parts = [_dataset(s, split, which, int(np.ceil(w * n * 1.005)) + 2, seq_length,
-                          seed, cache_dir, node_local) for s, w in zip(sources, weights)]
+                          seed, cache_dir, node_local, prep) for s, w in zip(sources, weights)]
         keep = [i for i, d in enumerate(parts) if d is not None and weights[i] > 0]
-        out.append(BlendedDataset([parts[i] for i in keep], weights[keep], n) if keep and n > 0
-                   else None)
+        out.append(BlendedDataset([parts[i] for i in keep], weights[keep], n) if keep else None)
     return out

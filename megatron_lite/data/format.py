@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import struct
+import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,14 +192,15 @@ class IndexedShard:
     `hint` is the command that regenerates the file (from the manifest when there is one).
     """
 
-    def __init__(self, prefix: str | Path, hint: str | None = None) -> None:
+    def __init__(self, prefix: str | Path, hint: str | None = None,
+                 check_pointers: bool = True) -> None:
         self.prefix = str(prefix)
         self.idx_path, self.bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
         for p in (self.idx_path, self.bin_path):
             if not p.is_file():
                 raise _fail(p, "missing (shard files come in .bin/.idx pairs)", hint)
         self._read_index(hint)
-        self._check_bin(hint)
+        self._check_bin(hint, check_pointers)
 
     def _read_index(self, hint: str | None) -> None:
         path = self.idx_path
@@ -231,11 +234,17 @@ class IndexedShard:
             raise _fail(path, f"document index must run from 0 to the sequence count {n_seq}",
                         hint)
 
-    def _check_bin(self, hint: str | None) -> None:
-        """Pointers must be contiguous and end exactly at the `.bin` size (chunked check)."""
+    def _check_bin(self, hint: str | None, check_pointers: bool) -> None:
+        """Pointers must be contiguous and end exactly at the `.bin` size (chunked check).
+
+        Without `check_pointers` (a cached verdict vouches for them, `ShardVerdicts`) only the
+        last pointer is compared with the `.bin` size: O(1) instead of a pass over the index.
+        """
         itemsize = self.dtype.itemsize
         offset = 0
-        for start in range(0, len(self.lengths), _CHUNK):
+        if not check_pointers and len(self.lengths):
+            offset = int(self.pointers[-1]) + int(self.lengths[-1]) * itemsize
+        for start in range(0, len(self.lengths) if check_pointers else 0, _CHUNK):
             lens = self.lengths[start:start + _CHUNK].astype(np.int64)
             ptrs = self.pointers[start:start + _CHUNK]
             if np.any(lens < 0):
@@ -256,6 +265,23 @@ class IndexedShard:
         self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r")
                      if bin_size else np.zeros(0, self.dtype))
 
+    def _spans(self, full: bool, sample: int) -> list[tuple[int, int]]:
+        n = self.num_tokens
+        return [(0, n)] if full or n <= 2 * sample else [(0, sample), (n - sample, n)]
+
+    def token_range(self, full: bool = False, sample: int = 1 << 16, chunk: int = 1 << 26
+                    ) -> tuple[int, int]:
+        """(smallest, largest) token id over the whole shard (`full`) or its first and last
+        `sample` tokens; (0, -1) for an empty shard. What `ShardVerdicts` caches."""
+        lows, highs = [], []
+        for begin, end in self._spans(full, sample):
+            for start in range(begin, end, chunk):
+                piece = self._bin[start:min(end, start + chunk)]
+                if piece.size:
+                    lows.append(int(piece.min()))
+                    highs.append(int(piece.max()))
+        return (min(lows), max(highs)) if lows else (0, -1)
+
     def check_vocab(self, vocab_size: int, full: bool = False, sample: int = 1 << 16,
                     chunk: int = 1 << 26) -> None:
         """Every token id must be in [0, vocab_size); the error names the token offset.
@@ -264,9 +290,7 @@ class IndexedShard:
         only the first and last `sample` tokens are read, the cheap check for shards whose
         manifest already vouches for the tokenizer.
         """
-        n = self.num_tokens
-        spans = [(0, n)] if full or n <= 2 * sample else [(0, sample), (n - sample, n)]
-        for begin, end in spans:
+        for begin, end in self._spans(full, sample):
             for lo in range(begin, end, chunk):
                 piece = self._bin[lo:min(end, lo + chunk)]
                 if piece.size and (int(piece.max()) >= vocab_size or int(piece.min()) < 0):
@@ -287,6 +311,121 @@ class IndexedShard:
 
     def __getitem__(self, seq: int) -> np.ndarray:
         return self.get(seq)
+
+
+# ---------------------------------------------------------------- validation verdicts
+
+
+def _stat_key(prefix: str) -> str:
+    """What identifies one version of a shard's files without reading them: sizes,
+    modification times and the `.idx` header (a rewritten shard changes at least one)."""
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    with open(idx, "rb") as f:
+        header = f.read(HEADER.size)
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (idx, bin_)]
+    h = hashlib.blake2b(json.dumps(stats).encode() + header, digest_size=8)
+    return h.hexdigest()
+
+
+class ShardVerdicts:
+    """Shard validation done once per file, its verdict cached as JSON in `directory`.
+
+    Validating a shard means the header and size checks, the pointer pass over its index and
+    (with a vocabulary) the token-id range scan: the whole `.bin` for a shard without a
+    manifest. On a thousand ranks that restart, doing it everywhere every time is the slow
+    part of start-up; so the first rank to do it records the verdict (the token-id range it
+    found) keyed by `_stat_key`, and later readers (other ranks, restarts) only read the header.
+    A rank that scans says so in one `data: rank R scanned ...` line. `required` (a multi-rank
+    job's preparing rank): an unwritable directory is an error, since every rank would redo
+    the work; otherwise a warning.
+    """
+
+    def __init__(self, directory: str | Path | None, rank: int = 0, required: bool = False,
+                 flag: str = "--data-cache-path") -> None:
+        self.directory = None if directory is None else Path(directory) / "shard_checks"
+        self.rank, self.required, self.flag = rank, required, flag
+        self._warned = False
+
+    def _path(self, prefix: str) -> Path | None:
+        if self.directory is None:
+            return None
+        return self.directory / f"{Path(prefix).name}.{_stat_key(prefix)}.json"
+
+    def _load(self, path: Path | None, full: bool, vocab_size: int | None) -> dict | None:
+        if path is None or not path.is_file():
+            return None
+        try:
+            verdict = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # unreadable or half-written by an old version: validate again
+        scan = verdict.get("scan")
+        enough = vocab_size is None or scan == "full" or (scan == "sample" and not full)
+        return verdict if enough else None
+
+    def open(self, prefix: str, hint: str | None = None, vocab_size: int | None = None,
+             full: bool = False) -> IndexedShard:
+        """The shard, validated now or by an earlier verdict; token ids checked against
+        `vocab_size` (all of them with `full`, else a sample) when given."""
+        if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
+            return IndexedShard(prefix, hint)  # raises, naming the missing file
+        path = self._path(prefix)
+        verdict = self._load(path, full, vocab_size)
+        if verdict is not None:
+            shard = IndexedShard(prefix, hint, check_pointers=False)
+            if vocab_size is not None and not _in_vocab(verdict, vocab_size):
+                shard.check_vocab(vocab_size, full=verdict["scan"] == "full")  # names the offset
+            return shard
+        if self.required:
+            self._check_writable()  # before the work that nobody could reuse
+        started = time.perf_counter()
+        shard = IndexedShard(prefix, hint)
+        verdict = {"prefix": str(prefix), "tokens": shard.num_tokens, "scan": None,
+                   "min_id": 0, "max_id": -1, "rank": self.rank}
+        if vocab_size is not None:
+            verdict["scan"] = "full" if full else "sample"
+            verdict["min_id"], verdict["max_id"] = shard.token_range(full)
+            print(f"data: rank {self.rank} scanned {prefix} ({shard.num_tokens:,} tokens, "
+                  f"{'all' if full else 'a sample'}; ids {verdict['min_id']}..{verdict['max_id']})"
+                  f" in {time.perf_counter() - started:.2f} s", flush=True)
+        self._save(path, verdict)
+        if vocab_size is not None and not _in_vocab(verdict, vocab_size):
+            shard.check_vocab(vocab_size, full=full)  # raises, naming the token offset
+        return shard
+
+    def _message(self, error: OSError | str) -> str:
+        reason = error if isinstance(error, str) else (error.strerror or str(error))
+        return (f"cannot record shard verdicts in {self.directory} ({reason}); set {self.flag} "
+                "to a writable directory")
+
+    def _check_writable(self) -> None:
+        assert self.directory is not None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ShardError(f"{self._message(e)}: without it every rank validates every shard "
+                             "again") from e
+        if not os.access(self.directory, os.W_OK):
+            raise ShardError(f"{self._message('not writable')}: without it every rank validates "
+                             "every shard again")
+
+    def _save(self, path: Path | None, verdict: dict) -> None:
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(verdict, indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            if not self._warned:
+                print(f"warning: {self._message(e)} to validate each shard only once",
+                      file=sys.stderr)
+                self._warned = True
+
+
+def _in_vocab(verdict: dict, vocab_size: int) -> bool:
+    """The verdict's token-id range lies in [0, vocab_size) (an empty shard's always does)."""
+    return verdict["max_id"] < 0 or (verdict["min_id"] >= 0 and verdict["max_id"] < vocab_size)
 
 
 # ---------------------------------------------------------------- manifest

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,8 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_lite.errors import UserError
+
 INDEX_ALGORITHM = 2  # part of the cache key: bump when the indices a seed gives change
 _BUCKET = 1 << 16  # entries per shuffle bucket: 512 KiB of int64, an L2 cache's worth
+
+
+class CacheError(UserError):
+    """The index cache cannot be written where a multi-rank job needs it; names the flag."""
 
 
 @dataclass
@@ -174,18 +181,28 @@ _FIELDS = ("doc_order", "sample_doc", "sample_offset", "shuffle")
 
 
 def load_or_build(cache_dir: str | Path | None, description: dict, sizes: np.ndarray,
-                  seq_length: int, num_epochs: int, seed: int) -> EpochIndex:
+                  seq_length: int, num_epochs: int, seed: int, rank: int = 0,
+                  required: bool = False, flag: str = "--data-cache-path") -> EpochIndex:
     """Cached index (memory-mapped) or a freshly built one, saved atomically when possible.
 
     Files go to a temporary directory that is renamed into place, so a reader never sees a
-    partial cache and concurrent builders on several ranks do not clash.
+    partial cache and concurrent builders do not clash. A rank that builds says so in one
+    `data: rank R built index ...` line. `required` (the rank that builds for a multi-rank
+    job, the others memory-map its files): a cache directory it cannot write is an error
+    naming `flag`, because every rank would then build the index again; otherwise a warning.
     """
     if cache_dir is None:
         return build_epoch_index(sizes, seq_length, num_epochs, seed)
     final = Path(cache_dir) / f"gpt_index_{cache_key(description, sizes)}"
     if all((final / f"{n}.npy").is_file() for n in _FIELDS):
         return EpochIndex(*(np.load(final / f"{n}.npy", mmap_mode="r") for n in _FIELDS))
+    if required:
+        _check_writable(final.parent, flag)
+    started = time.perf_counter()
     index = build_epoch_index(sizes, seq_length, num_epochs, seed)
+    print(f"data: rank {rank} built index {final} ({len(sizes):,} documents, "
+          f"{index.samples_per_epoch:,} samples x {num_epochs} epochs) in "
+          f"{time.perf_counter() - started:.2f} s", flush=True)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=final.parent))
@@ -198,8 +215,22 @@ def load_or_build(cache_dir: str | Path | None, description: dict, sizes: np.nda
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         print(f"warning: cannot cache the data index in {final.parent} ({e}); set "
-              "--data-cache-path to a writable directory to reuse it", file=sys.stderr)
+              f"{flag} to a writable directory to reuse it", file=sys.stderr)
     return index
+
+
+def _check_writable(directory: Path, flag: str) -> None:
+    """Refuse, before building, a cache directory that the other ranks would never see filled."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        writable = os.access(directory, os.W_OK)
+        reason = "not writable"
+    except OSError as e:
+        writable, reason = False, e.strerror or str(e)
+    if not writable:
+        raise CacheError(f"cannot write the data index cache in {directory} ({reason}): every "
+                         f"rank would build the index again; set {flag} to a directory this "
+                         "rank can write (on storage all ranks share, for --data-sharding global)")
 
 
 def blend_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -214,15 +214,36 @@ def host_scalar(x: Tensor) -> float:
     return math.nan if x.is_meta else x.item()
 
 
-def barrier(group: Group, device: torch.device) -> None:
-    """Wait until every member of `group` gets here, with a one-element all-reduce on `device`.
+def barrier(group: Group, device: torch.device, *, status: int = 0,
+            timeout_s: float | None = None) -> int:
+    """Wait until every member of `group` gets here, with a one-element all-reduce on `device`;
+    returns the largest `status` any member brought (so a failure reported at the barrier
+    reaches every member, which can then stop cleanly instead of hanging in the next one).
 
     torch's barrier picks its own tensor device from the backend, which a CUDA-only group
     (cuda:gloo, or the meta-only dry-run group) has no backend for; a reduction on the run's
-    device works on every group and is as cheap.
+    device works on every group and is as cheap. With `timeout_s`, TimeoutError when the
+    others have not all arrived in time, or a member's end ended the reduction (the caller
+    knows whom it waits for and says so).
     """
-    if group_size(group) > 1:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    if group_size(group) == 1:
+        return status
+    value = torch.full((1,), status, dtype=torch.int64, device=device)
+    if timeout_s is None:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return status if value.is_meta else int(host_scalar(value))
+    work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():  # polled: Work.wait(timeout) is not honoured by every backend
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every one of {group_size(group)} ranks reached the barrier "
+                               f"within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo's own timeout, or a peer that closed its connection
+        raise TimeoutError(f"the barrier over {group_size(group)} ranks failed ({e})") from e
+    return status if value.is_meta else int(host_scalar(value))
 
 
 def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:

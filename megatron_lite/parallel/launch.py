@@ -346,6 +346,44 @@ def check_devices_per_node(env: LaunchEnv, device_count: int) -> None:
         )
 
 
+def check_tp_within_node(env: LaunchEnv, tp: int, allowed: bool = False) -> None:
+    """A TP group (tp consecutive ranks) must sit on one node: its all-reduces run in every
+    layer, and over the network instead of NVLink they are many times slower. The verdict is
+    the same on every rank (it depends on the layout only), so rank 0 alone reports it."""
+    per_node = env.local_world_size
+    if allowed or tp <= 1 or env.num_nodes <= 1 or per_node % tp == 0:
+        return
+    group = next((k for k in range(0, env.world_size, tp)
+                  if k // per_node != (k + tp - 1) // per_node), 0)
+    fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+    raise LaunchError(
+        f"--tensor-model-parallel-size {tp} does not divide the {per_node} ranks per node "
+        f"({env.num_nodes} nodes, launched by {env.source}), so tensor-parallel groups span "
+        f"nodes (e.g. ranks {group}-{group + tp - 1}) and every layer's all-reduce crosses the "
+        f"network. Use a TP size that divides {per_node} ({', '.join(map(str, fits))}), or "
+        "pass --allow-tp-across-nodes if that is what you want."
+    )
+
+
+def rendezvous_error(env: LaunchEnv, cause: BaseException, timeout_minutes: float) -> LaunchError:
+    """What a failed or timed-out rendezvous means for this launch, and what to check."""
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    endpoint = {
+        "slurm": "MASTER_ADDR (default: the first host of SLURM_JOB_NODELIST) and MASTER_PORT "
+                 "(default: from SLURM_JOB_ID)",
+        "torchrun": "torchrun's --rdzv-endpoint (or --master-addr / --master-port) and "
+                    "--nnodes x --nproc-per-node",
+    }.get(env.source, "MASTER_ADDR and MASTER_PORT")
+    return LaunchError(
+        f"rendezvous failed: rank {env.rank} of world size {env.world_size} could not meet the "
+        f"others at {env.master_addr}:{env.master_port} within --distributed-timeout-minutes "
+        f"{timeout_minutes:g} (launched by {env.source}): {first}. Check that rank 0 started "
+        f"and is not stuck before the rendezvous (its output), that all {env.world_size} ranks "
+        f"were started, that {env.master_addr} is rank 0's host and port {env.master_port} is "
+        f"reachable from this node (firewall, another job on it), and {endpoint}."
+    )
+
+
 # --------------------------------------------------------------------------- port check
 
 

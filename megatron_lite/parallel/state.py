@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, data_parallel_size
-from megatron_lite.parallel.launch import LaunchEnv, detect_launch_env
+from megatron_lite.errors import found_on_rank
+from megatron_lite.parallel.launch import (
+    LaunchEnv,
+    check_devices_per_node,
+    check_port_free,
+    check_tp_within_node,
+    detect_launch_env,
+    rendezvous_error,
+)
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
     dp = data_parallel_size(cfg, world)
     grid = rank_grid(world, tp, pp)
     backend, use_cuda = _pick_backend(cfg.parallel.distributed_backend)
+    _check_launch(cfg, env, backend, init_method)
     device = torch.device("cpu")
     if use_cuda:
         device = torch.device("cuda", _device_index(backend, env.local_rank))
@@ -198,15 +207,37 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
         return ParallelState(backend=None, **common)
 
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    store = _elastic_store(env, timeout) if init_method is None else None
-    if init_method is None and store is None:
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        init_method = "env://"
-    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
-                            world_size=world, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    # A rank that cannot meet the others says so itself (rank 0 may be the one missing).
+    with found_on_rank(rank):
+        try:
+            store = _elastic_store(env, timeout) if init_method is None else None
+            if init_method is None and store is None:
+                os.environ.setdefault("MASTER_ADDR", env.master_addr)
+                os.environ.setdefault("MASTER_PORT", str(env.master_port))
+                init_method = "env://"
+            dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
+                                    world_size=world, timeout=timeout,
+                                    device_id=device if backend == "nccl" else None)
+        except (dist.DistError, TimeoutError) as e:
+            raise rendezvous_error(env, e, cfg.parallel.distributed_timeout_minutes) from e
     return _with_groups(backend, timeout, common, grid)
+
+
+def _hosts_store(env: LaunchEnv) -> bool:
+    """Whether this process will open the rendezvous port: rank 0, unless torchrun's agent
+    already holds it (it hosts the store its workers join)."""
+    return env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _check_launch(cfg: Config, env: LaunchEnv, backend: str, init_method: str | None) -> None:
+    """Launch mistakes refused by name before the rendezvous, where they would otherwise hang
+    the job or fail with a socket error far from their cause."""
+    check_tp_within_node(env, cfg.parallel.tensor_model_parallel_size,
+                         cfg.parallel.allow_tp_across_nodes)
+    if backend == "nccl":  # cuda:gloo shares GPUs on purpose
+        check_devices_per_node(env, torch.cuda.device_count())
+    if env.world_size > 1 and init_method is None and _hosts_store(env):
+        check_port_free(env.master_addr, env.master_port)
 
 
 def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:

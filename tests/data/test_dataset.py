@@ -59,12 +59,12 @@ def test_index_is_cached_and_keyed(tmp_path):
     make_corpus(tmp_path / "c", 50)
     args = ([str(tmp_path / "c")], "100,0,0", 8)
     a = build_datasets(*args, seed=1, num_samples=[50, 0, 0], cache_dir=str(tmp_path / "k"))[0]
-    assert len(list((tmp_path / "k").iterdir())) == 1
+    assert len(list((tmp_path / "k").glob("gpt_index_*"))) == 1
     b = build_datasets(*args, seed=1, num_samples=[50, 0, 0], cache_dir=str(tmp_path / "k"))[0]
     assert isinstance(b.index.shuffle, np.memmap)  # loaded, not rebuilt
     np.testing.assert_array_equal(a.index.shuffle, b.index.shuffle)
     build_datasets(*args, seed=2, num_samples=[50, 0, 0], cache_dir=str(tmp_path / "k"))
-    assert len(list((tmp_path / "k").iterdir())) == 2
+    assert len(list((tmp_path / "k").glob("gpt_index_*"))) == 2
     assert not list((tmp_path / "k").glob("*.tmp*"))
 
 
