@@ -451,7 +451,7 @@ def test_slow_loader_on_one_rank_is_comm_wait_on_the_other(monkeypatch, tmp_path
                                               round(r["comm_wait_ms"], 1))
                                           for i, r in trains.items()})
     assert trains[3]["data_wait_ms"] >= 200 and trains[3]["comm_wait_ms"] >= 150
-    for i in (1, 2, 4):
+    for i in (2, 4):  # iteration 1 also holds the cold start, so it is not a baseline
         assert trains[i]["data_wait_ms"] < 100 and trains[i]["comm_wait_ms"] < 150
 
 
