@@ -197,9 +197,9 @@ def play(name: str, pp: int, chunks: int, microbatches: int,
     that one stage's micro-batch (F + B + W) takes 1."""
     from tests.pipeline.simulator import simulate  # the checker of every action list
 
-    if microbatches < 1 or (name == "interleaved" and microbatches % pp):
-        raise ConfigError(f"--timeline-microbatches {microbatches}: give a positive number"
-                          f"{f', a multiple of PP = {pp} for interleaved' if pp > 1 else ''}")
+    if name == "interleaved" and microbatches % pp:
+        raise ConfigError(f"--timeline-microbatches {microbatches}: the interleaved schedule "
+                          f"needs a multiple of PP = {pp}")
     f, b, w = (x / sum(op_costs) for x in op_costs)
     chunks = schedule_chunks(name, chunks)
     kind = name if name in ("zb-h1", "zbv") else None
@@ -250,12 +250,16 @@ def draw_timeline(path: Path, lines: list[Timeline], pp: int, microbatches: int)
                  "label micro-batch.chunk)", fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.timeline_microbatches is not None and (args.timeline is None
+                                                   or args.timeline_microbatches < 1):
+        raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
+                          "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
     cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
                       if f.name != "dp_overlap"}
@@ -269,10 +273,11 @@ def _main(argv: list[str]) -> int:
     if args.timeline:
         fitting = [p for p in plans if p.fits]
         if not fitting or fitting[0].layout.pp == 1:
-            raise ConfigError("--timeline: the best fitting plan has no pipeline (PP = 1); "
-                              "ask for one with --pp N")
+            raise ConfigError("--timeline: " + ("the best fitting plan has no pipeline "
+                                                "(PP = 1); ask for one with --pp N" if fitting
+                                                else "no layout fits, nothing to draw"))
         ranked = schedule_ranking(plans, fitting[0])
-        m = args.timeline_microbatches or fitting[0].microbatches
+        m = args.timeline_microbatches or fitting[0].microbatches  # validated >= 1 above
         costs = pipeline_op_costs(model, fitting[0].layout.tp)
         lines = [play(p.layout.schedule_name, p.layout.pp, p.layout.chunks, m, costs)
                  for p in ranked]

@@ -104,7 +104,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=80, format="png")  # whatever the suffix says
     plt.close(fig)
 
 

@@ -123,7 +123,8 @@ def test_plan_timeline_writes_a_png(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("extra, message", [
     (["--pp", "1"], "no pipeline (PP = 1)"),
     (["--pp", "4", "--schedule", "interleaved", "--timeline-microbatches", "6"],
-     "--timeline-microbatches 6: give a positive number, a multiple of PP = 4"),
+     "--timeline-microbatches 6: the interleaved schedule needs a multiple of PP = 4"),
+    (["--pp", "4", "--timeline-microbatches", "0"], "--timeline-microbatches 0: give a positive"),
 ])
 def test_plan_timeline_errors(tmp_path, capsys, extra, message) -> None:
     out = tmp_path / "t.png"
