@@ -4,11 +4,15 @@
     python scripts/plan.py --preset 70B --gpus 1024 --tp 8 --pp 8     # check one layout family
     python scripts/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 4096 --vocab-size 32000 --gpus 64 --gpu-memory-gib 40 --peak-tflops 312
+    python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline schedules.png \
+        --timeline-microbatches 8                    # draw #1's pipeline schedules
 
 The model lives in megatron_lite/planner.py (assumptions in its docstrings and in `Cluster`).
 Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
 schedules ranked on the best plan's TP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
-step time, bubble, memory), and the pretrain.py flags of the best plan.
+step time, bubble, memory), and the pretrain.py flags of the best plan. --timeline draws those
+schedules (stages x time, every F, B and W) as played by the schedule simulator
+(tests/pipeline/simulator.py) on the real action lists, with F : B : W from the model's FLOPs.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.errors import add_debug_flag, run_cli
+from megatron_lite.pipeline.schedule import build_schedule, schedule_chunks
 from megatron_lite.planner import (
     GIB,
     PRESETS,
     Cluster,
     Plan,
+    pipeline_op_costs,
     pretrain_flags,
     search,
     total_params,
@@ -63,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     flt.add_argument("--zero1", choices=["on", "off"])
     flt.add_argument("--recompute", choices=["none", "selective", "full"])
     ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    pic = ap.add_argument_group("picture")
+    pic.add_argument("--timeline", metavar="OUT.png",
+                     help="draw #1's pipeline schedules (stages x time) into this PNG")
+    pic.add_argument("--timeline-microbatches", type=int, metavar="M",
+                     help="micro-batches to draw (default #1's; fewer keep the boxes readable)")
     add_debug_flag(ap)
     return ap
 
@@ -169,8 +180,86 @@ def schedule_ranking(plans: list[Plan], best: Plan) -> list[Plan]:
     return list(ranked.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """One schedule as the simulator played it."""
+
+    name: str
+    chunks: int
+    slots: list  # per stage: zero_bubble.Slot's
+    makespan: float
+    bubble: float
+
+
+def play(name: str, pp: int, chunks: int, microbatches: int,
+         op_costs: tuple[float, float, float]) -> Timeline:
+    """The action lists of schedule `name` played by the simulator, with F, B and W scaled so
+    that one stage's micro-batch (F + B + W) takes 1."""
+    from tests.pipeline.simulator import simulate  # the checker of every action list
+
+    if name == "interleaved" and microbatches % pp:
+        raise ConfigError(f"--timeline-microbatches {microbatches}: the interleaved schedule "
+                          f"needs a multiple of PP = {pp}")
+    f, b, w = (x / sum(op_costs) for x in op_costs)
+    chunks = schedule_chunks(name, chunks)
+    kind = name if name in ("zb-h1", "zbv") else None
+    schedule = build_schedule(pp, microbatches, chunks, kind=kind, costs=(f, b, w))
+    result = simulate(schedule, microbatches, chunks, f, b + w,
+                      weight_time=w if kind else None, v_shape=name == "zbv")
+    return Timeline(name, chunks, result.slots, result.makespan, result.bubble)
+
+
+def draw_timeline(path: Path, lines: list[Timeline], pp: int, microbatches: int) -> None:
+    """One panel per schedule, a row per stage, a box per compute: micro-batch = colour,
+    F light, B dark, W hatched; white gaps are the bubble."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ConfigError("--timeline needs matplotlib: pip install matplotlib (it is in "
+                          "requirements-dev.txt)") from err
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colours = plt.get_cmap("tab10" if microbatches <= 10 else "tab20")
+    shade = {"F": 0.45, "B": 1.0, "W": 0.8}
+    fig, axes = plt.subplots(len(lines), 1, figsize=(12, 0.45 * pp * len(lines) + 1.2),
+                             sharex=True, squeeze=False)
+    for ax, line in zip(axes[:, 0], lines):
+        for stage, slots in enumerate(line.slots):
+            for s in slots:
+                colour = colours(s.microbatch % colours.N)
+                ax.barh(stage, s.end - s.start, left=s.start, height=0.85, color=colour,
+                        alpha=shade[s.kind], hatch="//" if s.kind == "W" else None,
+                        edgecolor="black", linewidth=0.3)
+                if microbatches <= 16 and (s.end - s.start) * 60 >= line.makespan:
+                    label = f"{s.microbatch}" + (f".{s.chunk}" if line.chunks > 1 else "")
+                    ax.text((s.start + s.end) / 2, stage, label, ha="center", va="center",
+                            fontsize=6)
+        ax.set_yticks(range(pp), [f"stage {r}" for r in range(pp)], fontsize=8)
+        ax.set_ylim(pp - 0.5, -0.5)
+        v = f", v = {line.chunks}" if line.chunks > 1 else ""
+        ax.set_title(f"{line.name}{v}: step {line.makespan:.2f}, bubble {line.bubble:.1%}",
+                     fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("time (one stage's F + B + W of a micro-batch = 1)")
+    fig.legend(handles=[Patch(facecolor="grey", alpha=0.45, label="F"),
+                        Patch(facecolor="grey", label="B (input grad where W is split off)"),
+                        Patch(facecolor="grey", alpha=0.8, hatch="//", label="W")],
+               loc="upper right", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(f"PP = {pp}, {microbatches} micro-batches (colour = micro-batch; "
+                 "label micro-batch.chunk)", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.timeline_microbatches is not None and (args.timeline is None
+                                                   or args.timeline_microbatches < 1):
+        raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
+                          "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
     cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
                       if f.name != "dp_overlap"}
@@ -181,6 +270,19 @@ def _main(argv: list[str]) -> int:
         raise ConfigError("no valid layout (check that --global-batch-size is divisible by "
                           "dp x micro-batch and the filters agree with the GPU count)")
     print(report(model, cluster, gbs, tokens, plans, args.top))
+    if args.timeline:
+        fitting = [p for p in plans if p.fits]
+        if not fitting or fitting[0].layout.pp == 1:
+            raise ConfigError("--timeline: " + ("the best fitting plan has no pipeline "
+                                                "(PP = 1); ask for one with --pp N" if fitting
+                                                else "no layout fits, nothing to draw"))
+        ranked = schedule_ranking(plans, fitting[0])
+        m = args.timeline_microbatches or fitting[0].microbatches  # validated >= 1 above
+        costs = pipeline_op_costs(model, fitting[0].layout.tp)
+        lines = [play(p.layout.schedule_name, p.layout.pp, p.layout.chunks, m, costs)
+                 for p in ranked]
+        draw_timeline(Path(args.timeline), lines, fitting[0].layout.pp, m)
+        print(f"wrote {args.timeline}")
     return 0
 
 

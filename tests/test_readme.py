@@ -85,6 +85,15 @@ COMMANDS: dict[str, Cheap] = {
     "python bench/dry_run.py": HELP,
     "python scripts/plan.py --preset 8B --gpus 8": Cheap("pretrain.py flags for #1"),
     "python scripts/plan.py --preset 70B --gpus 1024": Cheap("pretrain.py flags for #1"),
+    # The pictures go to the scratch directory (the appended --out / --timeline wins), not over
+    # the committed ones; a tiny run stands in for the demo's.
+    "python scripts/plot_run.py demo/metrics.jsonl --out docs/images/demo_curves.png": Cheap(
+        "wrote curves.png (1 run)", "--out curves.png",
+        env="python pretrain.py --mock-data --train-iters 4 --eval-interval 2 --eval-iters 1 "
+            "--log-jsonl demo/metrics.jsonl > /dev/null &&"),
+    "python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline "
+    "docs/images/pipeline_schedules.png --timeline-microbatches 8": Cheap(
+        "wrote schedules.png", "--timeline schedules.png"),
     "pytest -m gpu": Cheap("skipped", "tests/kernels"),  # the GPU tests are all there
     "python bench/kernels.py": HELP,
     "bash scripts/gpu_check.sh OUT_DIR": Cheap("no CUDA device visible", returncode=1),

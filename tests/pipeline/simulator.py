@@ -37,6 +37,7 @@ from megatron_lite.pipeline.schedule import (
     Send,
     Wait,
 )
+from megatron_lite.pipeline.zero_bubble import Slot
 
 
 class ScheduleError(AssertionError):
@@ -71,6 +72,8 @@ class StageState:
     in_flight: int = 0
     peak_in_flight: int = 0
     reduced: list = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+    """Every compute with its start and end, in order (what a timeline picture draws)."""
 
 
 @dataclass
@@ -81,6 +84,9 @@ class Result:
     """Chunk activations alive at once per stage (divide by the chunks per stage to compare
     schedules in whole-stage micro-batches)."""
     reduced: list[list[int]]
+    slots: list[list[Slot]]
+    """Per stage, its computes as played: kind F, B (a full backward, or the input gradient
+    where W is split off) or W, with start and end times."""
 
     @property
     def bubble(self) -> float:
@@ -197,8 +203,12 @@ def simulate(schedule: list[list[Action]], num_microbatches: int, num_chunks: in
         elif isinstance(action, Forward | Backward | BackwardInput | BackwardWeight):
             _run_compute(action, s, virtual_stage(pp, stage, action.chunk, v_shape), stage,
                          last_virtual)
-            s.clock += costs[type(action)] / num_chunks
-            s.busy += costs[type(action)] / num_chunks
+            cost = costs[type(action)] / num_chunks
+            kind = "F" if isinstance(action, Forward) else \
+                "W" if isinstance(action, BackwardWeight) else "B"
+            s.slots.append(Slot(kind, action.microbatch, action.chunk, s.clock, s.clock + cost))
+            s.clock += cost
+            s.busy += cost
         elif isinstance(action, ReduceGrads):
             expected = {(mb, action.chunk) for mb in range(num_microbatches)}
             if not expected <= (s.done_weight if split else s.done_backward):
@@ -231,7 +241,8 @@ def simulate(schedule: list[list[Action]], num_microbatches: int, num_chunks: in
             raise ScheduleError(f"stage {i}: ends with {len(s.batches) - s.waited} transfer "
                                 "batches not waited for")
     return Result(max(s.clock for s in states), [s.busy for s in states],
-                  [s.peak_in_flight for s in states], [s.reduced for s in states])
+                  [s.peak_in_flight for s in states], [s.reduced for s in states],
+                  [s.slots for s in states])
 
 
 def _check_ready(op: Send | Recv, s: StageState, stage: int) -> None:
