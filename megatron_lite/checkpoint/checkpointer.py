@@ -162,12 +162,16 @@ class Checkpointer:
 
     `extra_state` objects (e.g. {"reliability": guard}) are saved in the metadata as JSON
     and restored on load when the checkpoint has them.
+
+    Files are per (tp, pp, dp) position with CP folded into DP (`gradient_replicas`): a CP
+    rank holds the same parameters as its peers, so a checkpoint's "dp" counts DP x CP
+    replicas and any CP size reads it like a change of DP size.
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
                  optimizer: Optimizer, train_loader: MicroBatchLoader,
                  extra_state: dict[str, Stateful] | None = None) -> None:
-        self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
+        self.cfg, self.pstate, self.chunks = cfg, pstate.gradient_replicas(), chunks
         self.optimizer, self.loader = optimizer, train_loader
         self.extra_state = dict(extra_state or {})
         self.on_file_written: Callable[[], None] | None = None
@@ -241,7 +245,8 @@ class Checkpointer:
             "has_optimizer": True,
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
-                       "dp": pstate.dp_size, "virtual_chunks": len(self.partition[0]),
+                       "dp": pstate.dp_size, "cp": parallel.context_parallel_size,
+                       "virtual_chunks": len(self.partition[0]),
                        "use_distributed_optimizer": parallel.use_distributed_optimizer},
             "partition": self.partition,
             "seed": self.cfg.train.seed,
@@ -439,11 +444,12 @@ class Checkpointer:
             raise ckpt_files.CheckpointError(
                 f"{reader.dir} holds a different model than this run's config:\n  "
                 + "\n  ".join(diffs) + "\npass the checkpoint's values (or load another one)")
-        if (self.cfg.data.data_sharding == "node-local"
-                and reader.dp != self.pstate.dp_size):
+        saved_dp = reader.dp // reader.meta["layout"].get("cp", 1)
+        running_dp = self.pstate.dp_size // self.cfg.parallel.context_parallel_size
+        if self.cfg.data.data_sharding == "node-local" and saved_dp != running_dp:
             raise ckpt_files.CheckpointError(
                 f"--data-sharding node-local: {reader.dir} was saved with data-parallel size "
-                f"{reader.dp}, this run has {self.pstate.dp_size}; each DP rank's shards and "
+                f"{saved_dp}, this run has {running_dp}; each DP rank's shards and "
                 "position would change. Resume with the same DP size")
         saved_data = reader.meta.get("data")  # absent in imported (never trained) checkpoints
         if saved_data and saved_data != data_fingerprint(self.cfg) and self.pstate.rank == 0:
