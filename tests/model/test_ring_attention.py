@@ -80,3 +80,31 @@ def test_ring_of_two(tmp_path) -> None:
 
 def test_ring_of_four(tmp_path) -> None:
     _check(run_ranks(_rank_fn, 4, tmp_path, cases=CASES), 4)
+
+
+def test_dry_run_ring_on_meta_issues_the_p2p_traffic() -> None:
+    """On meta under the fake process group (what --dry-run runs), the ring moves device
+    tensors only, and issues its traffic: forward K/V + token metadata C-1 times, backward
+    K/V C-1 times and dK/dV C times, sends balanced by receives."""
+    from megatron_lite.config import Config, ParallelConfig
+    from megatron_lite.parallel import state as parallel_state
+    from megatron_lite.parallel.audit import CommAudit
+
+    size = 4
+    pstate = parallel_state.initialize_fake(Config(parallel=ParallelConfig()), size, 1)
+    try:
+        ring = Ring(pstate.dp_group, tuple(range(size)), 1)
+        q, k, v = (x.detach().to("meta").requires_grad_() for x in inputs(hkv=2))
+        docs = torch.zeros(2, S, dtype=torch.int32, device="meta")
+        with CommAudit(torch.device("meta")) as audit:
+            out = attention(q, k, v, token_index=torch.arange(S, device="meta"),
+                            documents=docs, ring=ring)
+            forward = [op.op for op in audit.ops]
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        backward = [op.op for op in audit.ops][len(forward):]
+        assert out.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert forward.count("send") == forward.count("recv") == 2 * (size - 1)
+        assert backward.count("send") == backward.count("recv") == (size - 1) + size
+        assert {op.peer for op in audit.ops} == {0, 2}
+    finally:
+        parallel_state.destroy(pstate)
