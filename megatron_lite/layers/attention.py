@@ -185,9 +185,9 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tenso
     """(out, lse fp32 [b, h, sq]) of one pair."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    q, k, v = q.contiguous(), _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal)[:2]
+        q, k.contiguous(), v.contiguous(), None, True, 0.0, causal)[:2]
     return out, lse[..., : q.shape[2]]  # the CUDA kernel pads lse to a multiple of 32
 
 
@@ -198,12 +198,12 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
     hkv, heads = k.shape[1], q.shape[1]
-    ke, ve = _expand_heads(k, heads), _expand_heads(v, heads)
+    ke, ve = (_expand_heads(x, heads).contiguous() for x in (k, v))
     lse = F.pad(lse, (0, -q.shape[2] % 32)).contiguous()
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unused
     dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, ke, ve, None, out, lse, seed, seed, 0.0, [True, True, True, False],
-        causal)[:3]
+        dout.contiguous(), q.contiguous(), ke, ve, None, out.contiguous(), lse, seed, seed, 0.0,
+        [True, True, True, False], causal)[:3]
     if hkv != heads:
         dk, dv = (g.unflatten(1, (hkv, heads // hkv)).sum(2) for g in (dk, dv))
     return dq, dk, dv
@@ -305,6 +305,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
     document ids, non-decreasing along the full sequence, or None. Returns [b, hq, s, d] in q's
     dtype.
     """
+    b, hq, s, _ = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or hq % k.shape[1]:
+        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/"
+                         f"{tuple(v.shape)} are not [b, hq, s, d] and [b, hkv, s, d] with hq a "
+                         "multiple of hkv")
+    if tuple(token_index.shape) != (s,) or (documents is not None
+                                           and tuple(documents.shape) != (b, s)):
+        raise ValueError(f"attention: token_index must be [{s}] and documents [{b}, {s}], got "
+                         f"{tuple(token_index.shape)} and "
+                         f"{None if documents is None else tuple(documents.shape)}")
     if ring is not None and ring.size == 1:
         ring = None
     dtype = q.dtype

@@ -180,3 +180,23 @@ def test_meta_shapes_and_saved_tensors() -> None:
         assert out.shape == q.shape and out.device.type == "meta"
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_cuda_kernel_calls_fit_the_op_schemas() -> None:
+    """The CUDA branch of the block kernels, on meta (shape functions only; no GPU here): the
+    memory-efficient pair accepts these arguments, lse comes back unpadded, and GQA key/value
+    gradients fold back to the KV heads."""
+    q = torch.empty(2, 4, 40, 16, device="meta")
+    k = v = torch.empty(2, 2, 24, 16, device="meta")
+    out, lse = attn._block_forward(q, k, v, False)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    dq, dk, dv = attn._block_backward(out, q, k, v, out, lse, False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_rejects_mismatched_shapes() -> None:
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="multiple of hkv"):
+        attention(q, k[:, :, :16], v, token_index=torch.arange(32))
+    with pytest.raises(ValueError, match="token_index must be"):
+        attention(q, k, v, token_index=torch.arange(16))
