@@ -200,3 +200,19 @@ def test_rejects_mismatched_shapes() -> None:
         attention(q, k[:, :, :16], v, token_index=torch.arange(32))
     with pytest.raises(ValueError, match="token_index must be"):
         attention(q, k, v, token_index=torch.arange(16))
+
+
+def test_sequence_first_views_as_the_model_passes_them() -> None:
+    """The model hands [b, h, s, d] views of [s, b, h, d] tensors (not contiguous)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(32, 2, h, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+    order = zigzag_order(32, 2)
+    docs = random_documents(2, 32, 4, gen)
+    views = [x.permute(1, 2, 0, 3) for x in (q, k, v)]
+    ref = reference(*views, docs)
+    got = blockwise(*(x[:, :, order] for x in views), order, docs[:, order])
+    torch.testing.assert_close(got, ref[:, :, order], atol=1e-5, rtol=1e-5)
+    plain = attention(*views, token_index=torch.arange(32), documents=docs)
+    torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads(plain, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
