@@ -4,7 +4,8 @@
 which query t sees key u iff u <= t by *full-sequence* token index and both are in the same
 document. Under context parallelism (`ring`, C ranks) rank i holds chunks i and 2C-1-i of the
 2C equal chunks (the zigzag that gives every rank the same causal work) and K/V blocks travel
-round the ring.
+round the ring. Without a ring and without documents the call is today's plain causal SDPA
+(the CP=1 fast path; token_index is then 0..s-1 and not read).
 
 How a block is computed. Attention between a query block and a key block (with their token
 indices and documents) is cut into *pairs* (`block_pairs`): maximal runs of consecutive token
@@ -16,19 +17,22 @@ ever built. Partial results are merged by log-sum-exp in fp32 (online softmax), 
 backward calls the block backward kernel with the *final* out and lse per pair (the softmax
 gradient needs only those). Kernels: `aten._scaled_dot_product_flash_attention_for_cpu` and its
 backward on the CPU (native GQA); on CUDA the memory-efficient kernel pair (fp32 and bf16, GQA
-by expanding K/V heads per pair). On meta (the dry run) no values exist to plan with: shapes
-come out right, the ring's p2p traffic is issued, and q, k, v, out, lse are saved as a flash
-kernel would.
+by expanding K/V heads per pair; written against the op schemas, not yet run on a GPU). On
+the CPU a bf16 core runs in fp32, as the model's attention always did. On meta (the dry run)
+no values exist to plan with: shapes come out right, the ring's p2p traffic is issued, and q,
+k, v, out, lse are saved as a flash kernel would.
 
-Document masks: per-document pairs (variable-length path) rather than one masked call. Measured
-on this CPU (bench/context_parallel.py, b=1, 8 heads of 64, fwd+bwd, documents of random
-length): at s=2048 with 8 documents the pairs take 0.31x the time of SDPA with the s x s
-boolean mask; at s=4096 with 16 documents 0.14x; with one document (no saving to make) 0.6x,
-because the masked SDPA falls back to a slower kernel. The pairs are exact and need no s x s
-mask; their cost is a host copy of token indices and document ids per block to plan with (a
-device sync on CUDA), and one kernel call per document. FlexAttention block masks would be the
-CUDA answer to many tiny documents, but they have no CPU backward, so they cannot be tested
-here against this path; that swap is left for a GPU session.
+Document masks: per-document pairs (the variable-length path) rather than one masked call.
+Measured on this CPU (`python bench/context_parallel.py`, 1 thread, b=1, 8 heads of 64, fwd +
+bwd, documents cut at random; pairs / SDPA with the s x s boolean mask): s=2048: 0.60x with 1
+document, 0.20x with 8, 0.08x with 32; s=4096: 0.57x, 0.12x, 0.08x. The masked SDPA is slower
+than plain causal attention even with one document (1.6-2.0x: it cannot skip the masked
+tiles), while the pairs run 0.16-0.34x of plain causal at 8-32 documents because they skip the
+cross-document work; with one document they match it (1.01x at s=1024, 15 repeats). They are
+exact and build no s x s mask; their cost is a host copy of the token indices and document ids
+of each block to plan with (a device sync on CUDA) and one kernel call per document run.
+FlexAttention block masks would be the CUDA answer to very many tiny documents, but they have
+no CPU backward, so they could not be checked here against this path; not used.
 
 Ring backward: K/V travel round the ring a second time with their dK/dV accumulator one step
 behind (as in the published ring-attention implementations), so a rank holds one received block
@@ -181,9 +185,9 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tenso
     """(out, lse fp32 [b, h, sq]) of one pair."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    q, k, v = q.contiguous(), _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal)[:2]
+        q, k.contiguous(), v.contiguous(), None, True, 0.0, causal)[:2]
     return out, lse[..., : q.shape[2]]  # the CUDA kernel pads lse to a multiple of 32
 
 
@@ -194,12 +198,12 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
     hkv, heads = k.shape[1], q.shape[1]
-    ke, ve = _expand_heads(k, heads), _expand_heads(v, heads)
+    ke, ve = (_expand_heads(x, heads).contiguous() for x in (k, v))
     lse = F.pad(lse, (0, -q.shape[2] % 32)).contiguous()
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unused
     dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, ke, ve, None, out, lse, seed, seed, 0.0, [True, True, True, False],
-        causal)[:3]
+        dout.contiguous(), q.contiguous(), ke, ve, None, out.contiguous(), lse, seed, seed, 0.0,
+        [True, True, True, False], causal)[:3]
     if hkv != heads:
         dk, dv = (g.unflatten(1, (hkv, heads // hkv)).sum(2) for g in (dk, dv))
     return dq, dk, dv
@@ -301,6 +305,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
     document ids, non-decreasing along the full sequence, or None. Returns [b, hq, s, d] in q's
     dtype.
     """
+    b, hq, s, _ = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or hq % k.shape[1]:
+        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/"
+                         f"{tuple(v.shape)} are not [b, hq, s, d] and [b, hkv, s, d] with hq a "
+                         "multiple of hkv")
+    if tuple(token_index.shape) != (s,) or (documents is not None
+                                           and tuple(documents.shape) != (b, s)):
+        raise ValueError(f"attention: token_index must be [{s}] and documents [{b}, {s}], got "
+                         f"{tuple(token_index.shape)} and "
+                         f"{None if documents is None else tuple(documents.shape)}")
     if ring is not None and ring.size == 1:
         ring = None
     dtype = q.dtype

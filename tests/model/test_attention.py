@@ -180,3 +180,39 @@ def test_meta_shapes_and_saved_tensors() -> None:
         assert out.shape == q.shape and out.device.type == "meta"
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_cuda_kernel_calls_fit_the_op_schemas() -> None:
+    """The CUDA branch of the block kernels, on meta (shape functions only; no GPU here): the
+    memory-efficient pair accepts these arguments, lse comes back unpadded, and GQA key/value
+    gradients fold back to the KV heads."""
+    q = torch.empty(2, 4, 40, 16, device="meta")
+    k = v = torch.empty(2, 2, 24, 16, device="meta")
+    out, lse = attn._block_forward(q, k, v, False)
+    assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    dq, dk, dv = attn._block_backward(out, q, k, v, out, lse, False)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_rejects_mismatched_shapes() -> None:
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="multiple of hkv"):
+        attention(q, k[:, :, :16], v, token_index=torch.arange(32))
+    with pytest.raises(ValueError, match="token_index must be"):
+        attention(q, k, v, token_index=torch.arange(16))
+
+
+def test_sequence_first_views_as_the_model_passes_them() -> None:
+    """The model hands [b, h, s, d] views of [s, b, h, d] tensors (not contiguous)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(32, 2, h, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+    order = zigzag_order(32, 2)
+    docs = random_documents(2, 32, 4, gen)
+    views = [x.permute(1, 2, 0, 3) for x in (q, k, v)]
+    ref = reference(*views, docs)
+    got = blockwise(*(x[:, :, order] for x in views), order, docs[:, order])
+    torch.testing.assert_close(got, ref[:, :, order], atol=1e-5, rtol=1e-5)
+    plain = attention(*views, token_index=torch.arange(32), documents=docs)
+    torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads(plain, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
