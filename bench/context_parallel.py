@@ -8,25 +8,43 @@ alike; median times as ratios against plain causal attention (no documents) in t
   sdpa+mask    SDPA with the s x s boolean mask (causal and same document)
 The last column is pairs / sdpa+mask, the measurement behind layers/attention.py's choice.
 
+The ring (`ring`): forward + backward of a small model (2 layers, h 256, 4 heads of 64) on one
+sequence of s tokens, CP=1 in one process against CP=2 in two gloo processes (one thread
+each), the same tokens; the CP=2 time is the slower rank's. Ideal is 0.5x (half the tokens
+per rank); what is above it is the ring's p2p (K/V forward, K/V + dK/dV backward) and the
+per-block planning, which a longer sequence amortizes.
+
     python bench/context_parallel.py [--seq 2048 4096] [--docs 1 8 32] [--repeats 5]
+    python bench/context_parallel.py --part ring [--ring-seq 512 1024 2048 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_lite.data.loader import SequenceLayout, to_batch
 from megatron_lite.layers.attention import attention
+from megatron_lite.parallel import comms
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.launch import LaunchEnv
+from megatron_lite.parallel.state import ParallelState, single_process_state
+from megatron_lite.training import StepRunner, build_model, global_token_count
 
 HEADS, GROUPS, HEAD_DIM = 8, 8, 64
 
@@ -91,6 +109,77 @@ def print_document_masks(rows: list[dict]) -> None:
               f"{r['pairs_vs_mask']:>10.2f}x")
 
 
+RING_MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=4,
+                  ffn_hidden_size=704, vocab_size=4096)
+
+
+def _ring_config(seq: int, cp: int) -> Config:
+    return Config(model=ModelConfig(**RING_MODEL, seq_length=seq),
+                  parallel=ParallelConfig(context_parallel_size=cp, distributed_backend="gloo"),
+                  train=TrainConfig(micro_batch_size=1, global_batch_size=1, seed=0))
+
+
+def ring_times(pstate: ParallelState, seqs: list[int], repeats: int) -> dict[int, float]:
+    """Median fwd+bwd seconds of one sequence per length, at this state's CP size."""
+    out = {}
+    for s in seqs:
+        cfg = _ring_config(s, pstate.cp_size)
+        chunks = build_model(cfg, pstate)
+        runner = StepRunner(cfg, pstate, chunks)
+        sample = np.random.default_rng(s).integers(0, RING_MODEL["vocab_size"], s + 1)
+        batch = to_batch([sample], None, False, SequenceLayout(pstate.cp_rank, pstate.cp_size))
+        count = global_token_count([batch], pstate)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            comms.barrier(pstate.world_group, pstate.device)
+            start = time.perf_counter()
+            runner([batch], count)
+            times.append(time.perf_counter() - start)
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+        out[s] = statistics.median(times[1:])
+    return out
+
+
+def _ring_rank(rank: int, init_file: str, seqs: list[int], repeats: int, queue) -> None:
+    torch.set_num_threads(1)
+    env = LaunchEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2,
+                    master_addr="127.0.0.1", master_port=0, source="bench", node_rank=0,
+                    num_nodes=1)
+    pstate = parallel_state.initialize(_ring_config(seqs[0], 2), env=env,
+                                       init_method=f"file://{init_file}")
+    try:
+        queue.put((rank, ring_times(pstate, seqs, repeats)))
+    finally:
+        parallel_state.destroy(pstate)
+
+
+def ring(seqs: list[int], repeats: int) -> list[dict]:
+    """CP=1 (this process) against CP=2 (two spawned ranks) per sequence length."""
+    single = ring_times(single_process_state(), seqs, repeats)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    procs = [ctx.Process(target=_ring_rank, args=(r, init_file, seqs, repeats, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    ranks = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    return [dict(seq=s, cp1_s=single[s], cp2_s=max(ranks[r][s] for r in ranks),
+                 cp2_vs_cp1=max(ranks[r][s] for r in ranks) / single[s]) for s in seqs]
+
+
+def print_ring(rows: list[dict]) -> None:
+    print(f"model fwd+bwd, one sequence, {RING_MODEL}; CP=2 = two gloo ranks of 1 thread "
+          "(slower rank); ideal 0.50x")
+    print(f"{'seq':>6} {'CP=1 ms':>9} {'CP=2 ms':>9} {'CP2/CP1':>8}")
+    for r in rows:
+        print(f"{r['seq']:>6} {r['cp1_s'] * 1e3:>9.1f} {r['cp2_s'] * 1e3:>9.1f} "
+              f"{r['cp2_vs_cp1']:>7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
@@ -98,13 +187,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default="bench/results/context_parallel.json")
+    parser.add_argument("--part", choices=["documents", "ring", "all"], default="all")
+    parser.add_argument("--ring-seq", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = document_masks(args.seq, args.docs, args.repeats)
-    print_document_masks(rows)
+    result: dict = {"threads": args.threads}
+    if args.part in ("documents", "all"):
+        result["document_masks"] = rows = document_masks(args.seq, args.docs, args.repeats)
+        print_document_masks(rows)
+    if args.part in ("ring", "all"):
+        result["ring"] = rows = ring(args.ring_seq, args.repeats)
+        print_ring(rows)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "document_masks": rows}, indent=1))
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
 

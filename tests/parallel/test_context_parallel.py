@@ -8,12 +8,23 @@ part of what is checked. fp32 throughout.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from megatron_lite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from megatron_lite.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    validate,
+)
+from megatron_lite.data.builder import build_loaders
 from megatron_lite.data.loader import MicroBatchLoader, SequenceLayout, context_parallel_index
 from megatron_lite.data.mock import MockDataset
 from megatron_lite.layers import tags
@@ -21,7 +32,13 @@ from megatron_lite.layers.attention import zigzag_token_index
 from megatron_lite.layers.init import unshard
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState, single_process_state
+from megatron_lite.parallel import state as parallel_state
+from megatron_lite.parallel.state import (
+    ParallelState,
+    format_grid,
+    rank_grid,
+    single_process_state,
+)
 from megatron_lite.training import (
     StepRunner,
     build_model,
@@ -155,3 +172,56 @@ def test_ten_steps_equal_one_process(tmp_path, reference: dict, layout: str) -> 
     for name, ref in reference["params"].items():
         err = rel_err(got[name], ref)
         assert err <= 1e-4, f"{name}: relative error {err:.2e}"
+
+
+def test_rank_grid_puts_cp_between_tp_and_dp() -> None:
+    grid = rank_grid(16, tp=2, pp=2, cp=2)  # dp = 2
+    assert grid[0] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert grid[1][1][1] == [14, 15]
+    text = format_grid(grid)
+    assert "pp stage 0: dp0cp0:tp[0, 1]  dp0cp1:tp[2, 3]  dp1cp0:tp[4, 5]" in text
+    assert "dp0:tp" in format_grid(rank_grid(4, tp=2, pp=1))  # CP=1 reads as before
+
+
+def test_fake_state_coordinates_and_groups() -> None:
+    cfg = make_config(cp=2, tp=2, pp=2)
+    pstate = parallel_state.initialize_fake(cfg, 16, 11)  # pp 1, dp 0, cp 1, tp 1
+    try:
+        assert (pstate.pp_rank, pstate.dp_rank, pstate.cp_rank, pstate.tp_rank) == (1, 0, 1, 1)
+        assert pstate.cp_ranks == (9, 11) and pstate.pp_ranks == (3, 11)
+        assert (pstate.dp_size, pstate.cp_size, pstate.dp_cp_size, pstate.dp_cp_rank) == (2, 2,
+                                                                                          4, 1)
+        assert dist.get_process_group_ranks(pstate.cp_group) == [9, 11]
+        assert dist.get_process_group_ranks(pstate.dp_group) == [11, 15]
+        assert dist.get_process_group_ranks(pstate.dp_cp_group) == [9, 11, 13, 15]
+        assert dist.get_process_group_ranks(pstate.mp_group) == [2, 3, 10, 11]  # no CP peer
+        view = pstate.gradient_replicas()
+        assert (view.dp_size, view.dp_rank, view.dp_group) == (4, 1, pstate.dp_cp_group)
+    finally:
+        parallel_state.destroy(pstate)
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (dict(cp=2), 3, "world size 3 is not divisible by --tensor-model-parallel-size 1 x "
+                    "--context-parallel-size 2"),
+    (dict(cp=3), 3, "--context-parallel-size 3 needs --seq-length (32) divisible by 2 x 3"),
+    (dict(cp=4, tp=2, sequence_parallel=True), 8,
+     "--sequence-parallel with --context-parallel-size 4 needs --seq-length (32) divisible by "
+     "2 x 4 x --tensor-model-parallel-size 2 = 16"),
+    (dict(cp=2, global_batch=3), 4,  # CP ranks share samples: dp = 4 / 2
+     "--global-batch-size 3 is not divisible by --micro-batch-size 1 x data-parallel size 2"),
+])
+def test_impossible_layouts_name_the_flag(flags: dict, world: int, message: str) -> None:
+    cfg = make_config(**flags)
+    if "global_batch" not in flags and flags.get("cp") == 4:
+        cfg.model.seq_length = 40  # divisible by 2 x 4 but not by 2 x 4 x 2
+        message = message.replace("(32)", "(40)")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg, world)
+
+
+def test_mock_data_refuses_document_flags() -> None:
+    cfg = make_config()
+    cfg.data.mock_data, cfg.data.reset_attention_mask = True, True
+    with pytest.raises(ConfigError, match="--mock-data"):
+        build_loaders(cfg, 0, 1)
