@@ -87,7 +87,7 @@ COMMANDS: dict[str, Cheap] = {
     "python scripts/plan.py --preset 70B --gpus 1024": Cheap("pretrain.py flags for #1"),
     "torchrun --standalone --nproc_per_node=4 pretrain.py --context-parallel-size 2 "
     "--tensor-model-parallel-size 2 --sequence-parallel --mock-data --train-iters 20": Cheap(
-        "launch: torchrun, world size 4", "--train-iters 2"),
+        "--context-parallel-size N", "--help"),  # the run itself: test_pretrain_context_parallel
     "python scripts/plan.py --preset 8B --seq-length 131072 --global-batch-size 32 --gpus 64":
         Cheap("--context-parallel-size 8"),
     "python scripts/plan.py --preset 70B --seq-length 32768 --global-batch-size 128 --gpus 512":
