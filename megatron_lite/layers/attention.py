@@ -157,21 +157,21 @@ def _coalesce(pairs: list[Pair]) -> list[Pair]:
     return sorted(pairs, key=lambda p: (p.rows, p.q, p.k))
 
 
-def block_pairs(q_meta: Tensor, k_meta: Tensor, batch: int) -> list[Pair]:
+def block_pairs(q_ids: Tensor, k_ids: Tensor, batch: int) -> list[Pair]:
     """The kernel calls of one (query block, key block): empty when no query sees any key.
 
-    A meta tensor is int64 [1, s] (token indices) or [1 + batch, s] (token indices, then each
+    An ids tensor is int64 [1, s] (token indices) or [1 + batch, s] (token indices, then each
     row's document ids), on the host."""
-    if q_meta.shape[0] == 1:
+    if q_ids.shape[0] == 1:
         rows = [((0, batch), None, None)]
     else:
-        rows = [((r, r + 1), q_meta[1 + r], k_meta[1 + r]) for r in range(batch)]
+        rows = [((r, r + 1), q_ids[1 + r], k_ids[1 + r]) for r in range(batch)]
     pairs = []
     for span, q_docs, k_docs in rows:
         by_doc = defaultdict(list)
-        for kseg in _segments(k_meta[0], k_docs):
+        for kseg in _segments(k_ids[0], k_docs):
             by_doc[kseg[3]].append(kseg)
-        for qseg in _segments(q_meta[0], q_docs):
+        for qseg in _segments(q_ids[0], q_docs):
             for kseg in by_doc.get(qseg[3], ()):
                 pairs += _match(qseg, kseg, span)
     return _coalesce(pairs)
@@ -238,18 +238,18 @@ class _RingAttention(torch.autograd.Function):
     """Blockwise attention over the ring (a ring of one: the local block only)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, meta: Tensor, ring: Ring | None
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ids: Tensor, ring: Ring | None
                 ) -> Tensor:
         steps = ring.size if ring is not None else 1
         b, hq, s, _ = q.shape
         computed = q.device.type != "meta"
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, s), -math.inf, dtype=torch.float32, device=q.device)
-        local = meta.cpu() if computed else None
-        kv, block_meta, plans = torch.stack([k, v]), meta, []
+        local = ids.cpu() if computed else None
+        kv, block_ids, plans = torch.stack([k, v]), ids, []
         for step in range(steps):
-            posted = _Posted(ring, [kv, block_meta], _FORWARD_TAG) if step + 1 < steps else None
-            plan = block_pairs(local, block_meta.cpu(), b) if computed else []
+            posted = _Posted(ring, [kv, block_ids], _FORWARD_TAG) if step + 1 < steps else None
+            plan = block_pairs(local, block_ids.cpu(), b) if computed else []
             for p in plan:
                 o, o_lse = _block_forward(_view(q, p, "q"), _view(kv[0], p, "k"),
                                           _view(kv[1], p, "k"), p.causal)
@@ -260,7 +260,7 @@ class _RingAttention(torch.autograd.Function):
                 acc_l.copy_(new_l)
             plans.append(plan)
             if posted is not None:
-                kv, block_meta = posted.wait()
+                kv, block_ids = posted.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.plans = ring, plans
@@ -333,7 +333,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         return out.to(dtype)
-    meta = token_index.to(torch.int64).unsqueeze(0)
+    ids = token_index.to(torch.int64).unsqueeze(0)
     if documents is not None:
-        meta = torch.cat([meta, documents.to(torch.int64)])
-    return _RingAttention.apply(q, k, v, meta, ring).to(dtype)
+        ids = torch.cat([ids, documents.to(torch.int64)])
+    return _RingAttention.apply(q, k, v, ids, ring).to(dtype)

@@ -53,10 +53,10 @@ def zigzag_order(s: int, size: int) -> torch.Tensor:
 def blockwise(q, k, v, token_index, documents=None):
     """The blockwise core with a ring of one: what `attention` runs for a ring rank (it takes
     the plain SDPA call when there is neither a ring nor documents)."""
-    meta = token_index[None]
+    ids = token_index[None]
     if documents is not None:
-        meta = torch.cat([meta, documents.long()])
-    return attn._RingAttention.apply(q, k, v, meta, None)
+        ids = torch.cat([ids, documents.long()])
+    return attn._RingAttention.apply(q, k, v, ids, None)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -125,7 +125,7 @@ def test_fast_path_is_plain_causal_sdpa() -> None:
     assert torch.equal(out, want)
 
 
-def _meta(index: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+def _ids(index: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
     return index[None] if docs is None else torch.cat([index[None], docs.long()])
 
 
@@ -135,21 +135,21 @@ def test_zigzag_blocks_skip_the_future() -> None:
     second chunk sees anything (one unmasked call); its own block is two causal diagonals
     plus the second chunk over the first; a future-only block is empty."""
     idx = [zigzag_token_index(32, 4, r) for r in range(4)]
-    assert block_pairs(_meta(idx[2]), _meta(idx[1]), 2) == [Pair((0, 2), (0, 8), (0, 4), False)]
-    assert block_pairs(_meta(idx[1]), _meta(idx[2]), 2) == [Pair((0, 2), (4, 8), (0, 8), False)]
-    assert block_pairs(_meta(idx[1]), _meta(idx[1]), 2) == [
+    assert block_pairs(_ids(idx[2]), _ids(idx[1]), 2) == [Pair((0, 2), (0, 8), (0, 4), False)]
+    assert block_pairs(_ids(idx[1]), _ids(idx[2]), 2) == [Pair((0, 2), (4, 8), (0, 8), False)]
+    assert block_pairs(_ids(idx[1]), _ids(idx[1]), 2) == [
         Pair((0, 2), (0, 4), (0, 4), True), Pair((0, 2), (4, 8), (0, 4), False),
         Pair((0, 2), (4, 8), (4, 8), True)]
     # rank 3 of 4 holds chunks 3 and 4: one contiguous run, one causal call
-    assert block_pairs(_meta(idx[3]), _meta(idx[3]), 2) == [Pair((0, 2), (0, 8), (0, 8), True)]
+    assert block_pairs(_ids(idx[3]), _ids(idx[3]), 2) == [Pair((0, 2), (0, 8), (0, 8), True)]
     # a block of only future tokens
-    assert block_pairs(_meta(torch.arange(0, 8)), _meta(torch.arange(8, 16)), 2) == []
+    assert block_pairs(_ids(torch.arange(0, 8)), _ids(torch.arange(8, 16)), 2) == []
 
 
 def test_blocks_whose_documents_cannot_meet_are_skipped() -> None:
     q_docs = torch.tensor([[0] * 4 + [1] * 4, [0] * 8])
     k_docs = torch.tensor([[2] * 8, [0] * 4 + [1] * 4])
-    pairs = block_pairs(_meta(torch.arange(8, 16), q_docs), _meta(torch.arange(8), k_docs), 2)
+    pairs = block_pairs(_ids(torch.arange(8, 16), q_docs), _ids(torch.arange(8), k_docs), 2)
     # row 0: documents {0, 1} against {2}: nothing; row 1: document 0 against its 4 keys
     assert pairs == [Pair((1, 2), (0, 8), (0, 4), False)]
 

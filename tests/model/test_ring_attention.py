@@ -52,7 +52,6 @@ def _rank_fn(pstate, cases: list[dict]) -> list[dict]:
 
 
 CASES = [dict(hkv=4, dtype=torch.float32, docs=None),
-         dict(hkv=2, dtype=torch.float32, docs=None),
          dict(hkv=1, dtype=torch.float32, docs=4),
          dict(hkv=2, dtype=torch.bfloat16, docs=3)]
 
@@ -71,7 +70,7 @@ def _check(results: list[list[dict]], size: int) -> None:
         assert no_docs["area"] == 2 * chunk * chunk * size, no_docs
         assert no_docs["calls"] == (1 if rank == size - 1 else 3) + (size - 1), no_docs
         # Documents only remove work.
-        assert per_case[2]["area"] <= no_docs["area"]
+        assert per_case[1]["area"] <= no_docs["area"]
 
 
 def test_ring_of_two(tmp_path) -> None:
