@@ -308,18 +308,20 @@ def _with_groups(backend: str, timeout: timedelta, common: dict,
 
     pp_lists = lists(lambda x: (x[1], x[2], x[3]))
     emb_lists = [sorted({r[0], r[-1]}) for r in pp_lists]
-    return ParallelState(
-        backend=backend,
-        world_group=dist.group.WORLD,
+    groups = dict(
         tp_group=_new_groups(lists(lambda x: (x[0], x[1], x[2])), rank, timeout),
         dp_group=_new_groups(lists(lambda x: (x[0], x[2], x[3])), rank, timeout),
         pp_group=_new_groups(pp_lists, rank, timeout),
         mp_group=_new_groups(lists(lambda x: (x[1], x[2])), rank, timeout),
         embedding_group=_new_groups(emb_lists, rank, timeout),
-        cp_group=_new_groups(lists(lambda x: (x[0], x[1], x[3])), rank, timeout),
-        dp_cp_group=_new_groups(lists(lambda x: (x[0], x[3])), rank, timeout),
-        **common,
     )
+    # Without CP there is no ring (a group of one is a no-op, None) and DP x CP is DP: no
+    # extra groups, which a 1,024-rank dry run would otherwise create by the thousand.
+    groups["cp_group"] = (_new_groups(lists(lambda x: (x[0], x[1], x[3])), rank, timeout)
+                          if cp > 1 else None)
+    groups["dp_cp_group"] = (_new_groups(lists(lambda x: (x[0], x[3])), rank, timeout)
+                             if cp > 1 else groups["dp_group"])
+    return ParallelState(backend=backend, world_group=dist.group.WORLD, **groups, **common)
 
 
 def destroy(state: ParallelState) -> None:

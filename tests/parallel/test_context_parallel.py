@@ -151,6 +151,7 @@ LAYOUTS = {
     "cp2-pp2-interleaved": (4, dict(cp=2, pp=2, num_layers_per_virtual_pipeline_stage=1)),
     "cp2-dp2-zero1-overlap": (4, dict(cp=2, use_distributed_optimizer=True,
                                       overlap_grad_reduce=True, ddp_bucket_size=2000)),
+    "cp2-pp2-zb-h1": (4, dict(cp=2, pp=2, pipeline_schedule="zb-h1")),
 }
 
 
