@@ -12,7 +12,8 @@ The ring (`ring`): forward + backward of a small model (2 layers, h 256, 4 heads
 sequence of s tokens, CP=1 in one process against CP=2 in two gloo processes (one thread
 each), the same tokens; the CP=2 time is the slower rank's. Ideal is 0.5x (half the tokens
 per rank); what is above it is the ring's p2p (K/V forward, K/V + dK/dV backward) and the
-per-block planning, which a longer sequence amortizes.
+per-block planning, which a longer sequence amortizes. The CPU-time ratio (work per rank)
+is shown too: on a machine whose cores other processes share, wall time cannot reach 0.5x.
 
     python bench/context_parallel.py [--seq 2048 4096] [--docs 1 8 32] [--repeats 5]
     python bench/context_parallel.py --part ring [--ring-seq 512 1024 2048 4096]
@@ -119,8 +120,11 @@ def _ring_config(seq: int, cp: int) -> Config:
                   train=TrainConfig(micro_batch_size=1, global_batch_size=1, seed=0))
 
 
-def ring_times(pstate: ParallelState, seqs: list[int], repeats: int) -> dict[int, float]:
-    """Median fwd+bwd seconds of one sequence per length, at this state's CP size."""
+def ring_times(pstate: ParallelState, seqs: list[int], repeats: int
+               ) -> dict[int, tuple[float, float]]:
+    """Median fwd+bwd (wall, CPU) seconds of one sequence per length, at this state's CP size.
+    CPU time (this process, all threads) is the work a rank does; wall time adds its waits for
+    the ring and for cores other processes hold."""
     out = {}
     for s in seqs:
         cfg = _ring_config(s, pstate.cp_size)
@@ -129,15 +133,16 @@ def ring_times(pstate: ParallelState, seqs: list[int], repeats: int) -> dict[int
         sample = np.random.default_rng(s).integers(0, RING_MODEL["vocab_size"], s + 1)
         batch = to_batch([sample], None, False, SequenceLayout(pstate.cp_rank, pstate.cp_size))
         count = global_token_count([batch], pstate)
-        times = []
+        wall, cpu = [], []
         for _ in range(repeats + 1):  # the first is a warm-up
             comms.barrier(pstate.world_group, pstate.device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             runner([batch], count)
-            times.append(time.perf_counter() - start)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
-        out[s] = statistics.median(times[1:])
+        out[s] = statistics.median(wall[1:]), statistics.median(cpu[1:])
     return out
 
 
@@ -167,17 +172,22 @@ def ring(seqs: list[int], repeats: int) -> list[dict]:
     ranks = dict(queue.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join()
-    return [dict(seq=s, cp1_s=single[s], cp2_s=max(ranks[r][s] for r in ranks),
-                 cp2_vs_cp1=max(ranks[r][s] for r in ranks) / single[s]) for s in seqs]
+    rows = []
+    for s in seqs:
+        wall, cpu = (max(ranks[r][s][i] for r in ranks) for i in (0, 1))
+        rows.append(dict(seq=s, cp1_s=single[s][0], cp2_s=wall, cp2_vs_cp1=wall / single[s][0],
+                         cp1_cpu_s=single[s][1], cp2_cpu_s=cpu,
+                         cp2_vs_cp1_cpu=cpu / single[s][1]))
+    return rows
 
 
 def print_ring(rows: list[dict]) -> None:
     print(f"model fwd+bwd, one sequence, {RING_MODEL}; CP=2 = two gloo ranks of 1 thread "
           "(slower rank); ideal 0.50x")
-    print(f"{'seq':>6} {'CP=1 ms':>9} {'CP=2 ms':>9} {'CP2/CP1':>8}")
+    print(f"{'seq':>6} {'CP=1 ms':>9} {'CP=2 ms':>9} {'CP2/CP1':>8} {'CPU CP2/CP1':>12}")
     for r in rows:
         print(f"{r['seq']:>6} {r['cp1_s'] * 1e3:>9.1f} {r['cp2_s'] * 1e3:>9.1f} "
-              f"{r['cp2_vs_cp1']:>7.2f}x")
+              f"{r['cp2_vs_cp1']:>7.2f}x {r['cp2_vs_cp1_cpu']:>11.2f}x")
 
 
 def main() -> None:
