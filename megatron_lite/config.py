@@ -80,7 +80,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How ranks are laid out: world = pp x dp x tp, tp innermost."""
+    """How ranks are laid out: world = pp x dp x cp x tp, tp innermost."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size t (ranks that split each layer's matrices)."""
@@ -100,6 +100,9 @@ class ParallelConfig:
     """Layers on the last pipeline stage when it should differ from the even split."""
     sequence_parallel: bool = False
     """Split activations outside the TP regions along the sequence (needs t > 1 to matter)."""
+    context_parallel_size: int = 1
+    """Context-parallel size c: ranks that split every sequence into 2c chunks (rank i holds
+    chunks i and 2c-1-i, which balances causal work) and pass K/V around a ring."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard fp32 master weights and Adam state over data-parallel ranks."""
     overlap_grad_reduce: bool = False
@@ -123,7 +126,8 @@ class ParallelConfig:
     would cross the network)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
 
@@ -333,6 +337,10 @@ class DataConfig:
     """Directory for cached sample/shuffle indices (default: next to the data)."""
     eod_mask_loss: bool = False
     """Do not train on predicting the token after an end-of-document token."""
+    reset_position_ids: bool = False
+    """Positions (RoPE) restart at 0 after each end-of-document token of a packed sample."""
+    reset_attention_mask: bool = False
+    """Tokens attend only within their own document of a packed sample (EOD ends one)."""
     verify_checksums: bool = False
     """Before training, compare every shard this rank reads with its manifest sha256 (reads all)."""
 
@@ -573,8 +581,15 @@ def _dash(name: str) -> str:
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    p = cfg.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    """Ranks holding different samples: the world over tp x cp x pp (CP ranks of one DP rank
+    share its samples, each holding other chunks of them)."""
+    return world_size // model_replica_size(cfg.parallel)
+
+
+def model_replica_size(parallel: ParallelConfig) -> int:
+    """tp x cp x pp: the ranks one data-parallel rank spans."""
+    return (parallel.tensor_model_parallel_size * parallel.context_parallel_size
+            * parallel.pipeline_model_parallel_size)
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:
@@ -588,13 +603,17 @@ def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks, run before anything is allocated. Raises ConfigError."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
+    replica = tp * cp * pp
     errors: list[str] = []
-    if world_size % (tp * pp):
+    if world_size % replica:
         errors.append(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} "
-            "processes or change the parallel sizes"
+            + (f"--context-parallel-size {cp} x " if cp > 1 else "")
+            + f"--pipeline-model-parallel-size {pp} = {replica}; launch a multiple of "
+            f"{replica} processes or change the parallel sizes"
         )
+    errors += _context_parallel_errors(cfg)
     if model.hidden_size % model.num_attention_heads:
         errors.append(
             f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
@@ -628,8 +647,8 @@ def validate(cfg: Config, world_size: int) -> None:
             f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
             f"{model.max_position_embeddings}; raise --max-position-embeddings or shorten sequences"
         )
-    if not world_size % (tp * pp):
-        dp = world_size // (tp * pp)
+    if not world_size % replica:
+        dp = world_size // replica
         gbs = train.global_batch_size or train.micro_batch_size * dp
         if gbs % (train.micro_batch_size * dp):
             errors.append(
@@ -637,9 +656,9 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"{train.micro_batch_size} x data-parallel size {dp} = "
                 f"{train.micro_batch_size * dp}; use a multiple of {train.micro_batch_size * dp}"
             )
-    if not world_size % (tp * pp):
+    if not world_size % replica:
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
-        errors += _rampup_errors(cfg, world_size // (tp * pp))
+        errors += _rampup_errors(cfg, world_size // replica)
     errors += _schedule_errors(cfg)
     errors += _dry_run_errors(cfg, world_size)
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
@@ -647,6 +666,23 @@ def validate(cfg: Config, world_size: int) -> None:
                       "all-gather; add --use-distributed-optimizer or drop it")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _context_parallel_errors(cfg: Config) -> list[str]:
+    """CP splits each sequence into 2c equal chunks, and SP splits a rank's two chunks over TP."""
+    parallel, seq = cfg.parallel, cfg.model.seq_length
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    errors = []
+    if cp > 1 and seq % (2 * cp):
+        errors.append(f"--context-parallel-size {cp} needs --seq-length ({seq}) divisible by "
+                      f"2 x {cp} = {2 * cp} (each rank holds two of {2 * cp} equal chunks); use "
+                      f"--seq-length {2 * cp * math.ceil(seq / (2 * cp))}")
+    elif cp > 1 and parallel.sequence_parallel and tp > 1 and seq % (2 * cp * tp):
+        unit = 2 * cp * tp
+        errors.append(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length "
+                      f"({seq}) divisible by 2 x {cp} x --tensor-model-parallel-size {tp} = "
+                      f"{unit}; use --seq-length {unit * math.ceil(seq / unit)}")
+    return errors
 
 
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:

@@ -69,9 +69,11 @@ class RankResult:
 
 
 def _mock_config(cfg: Config) -> Config:
-    """The run's config reading mock batches on the calling thread (a dry run reads no data)."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mock_data=True,
-                                                             num_workers=0))
+    """The run's config reading mock batches on the calling thread (a dry run reads no data;
+    mock samples have no documents, which change attention's work but not its memory)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, mock_data=True, num_workers=0, reset_position_ids=False,
+        reset_attention_mask=False))
 
 
 def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
@@ -85,7 +87,8 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             chunks = build_model(cfg, pstate)
             optimizer = Optimizer(cfg, chunks, pstate)
             try:
-                loader, _ = build_data_loaders(_mock_config(cfg), pstate.dp_rank, pstate.dp_size)
+                loader, _ = build_data_loaders(_mock_config(cfg), pstate.dp_rank, pstate.dp_size,
+                                               cp_rank=pstate.cp_rank)
                 runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
                 params = live.bytes_of([p for c in chunks for p in c.parameters()])
                 grads = live.bytes_of([b.grad for b in optimizer.buffers])

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_lite.config import Config, validate
+from megatron_lite.data.loader import context_parallel_index
 from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
 from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.planner import estimate_memory, stage_params
@@ -111,12 +112,13 @@ class LiveBytes(TorchDispatchMode):
 def _chunk_inputs(chunk: nn.Module, cfg: Config, pstate: ParallelState, generator: torch.Generator
                   ) -> tuple[Tensor, Tensor | None]:
     m, b = cfg.model, cfg.train.micro_batch_size
-    labels = torch.randint(0, m.vocab_size, (b, m.seq_length), generator=generator)
+    local = m.seq_length // pstate.cp_size
+    labels = torch.randint(0, m.vocab_size, (b, local), generator=generator)
     labels = labels.to(pstate.device) if chunk.post_process else None
     if chunk.pre_process:
-        return torch.randint(0, m.vocab_size, (b, m.seq_length), generator=generator
+        return torch.randint(0, m.vocab_size, (b, local), generator=generator
                              ).to(pstate.device), labels
-    s = m.seq_length // (pstate.tp_size if cfg.parallel.sequence_parallel else 1)
+    s = local // (pstate.tp_size if cfg.parallel.sequence_parallel else 1)
     dtype = next(chunk.parameters()).dtype
     hidden = torch.randn(s, b, m.hidden_size, generator=generator).to(pstate.device, dtype)
     return hidden.requires_grad_(), labels
@@ -126,8 +128,8 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     """Bytes autograd keeps for backward after one micro-batch's forward through every chunk.
 
     Runs a forward on synthetic inputs of the right shapes (tokens, or a hidden state for a
-    chunk that starts mid-model), so it needs no pipeline communication; TP ranks run it
-    together because the layers' collectives are inside.
+    chunk that starts mid-model), so it needs no pipeline communication; TP and CP ranks run
+    it together because the layers' collectives (and the CP ring) are inside.
     """
     owned = {t.untyped_storage().data_ptr() for c in chunks
              for t in [*c.parameters(), *c.buffers()]}
@@ -147,11 +149,15 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
         raise RuntimeError("the memory-measurement forward has no backward")
 
     generator = torch.Generator().manual_seed(0)
+    sequence = {}
+    if pstate.cp_size > 1:
+        sequence["token_index"] = context_parallel_index(
+            cfg.model.seq_length, pstate.cp_size, pstate.cp_rank).to(pstate.device)
     outputs = []
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         for chunk in chunks:
             x, labels = _chunk_inputs(chunk, cfg, pstate, generator)
-            outputs.append(chunk(x, labels))
+            outputs.append(chunk(x, labels, **sequence))
     del outputs
     total = sum(t.untyped_storage().nbytes() for t in saved.values())
     saved.clear()  # the graph holds `pack`, whose closure holds these tensors: break the cycle
@@ -187,9 +193,12 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
     model, parallel = cfg.model, cfg.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     part = config_partition(cfg, pp)
-    lines = [f"dry run: world size {world_size} = pp {pp} x dp {world_size // (tp * pp)} x "
-             f"tp {tp}; config is valid", "rank grid [pp][dp] -> tp ranks:",
-             format_grid(rank_grid(world_size, tp, pp), full=cfg.logging.log_rank_grid),
+    cp = parallel.context_parallel_size
+    cp_dim = f"cp {cp} x " if cp > 1 else ""
+    lines = [f"dry run: world size {world_size} = pp {pp} x dp "
+             f"{world_size // (tp * cp * pp)} x {cp_dim}tp {tp}; config is valid",
+             f"rank grid [pp][dp{'][cp' if cp > 1 else ''}] -> tp ranks:",
+             format_grid(rank_grid(world_size, tp, pp, cp), full=cfg.logging.log_rank_grid),
              "stage partition:"]
     for stage in range(pp):
         specs = stage_chunks(part, stage)

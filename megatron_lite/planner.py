@@ -228,6 +228,14 @@ class ActivationSetup:
     """Triton kernels (save inputs only) vs the plain-PyTorch references (save fp32 temporaries)."""
     fp32_attention_core: bool = False
     """bf16 on CPU: model/llama.py runs SDPA in fp32 there, which saves fp32 q, k, v and out."""
+    cp: int = 1
+    """Context-parallel size: a rank holds s/cp tokens of each sequence, and ring attention
+    saves what flash attention does for them (its local q, k, v, out, log-sum-exp)."""
+
+
+def local_seq(model: ModelConfig, a: ActivationSetup) -> int:
+    """Tokens of one sequence on one rank before SP: s / cp."""
+    return model.seq_length // a.cp
 
 
 def _norm_and_linear_input_bytes(model: ModelConfig, a: ActivationSetup) -> float:
@@ -236,7 +244,7 @@ def _norm_and_linear_input_bytes(model: ModelConfig, a: ActivationSetup) -> floa
     With SP both are [s/t, b, h]: the linear saves its local shard and re-gathers it in
     backward (layers/linear.py), so the whole term shrinks by t.
     """
-    s, b, h, e = model.seq_length, a.micro_batch, model.hidden_size, 2 if a.bf16 else 4
+    s, b, h, e = local_seq(model, a), a.micro_batch, model.hidden_size, 2 if a.bf16 else 4
     shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
     # fused: x (e) + rstd (4/row); reference: fp32 x, fp32 x*rstd, rstd, fp32 weight copy
     own = (e * s * b * h + 4 * s * b) if a.fused_kernels else (8 * s * b * h + 4 * s * b)
@@ -267,10 +275,11 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
     bf16 on CPU runs SDPA in fp32 (`fp32_attention_core`): attention is then
     4·sb·(2q + 2k)/t (fp32 q, k, v, out) + e·sb·q/t (projection input) + log-sum-exp.
     For MHA, f = 8h/3, fused bf16: about 34.7·sbh without TP, vs 34·sbh + 5·a·s²·b in the paper.
+    Under context parallelism s is the rank's s/cp tokens (`local_seq`): every term shrinks by cp.
     `selective` reruns RoPE + SDPA in backward: it keeps the qkv output, drops rotated q, k and
     the log-sum-exp (out is still saved by the projection).
     """
-    s, b, e = model.seq_length, a.micro_batch, 2 if a.bf16 else 4
+    s, b, e = local_seq(model, a), a.micro_batch, 2 if a.bf16 else 4
     q, k, f = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim, \
         model.ffn_hidden_size
     t = a.tp
@@ -292,7 +301,7 @@ def layer_input_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """What full recomputation keeps per checkpointed group: its [s(/t), b, h] input."""
     e = 2 if a.bf16 else 4
     shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
-    return e * model.seq_length * a.micro_batch * model.hidden_size / shard
+    return e * local_seq(model, a) * a.micro_batch * model.hidden_size / shard
 
 
 def head_activation_bytes(model: ModelConfig, a: ActivationSetup) -> float:
@@ -304,7 +313,7 @@ def head_activation_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """
     e = 2 if a.bf16 else 4
     vocab = model.padded_vocab_size(a.tp) // a.tp
-    return _norm_and_linear_input_bytes(model, a) + e * model.seq_length * a.micro_batch * vocab
+    return _norm_and_linear_input_bytes(model, a) + e * local_seq(model, a) * a.micro_batch * vocab
 
 
 def head_transient_bytes(model: ModelConfig, a: ActivationSetup) -> float:
@@ -313,7 +322,8 @@ def head_transient_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     saved gradient directly; an fp32 reference loss works in the logits and the gradient."""
     e = 2 if a.bf16 else 4
     extra = 8 if a.bf16 and not a.fused_kernels else 0
-    return (e + extra) * model.seq_length * a.micro_batch * model.padded_vocab_size(a.tp) // a.tp
+    return ((e + extra) * local_seq(model, a) * a.micro_batch * model.padded_vocab_size(a.tp)
+            // a.tp)
 
 
 def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
@@ -389,6 +399,7 @@ class StageSpec:
     tp: int
     pp: int
     dp: int
+    """Data-parallel size (ZeRO-1 shards over dp x act.cp)."""
     chunks: int
     microbatches: int
     zero1: bool
@@ -403,7 +414,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
     v_shape = spec.schedule == "zbv"
     n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
-    pb, gb, ob = state_bytes(n, spec.dp, spec.zero1, spec.act.bf16)
+    pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.zero1, spec.act.bf16)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     holds_head = stage == (0 if v_shape else spec.pp - 1)
@@ -413,7 +424,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     head = heads * head_activation_bytes(model, spec.act) if holds_head else 0.0
     # the embedding's int64 ids, plus with TP its bool mask of ids outside this rank's slice
     id_bytes = 8 + (spec.tp > 1)
-    ids = id_bytes * model.seq_length * spec.act.micro_batch if stage == 0 else 0
+    ids = id_bytes * local_seq(model, spec.act) * spec.act.micro_batch if stage == 0 else 0
     flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches, spec.schedule)
     working = layer_activation_bytes(model, spec.act) + recompute_peak
     if holds_head:
@@ -450,9 +461,12 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     schedule = pipeline_schedule(parallel)
     chunks = 2 if schedule == "zbv" else counts[0] // per_chunk if per_chunk else 1
     fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
+    cp = parallel.context_parallel_size
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
-                          cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu")
-    spec = StageSpec(tp, pp, world_size // (tp * pp), chunks, num_microbatches(cfg, world_size),
+                          cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
+                          cp=cp)
+    spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
+                     num_microbatches(cfg, world_size),
                      parallel.use_distributed_optimizer, _recompute_from(cfg), act, schedule)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
@@ -505,6 +519,8 @@ class Layout:
     sequence_parallel: bool
     schedule: str | None = None
     """zb-h1 (chunks 1) or zbv (chunks 2); None: 1F1B, or interleaved when chunks > 1."""
+    cp: int = 1
+    """Context-parallel size (ranks between TP and DP in the grid)."""
 
     @property
     def schedule_name(self) -> str:
@@ -524,6 +540,7 @@ class Plan:
     compute_s: float
     tp_comm_s: float
     p2p_s: float
+    """Pipeline transfers plus the exposed part of the CP ring's K/V transfers."""
     bubble_s: float
     dp_exposed_s: float
     optimizer_s: float
@@ -583,8 +600,14 @@ def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: fl
 
 
 def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int) -> tuple:
-    """(compute, TP comm, p2p) seconds for one micro-batch through all chunks of a stage."""
-    tokens, e = model.seq_length * lay.micro_batch, 2
+    """(compute, TP comm, p2p) seconds for one micro-batch through all chunks of a stage.
+
+    Under CP a rank computes s/cp tokens, each still attending over the whole sequence (the
+    zigzag split gives every rank the same causal work). Ring attention sends the local K/V
+    cp - 1 times in forward and K/V plus fp32 dK/dV again in backward (layers/attention.py);
+    each transfer overlaps one block's attention, so only the excess over that attention
+    time is charged, in p2p."""
+    tokens, e = model.seq_length // lay.cp * lay.micro_batch, 2
     shape = ModelShape.from_config(model, lay.tp)
     work = layers * _layer_work_per_token(shape, model.seq_length, lay.recompute)
     if stage == (0 if lay.schedule == "zbv" else lay.pp - 1):
@@ -602,22 +625,31 @@ def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage:
         pp_bw = c.inter_node_gbps if lay.tp * lay.dp >= c.gpus_per_node else c.intra_node_gbps
         shard = lay.tp if lay.sequence_parallel else 1
         p2p = 2 * lay.chunks * (e * tokens * model.hidden_size / shard / (pp_bw * 1e9) + lat)
+    if lay.cp > 1:
+        cp_bw = c.intra_node_gbps if lay.tp * lay.cp <= c.gpus_per_node else c.inter_node_gbps
+        kv = e * tokens * 2 * shape.query_groups * shape.head_dim / lay.tp  # this TP rank's
+        # forward K/V, backward K/V + fp32 dK/dV, for each of cp - 1 steps
+        ring = (lay.cp - 1) * ((kv + kv + 2 * kv) / (cp_bw * 1e9) + 3 * lat)
+        attention = (tokens * attention_flops_per_layer(shape, model.seq_length, causal=True)
+                     / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency))
+        p2p += layers * max(0.0, ring - attention)
     return compute, tp_comm, p2p
 
 
 def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float) -> tuple[float, float]:
     """(exposed DP communication, optimizer step) seconds; grads reduced in fp32."""
     lat = c.latency_us * 1e-6
-    bw = c.intra_node_gbps if lay.tp * lay.dp <= c.gpus_per_node else c.inter_node_gbps
+    replicas = lay.dp * lay.cp  # gradients are reduced (and ZeRO-1 shards) over DP x CP
+    bw = c.intra_node_gbps if lay.tp * replicas <= c.gpus_per_node else c.inter_node_gbps
     if lay.zero1:
-        grads = _ring_s(4 * n_params, lay.dp, bw, lat, 1)
-        params = _ring_s(2 * n_params, lay.dp, bw, lat, 1)
+        grads = _ring_s(4 * n_params, replicas, bw, lat, 1)
+        params = _ring_s(2 * n_params, replicas, bw, lat, 1)
     else:
-        grads, params = _ring_s(4 * n_params, lay.dp, bw, lat, 2), 0.0
+        grads, params = _ring_s(4 * n_params, replicas, bw, lat, 2), 0.0
     if c.dp_overlap:
         grads = max(0.0, grads - 2 / 3 * stage_s)
         params = max(0.0, params - 1 / 3 * stage_s)
-    owned = n_params / lay.dp if lay.zero1 else n_params
+    owned = n_params / replicas if lay.zero1 else n_params
     # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
     optimizer = 34 * owned / (c.hbm_gbps * 1e9)
     return grads + params, optimizer
@@ -627,7 +659,7 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
              train_tokens: float) -> Plan:
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
     mbs = global_batch // (lay.dp * lay.micro_batch)
-    act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True)
+    act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp)
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act,
                      lay.schedule)
     per_stage = model.num_layers // lay.pp
@@ -664,33 +696,35 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
     micro-batches m >= pp; ZeRO-1 only with dp > 1; SP always on with TP (same traffic, less
     memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
-    layers.
+    layers. CP (a power of two) only for long sequences: each rank keeps at least 8192 tokens
+    (so seq 8192 never splits), and 2·cp·tp divides the sequence.
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
            and not (model.num_attention_heads % t or model.num_query_groups % t
                     or model.ffn_hidden_size % t)]
-    for tp in tps:
-        for pp in _divisors(model.num_layers):
-            if c.gpus % (tp * pp):
-                continue
-            dp = c.gpus // (tp * pp)
-            schedules = [(v, None) for v in (_divisors(model.num_layers // pp) if pp > 1
-                                                else [1])]
-            if pp > 1:
-                schedules.append((1, "zb-h1"))
-                if model.num_layers % (2 * pp) == 0:
-                    schedules.append((2, "zbv"))
-            for v, schedule in schedules:
-                for mb in (1, 2, 4, 8, 16, 32):
-                    if global_batch % (dp * mb):
-                        continue
-                    n_mb = global_batch // (dp * mb)
-                    if n_mb < pp or (v > 1 and schedule is None and n_mb % pp):
-                        continue
-                    for zero1 in ([False, True] if dp > 1 else [False]):
-                        out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1,
-                                          schedule))
+    cps = [cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp == 1 or model.seq_length // cp >= 8192]
+    for tp, cp, pp in ((tp, cp, pp) for tp in tps for cp in cps
+                       for pp in _divisors(model.num_layers)):
+        if c.gpus % (tp * cp * pp) or (cp > 1 and model.seq_length % (2 * cp * tp)):
+            continue
+        dp = c.gpus // (tp * cp * pp)
+        schedules = [(v, None) for v in (_divisors(model.num_layers // pp) if pp > 1
+                                            else [1])]
+        if pp > 1:
+            schedules.append((1, "zb-h1"))
+            if model.num_layers % (2 * pp) == 0:
+                schedules.append((2, "zbv"))
+        for v, schedule in schedules:
+            for mb in (1, 2, 4, 8, 16, 32):
+                if global_batch % (dp * mb):
+                    continue
+                n_mb = global_batch // (dp * mb)
+                if n_mb < pp or (v > 1 and schedule is None and n_mb % pp):
+                    continue
+                for zero1 in ([False, True] if dp * cp > 1 else [False]):
+                    out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1,
+                                      schedule, cp))
     return out
 
 
@@ -731,6 +765,7 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
              model.num_attention_heads, "--num-query-groups", model.num_query_groups,
              "--seq-length", model.seq_length, "--vocab-size", model.vocab_size, "--bf16",
              "--tensor-model-parallel-size", lay.tp, "--pipeline-model-parallel-size", lay.pp,
+             *(["--context-parallel-size", lay.cp] if lay.cp > 1 else []),
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")

@@ -121,7 +121,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
     with ExitStack() as cleanup:
         cleanup.callback(optimizer.close)  # frees model and process groups before shutdown
         coordinator = data_coordinator(cfg, pstate)
-        loaders = build_loaders(cfg, pstate.dp_rank, pstate.dp_size, coordinator=coordinator)
+        loaders = build_loaders(cfg, pstate.dp_rank, pstate.dp_size, coordinator=coordinator,
+                                cp_rank=pstate.cp_rank)
         startup.seconds.update(coordinator.prep.seconds)
         train_loader, valid_loader = loaders.train, loaders.valid
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
@@ -272,7 +273,8 @@ class StepRunner:
         self.comm = None
         self.timer = ComputeTimer(pstate.device)  # this rank's training fwd/bwd, for stragglers
         if pstate.pp_size > 1:
-            shape = boundary_shape(cfg.model.seq_length, cfg.train.micro_batch_size,
+            shape = boundary_shape(cfg.model.seq_length // pstate.cp_size,
+                                   cfg.train.micro_batch_size,
                                    cfg.model.hidden_size, pstate.tp_size,
                                    cfg.parallel.sequence_parallel)
             self.comm = StageComm(pstate, shape, model_dtype(cfg))
@@ -315,9 +317,10 @@ def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_token
 
 
 def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) -> Tensor:
-    """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks."""
+    """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks (and CP
+    ranks, each of which counts its own chunks)."""
     count = sum(b["loss_mask"].sum() for b in batches).to(pstate.device, torch.float32)
-    return comms.all_reduce_(count, pstate.dp_group)
+    return comms.all_reduce_(count, pstate.dp_cp_group if pstate.cp_size > 1 else pstate.dp_group)
 
 
 def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
@@ -598,11 +601,11 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
               else f"CPU ({platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads)")
     use_triton = resolve_use_triton(model_cfg.triton_kernels, pstate.device)
-    grid = format_grid([[list(r) for r in stage] for stage in pstate.grid],
-                       full=cfg.logging.log_rank_grid)
+    grid = format_grid(pstate.grid, full=cfg.logging.log_rank_grid)
+    dims = "[pp][dp][cp]" if pstate.cp_size > 1 else "[pp][dp]"
     print("megatron_lite: resolved config\n" + json.dumps(cfg.to_dict(), indent=1), flush=True)
     print(f"launch: {launch_source}, world size {pstate.world_size}, backend "
-          f"{pstate.backend or 'none (single process)'}; rank grid [pp][dp] -> tp ranks:\n"
+          f"{pstate.backend or 'none (single process)'}; rank grid {dims} -> tp ranks:\n"
           f"{grid}\n"
           f"model: {n_params:,} parameters ({n_params / 1e6:.2f} M), vocab "
           f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(pstate.tp_size)}\n"

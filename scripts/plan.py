@@ -2,6 +2,7 @@
 
     python scripts/plan.py --preset 8B --gpus 8
     python scripts/plan.py --preset 70B --gpus 1024 --tp 8 --pp 8     # check one layout family
+    python scripts/plan.py --preset 8B --seq-length 131072 --gpus 64  # long context: CP
     python scripts/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
         --seq-length 4096 --vocab-size 32000 --gpus 64 --gpu-memory-gib 40 --peak-tflops 312
     python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline schedules.png \
@@ -9,7 +10,7 @@
 
 The model lives in megatron_lite/planner.py (assumptions in its docstrings and in `Cluster`).
 Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
-schedules ranked on the best plan's TP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
+schedules ranked on the best plan's TP x CP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
 step time, bubble, memory), and the pretrain.py flags of the best plan. --timeline draws those
 schedules (stages x time, every F, B and W) as played by the schedule simulator
 (tests/pipeline/simulator.py) on the real action lists, with F : B : W from the model's FLOPs.
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--no-dp-overlap", action="store_true",
                     help="DP collectives fully exposed (no --overlap-grad-reduce)")
     flt = ap.add_argument_group("restrict the search")
-    for flag in ("tp", "pp", "dp", "vpp", "micro-batch-size"):
+    for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
     flt.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"])
     flt.add_argument("--zero1", choices=["on", "off"])
@@ -103,7 +104,7 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
 
 def _keep(args: argparse.Namespace):
     def keep(lay) -> bool:
-        checks = ((args.tp, lay.tp), (args.pp, lay.pp), (args.dp, lay.dp),
+        checks = ((args.tp, lay.tp), (args.cp, lay.cp), (args.pp, lay.pp), (args.dp, lay.dp),
                   (args.vpp, lay.chunks), (args.micro_batch_size, lay.micro_batch))
         if any(want is not None and want != have for want, have in checks):
             return False
@@ -115,14 +116,14 @@ def _keep(args: argparse.Namespace):
     return keep
 
 
-HEADER = (f"{'#':>3} {'TP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
+HEADER = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
           f"{'m':>5} {'ZeRO1':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
           f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
 
 
 def row(i: int, plan: Plan, gpus: int) -> str:
     lay, mem = plan.layout, plan.memory
-    return (f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.schedule_name:>11} {lay.chunks:>3} "
+    return (f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.schedule_name:>11} {lay.chunks:>3} "
             f"{lay.dp:>5} {lay.micro_batch:>4} "
             f"{plan.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
@@ -159,7 +160,7 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
         lines += ["", "closest to fitting:", HEADER, row(1, plans[0], cluster.gpus),
                   f"      {plans[0].reason}"]
     if fitting and fitting[0].layout.pp > 1:
-        lines += ["", "pipeline schedules on #1's TP x PP x DP x micro-batch (each with its "
+        lines += ["", "pipeline schedules on #1's TP x CP x PP x DP x micro-batch (each with its "
                   "fastest fitting recompute and, interleaved, v), fastest first:", HEADER]
         lines += [row(i + 1, p, cluster.gpus) + ("" if p.fits else f"  (does not fit: "
                                                   f"{p.reason})")
@@ -172,7 +173,7 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
 def schedule_ranking(plans: list[Plan], best: Plan) -> list[Plan]:
     """The best plan of each pipeline schedule among `plans` with `best`'s TP, PP, DP, micro-
     batch and ZeRO-1 (plans come sorted, fitting and fastest first)."""
-    same = ("tp", "pp", "dp", "micro_batch", "zero1")
+    same = ("tp", "cp", "pp", "dp", "micro_batch", "zero1")
     ranked: dict[str, Plan] = {}
     for plan in plans:
         if all(getattr(plan.layout, k) == getattr(best.layout, k) for k in same):

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"config", "parallel", "layers"},
     "data": {"config", "errors"},
     "planner": {"config"},
-    "memory": {"config", "parallel", "pipeline", "planner"},
+    "memory": {"config", "parallel", "pipeline", "planner", "data"},
     "metrics": {"config", "parallel", "planner"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},

@@ -31,7 +31,7 @@ def test_plan_cli_ranks_the_schedules_for_70b_on_1024(capsys) -> None:
     assert plan_cli.main(["--preset", "70B", "--gpus", "1024", "--top", "3"]) == 0
     out = capsys.readouterr().out
     section = out.split("pipeline schedules on #1's")[1].split("pretrain.py flags")[0]
-    ranked = [line.split()[3] for line in section.splitlines()[2:] if line.strip()]
+    ranked = [line.split()[4] for line in section.splitlines()[2:] if line.strip()]
     assert sorted(ranked) == ["1f1b", "interleaved", "zb-h1", "zbv"]
-    steps = [float(line.split()[13]) for line in section.splitlines()[2:] if line.strip()]
+    steps = [float(line.split()[14]) for line in section.splitlines()[2:] if line.strip()]
     assert steps == sorted(steps) and ranked[-1] == "1f1b"

@@ -94,6 +94,14 @@ COMMANDS: dict[str, Cheap] = {
     "python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline "
     "docs/images/pipeline_schedules.png --timeline-microbatches 8": Cheap(
         "wrote schedules.png", "--timeline schedules.png"),
+    "torchrun --standalone --nproc_per_node=4 pretrain.py --context-parallel-size 2 "
+    "--tensor-model-parallel-size 2 --sequence-parallel --mock-data --train-iters 20": Cheap(
+        "--context-parallel-size N", "--help"),  # the run itself: test_pretrain_context_parallel
+    "python scripts/plan.py --preset 8B --seq-length 131072 --global-batch-size 32 --gpus 64":
+        Cheap("--context-parallel-size 8"),
+    "python scripts/plan.py --preset 70B --seq-length 32768 --global-batch-size 128 --gpus 512":
+        Cheap("--context-parallel-size 4"),
+    "python bench/context_parallel.py": HELP,
     "pytest -m gpu": Cheap("skipped", "tests/kernels"),  # the GPU tests are all there
     "python bench/kernels.py": HELP,
     "bash scripts/gpu_check.sh OUT_DIR": Cheap("no CUDA device visible", returncode=1),

@@ -162,12 +162,16 @@ class Checkpointer:
 
     `extra_state` objects (e.g. {"reliability": guard}) are saved in the metadata as JSON
     and restored on load when the checkpoint has them.
+
+    Files are per (tp, pp, dp) position with CP folded into DP (`gradient_replicas`): a CP
+    rank holds the same parameters as its peers, so a checkpoint's "dp" counts DP x CP
+    replicas and any CP size reads it like a change of DP size.
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
                  optimizer: Optimizer, train_loader: MicroBatchLoader,
                  extra_state: dict[str, Stateful] | None = None) -> None:
-        self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
+        self.cfg, self.pstate, self.chunks = cfg, pstate.gradient_replicas(), chunks
         self.optimizer, self.loader = optimizer, train_loader
         self.extra_state = dict(extra_state or {})
         self.on_file_written: Callable[[], None] | None = None
@@ -242,7 +246,8 @@ class Checkpointer:
             "has_optimizer": True,
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
-                       "dp": pstate.dp_size, "virtual_chunks": len(self.partition[0]),
+                       "dp": pstate.dp_size, "cp": parallel.context_parallel_size,
+                       "virtual_chunks": len(self.partition[0]),
                        "use_distributed_optimizer": parallel.use_distributed_optimizer},
             "partition": self.partition,
             "seed": self.cfg.train.seed,
@@ -485,7 +490,8 @@ class Checkpointer:
         # node-local data at another DP size: the loader takes over the saved layout's
         # streams where it can and says what changes (data/loader.py)
         self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"],
-                                     "stream_dp": reader.meta.get("data_stream_dp", reader.dp)})
+                                     "stream_dp": reader.meta.get(
+                                         "data_stream_dp", reader.dp // saved.get("cp", 1))})
         if self.loader.resume_note and pstate.rank == 0:
             print(self.loader.resume_note, flush=True)
         same = ((saved["world_size"], saved["tp"], saved["pp"])

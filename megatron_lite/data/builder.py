@@ -18,7 +18,7 @@ from functools import partial
 from megatron_lite.config import Config, ConfigError, global_batch_at
 from megatron_lite.data.dataset import Prep, build_datasets, parse_blend
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
-from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.data.loader import MicroBatchLoader, SequenceLayout
 from megatron_lite.data.mock import MockDataset
 
 
@@ -183,22 +183,30 @@ class Loaders:
 
 
 def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
-                       consumed_train_samples: int = 0
+                       consumed_train_samples: int = 0, cp_rank: int = 0
                        ) -> tuple[MicroBatchLoader, MicroBatchLoader | None]:
     """(train loader, validation loader or None)."""
-    loaders = build_loaders(cfg, dp_rank, dp_size, consumed_train_samples)
+    loaders = build_loaders(cfg, dp_rank, dp_size, consumed_train_samples, cp_rank)
     return loaders.train, loaders.valid
 
 
 def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_samples: int = 0,
-                  coordinator: Coordinator | None = None) -> Loaders:
+                  coordinator: Coordinator | None = None, cp_rank: int = 0) -> Loaders:
     """The train, validation and test loaders of this DP rank (mock data has no test set);
-    `coordinator`: who prepares the data files of a multi-rank job (see `Coordinator`)."""
-    train_cfg, model_cfg = cfg.train, cfg.model
+    `coordinator`: who prepares the data files of a multi-rank job (see `Coordinator`); under
+    CP, `cp_rank`'s chunks of the DP rank's samples."""
+    train_cfg, model_cfg, d = cfg.train, cfg.model, cfg.data
     gbs = train_cfg.global_batch_size or train_cfg.micro_batch_size * dp_size
+    layout = SequenceLayout(cp_rank, cfg.parallel.context_parallel_size,
+                            d.reset_position_ids, d.reset_attention_mask)
     common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
-                  dp_rank=dp_rank, dp_size=dp_size)
+                  dp_rank=dp_rank, dp_size=dp_size, layout=layout)
     ramp = partial(global_batch_at, train_cfg) if train_cfg.rampup_batch_size else None
+    documents = d.reset_position_ids or d.reset_attention_mask
+    if cfg.data.mock_data and documents:
+        raise ConfigError("--reset-position-ids / --reset-attention-mask split samples at "
+                          "end-of-document tokens, which --mock-data has none of; use "
+                          "--data-path with --tokenizer-model (or --tokenizer-type NullTokenizer)")
     if cfg.data.mock_data:
         train = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "train")
         valid = MockDataset(model_cfg.vocab_size, model_cfg.seq_length, train_cfg.seed, "valid")
@@ -213,6 +221,9 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
     if tok.vocab_size != model_cfg.vocab_size:
         raise ConfigError(f"the model has --vocab-size {model_cfg.vocab_size} but {tok.source} has "
                           f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
+    if documents and tok.eod_id is None:
+        raise ConfigError(f"--reset-position-ids / --reset-attention-mask need an end-of-document"
+                          f" id, and {tok.source} gives none; pass --tokenizer-model")
     train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs, coordinator)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")

@@ -20,6 +20,11 @@ only their micro-batch and rank change, which the token-sum loss does not see. O
 its new sample order from consumed_samples / D, and `resume_note` says so: the data order
 changes from there on (the epoch count and the samples per step do not).
 
+Under context parallelism every CP rank of a DP rank reads the same samples and keeps its
+two chunks of each (`context_parallel_index`), with "token_index" saying where they sit in
+the sequence. Document ids and positions (--reset-attention-mask, --reset-position-ids) are
+computed on the whole sample first, so a chunk's values do not depend on the CP size.
+
 With `batch_size_at` (a batch-size ramp-up) the global batch of a step is a function of the
 position it starts at, so the position still says everything: a resume mid-ramp continues
 with the same batches.
@@ -30,11 +35,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from megatron_lite.data.documents import document_layout
 
 
 class TokenDataset(Protocol):
@@ -43,15 +51,54 @@ class TokenDataset(Protocol):
     def __getitem__(self, index: int) -> np.ndarray: ...
 
 
-def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: bool
-             ) -> dict[str, Tensor]:
-    """Stack samples of seq+1 tokens into inputs, next-token labels and a loss mask."""
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which part of each sample this rank keeps, and what it learns about documents."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    reset_position_ids: bool = False
+    """Add "positions" [b, s]: each token's position inside its document."""
+    reset_attention_mask: bool = False
+    """Add "documents" [b, s]: each token's document id (attention stays inside one)."""
+
+
+def context_parallel_index(seq_length: int, cp_size: int, cp_rank: int) -> Tensor:
+    """Sequence positions CP rank `cp_rank` holds: chunks r and 2c-1-r of 2c equal chunks.
+
+    Pairing an early chunk with a late one gives every rank the same causal attention work
+    (Megatron's load-balanced split).
+    """
+    chunk = seq_length // (2 * cp_size)
+    starts = (cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk)
+    return torch.cat([torch.arange(start, start + chunk) for start in starts])
+
+
+def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: bool,
+             layout: SequenceLayout = SequenceLayout()) -> dict[str, Tensor]:
+    """Stack samples of seq+1 tokens into inputs, next-token labels and a loss mask (plus
+    "positions", "documents" and, under CP, this rank's chunks and their "token_index")."""
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if eod_mask_loss and eod_id is not None:
         loss_mask[tokens == eod_id] = 0.0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    if layout.reset_position_ids or layout.reset_attention_mask:
+        if eod_id is None:
+            raise ValueError("--reset-position-ids / --reset-attention-mask need the data's "
+                             "end-of-document id")
+        documents, positions = document_layout(tokens, eod_id,
+                                               reset_position_ids=layout.reset_position_ids)
+        if layout.reset_attention_mask:
+            batch["documents"] = documents
+        if layout.reset_position_ids:
+            batch["positions"] = positions
+    if layout.cp_size > 1:
+        index = context_parallel_index(tokens.shape[1], layout.cp_size, layout.cp_rank)
+        batch = {k: v[:, index].contiguous() for k, v in batch.items()}
+        batch["token_index"] = index
+    return batch
 
 
 class MicroBatchLoader:
@@ -62,7 +109,8 @@ class MicroBatchLoader:
                  eod_id: int | None = None, eod_mask_loss: bool = False,
                  node_local: bool = False, prefetch: int = 0,
                  batch_size_at: Callable[[int], int] | None = None,
-                 stream_factory: Callable[[int, int], TokenDataset] | None = None) -> None:
+                 stream_factory: Callable[[int, int], TokenDataset] | None = None,
+                 layout: SequenceLayout = SequenceLayout()) -> None:
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of micro batch x dp")
         self.dataset = dataset
@@ -71,6 +119,7 @@ class MicroBatchLoader:
         self.consumed_samples = consumed_samples
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
         self.node_local = node_local
+        self.layout = layout
         self.prefetch = prefetch
         self.batch_size_at = batch_size_at or (lambda consumed: global_batch_size)
         self._pool = ThreadPoolExecutor(1, "batch-prefetch") if prefetch > 0 else None
@@ -114,7 +163,8 @@ class MicroBatchLoader:
                 for j in range(steps)]
 
     def _build(self, consumed: int) -> list[dict[str, Tensor]]:
-        return [to_batch([self.streams[s][i] for s, i in refs], self.eod_id, self.eod_mask_loss)
+        return [to_batch([self.streams[s][i] for s, i in refs], self.eod_id, self.eod_mask_loss,
+                         self.layout)
                 for refs in self.sample_indices(consumed)]
 
     def pop_wait_seconds(self) -> float:

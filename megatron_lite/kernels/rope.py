@@ -47,8 +47,9 @@ def _check_rotary_shapes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None
     s, b, _, d = q.shape
     if k.shape[0] != s or k.shape[1] != b or k.shape[3] != d or d % 2:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on s, b or an even d")
-    if cos.shape != (s, d) or sin.shape != (s, d):
-        raise ValueError(f"cos/sin must be [{s}, {d}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if cos.shape not in ((s, d), (s, b, d)) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be [{s}, {d}] (or [{s}, {b}, {d}] per sample), got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
 
 
 def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -61,8 +62,8 @@ def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Plain-PyTorch RoPE in fp32, cast back to the input dtype; autograd gives the backward."""
     _check_rotary_shapes(q, k, cos, sin)
-    cos4 = cos.float()[:, None, None, :]
-    sin4 = sin.float()[:, None, None, :]
+    cos4 = cos.float()[:, None, None, :] if cos.dim() == 2 else cos.float()[:, :, None, :]
+    sin4 = sin.float()[:, None, None, :] if sin.dim() == 2 else sin.float()[:, :, None, :]
     return _rotate_reference(q, cos4, sin4), _rotate_reference(k, cos4, sin4)
 
 
@@ -111,8 +112,9 @@ class _RotaryFunction(torch.autograd.Function):
 def apply_rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, d]."""
-    if use_triton:
+    """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, d], or
+    [s, b, d] when samples differ (positions restarting per document; torch path)."""
+    if use_triton and cos.dim() == 2:
         _check_rotary_shapes(q, k, cos, sin)
         return _RotaryFunction.apply(q, k, cos, sin)
     return apply_rotary_reference(q, k, cos, sin)

@@ -8,6 +8,10 @@ A `LlamaChunk` holds any contiguous run of layers, plus the embedding when it is
 piece of the model and the final norm + output layer + loss when it is the last. A whole model
 is one chunk; a pipeline stage holds one chunk (or v chunks when interleaved, two under ZBV).
 Chunks know nothing about schedules: they map (tokens | hidden) to (hidden | per-token loss).
+Under context parallelism a chunk sees only its CP rank's tokens (`token_index` says where
+they sit in the sequence: RoPE angles and causality follow it) and attention passes K/V
+around the CP ring; `positions` (per-document RoPE positions) and `documents` (no attention
+across documents) come from the batch as well.
 Built with `split_backward` (zero-bubble schedules), a chunk's linears and vocab layers defer
 their weight gradients to its `weight_grads` queue, which the pipeline engine's W steps run.
 """
@@ -19,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -27,6 +30,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
+from megatron_lite.layers.attention import Ring, attention
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear, WeightGradQueue
 from megatron_lite.layers.norm import RMSNorm
@@ -77,9 +81,15 @@ class Attention(nn.Module):
             name=f"layers.{layer}.attention.proj", **common)
         self.use_triton = opts.use_triton
         self.selective_recompute = opts.recompute_granularity == "selective"
+        self.ring = (Ring(pstate.cp_group, pstate.cp_ranks, pstate.cp_rank)
+                     if pstate.cp_size > 1 else None)
 
-    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE + causal attention: [s, b, (heads + 2 groups) d] -> [s, b, heads d]."""
+    def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
+             documents: Tensor | None = None) -> Tensor:
+        """RoPE + causal attention: [s, b, (heads + 2 groups) d] -> [s, b, heads d].
+
+        `cos`/`sin` are already this rank's tokens' angles when their length is s (CP,
+        per-document positions); a longer table is the plain 0..s-1 prefix."""
         s, b = qkv.shape[:2]
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
@@ -88,27 +98,20 @@ class Attention(nn.Module):
         v = v.view(s, b, self.groups, d)
         # SDPA wants [b, heads, s, d]
         q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (q, k, v))
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # The CPU flash-attention backward is ~4x slower in bf16 than in fp32 at small
-            # head dims (bench/shakespeare.py), so the CPU core runs in fp32.
-            q, k, v = q.float(), k.float(), v.float()
-        if q.device.type == "meta":
-            # A dry run stands in for a GPU run, where SDPA picks the flash kernel (it saves
-            # q, k, v, out and the log-sum-exp); on meta SDPA would take the math path and
-            # materialise the s x s scores, which no GPU run does.
-            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.groups != self.heads)
+        # one causal SDPA call without CP or documents (fp32 core on the CPU, flash on meta)
+        index = token_index if token_index is not None else torch.arange(s, device=q.device)
+        out = attention(q, k, v, token_index=index, documents=documents, ring=self.ring)
         return out.to(qkv.dtype).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
         if self.selective_recompute and torch.is_grad_enabled():
             # Keep only qkv; rotated q/k and the attention statistics are recomputed.
-            out = checkpoint(self.core, qkv, cos, sin, use_reentrant=False)
+            out = checkpoint(self.core, qkv, cos, sin, token_index, documents,
+                             use_reentrant=False)
         else:
-            out = self.core(qkv, cos, sin)
+            out = self.core(qkv, cos, sin, token_index, documents)
         return self.proj(out)
 
 
@@ -148,8 +151,9 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.mlp = MLP(cfg, pstate, layer, opts, weight_grads)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, token_index, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -207,14 +211,20 @@ class LlamaChunk(nn.Module):
         self.register_buffer("rope_cos", cos.to(opts.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(opts.dtype), persistent=False)
 
-    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
-        """x: token ids [b, s] (first chunk) or hidden [s(/t), b, h].
+    def forward(self, x: Tensor, labels: Tensor | None = None, *,
+                token_index: Tensor | None = None, positions: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
+        """x: token ids [b, s] (first chunk) or hidden [s(/t), b, h], s this CP rank's tokens.
 
+        `token_index` [s]: the tokens' places in the whole sequence (None: 0..s-1);
+        `positions` [b, s]: RoPE positions when they differ from those (restarting per
+        document); `documents` [b, s]: document ids, attention stays inside one.
         Returns the hidden state, or per-token losses [b, s] (fp32) on the last chunk.
         """
         if self.pre_process:
             x = self.embedding(x)
-        x = self._run_layers(x)
+        tables = self._rope_tables(token_index, positions)
+        x = self._run_layers(x, *tables, token_index, documents)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -222,12 +232,25 @@ class LlamaChunk(nn.Module):
             raise ValueError("the last model chunk needs labels to compute the loss")
         return self.output(x, labels)
 
-    def _run_group(self, x: Tensor, start: int, end: int) -> Tensor:
+    def _rope_tables(self, token_index: Tensor | None, positions: Tensor | None
+                     ) -> tuple[Tensor, Tensor]:
+        """cos/sin for this rank's tokens: [s, d], or [s, b, d] when samples' positions differ
+        (the whole tables when positions are the plain 0..s-1, sliced per layer)."""
+        if positions is not None:
+            if positions.shape[0] == 1:
+                return self.rope_cos[positions[0]], self.rope_sin[positions[0]]
+            return self.rope_cos[positions.t()], self.rope_sin[positions.t()]
+        if token_index is not None:
+            return self.rope_cos[token_index], self.rope_sin[token_index]
+        return self.rope_cos, self.rope_sin
+
+    def _run_group(self, x: Tensor, start: int, end: int, cos: Tensor, sin: Tensor,
+                   token_index: Tensor | None, documents: Tensor | None) -> Tensor:
         for layer in self.layers[start:end]:
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, token_index, documents)
         return x
 
-    def _run_layers(self, x: Tensor) -> Tensor:
+    def _run_layers(self, x: Tensor, *sequence: Tensor | None) -> Tensor:
         """The layer stack, with full recomputation when configured.
 
         uniform: groups of N consecutive layers each keep only their input and rerun in
@@ -238,12 +261,12 @@ class LlamaChunk(nn.Module):
         full, method, n = self.full_recompute
         count = len(self.layers)
         if not full or not torch.is_grad_enabled():
-            return self._run_group(x, 0, count)
+            return self._run_group(x, 0, count, *sequence)
         if method == "uniform":
             for start in range(0, count, n):
-                x = checkpoint(self._run_group, x, start, min(start + n, count),
+                x = checkpoint(self._run_group, x, start, min(start + n, count), *sequence,
                                use_reentrant=False)
             return x
         for i in range(min(n, count)):
-            x = checkpoint(self._run_group, x, i, i + 1, use_reentrant=False)
-        return self._run_group(x, min(n, count), count)
+            x = checkpoint(self._run_group, x, i, i + 1, *sequence, use_reentrant=False)
+        return self._run_group(x, min(n, count), count, *sequence)

@@ -112,7 +112,8 @@ class Optimizer:
         if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
                              "(plain data parallelism has no parameter all-gather)")
-        self.cfg, self.pstate = cfg, pstate
+        # CP ranks hold the same parameters as DP ranks do: reduce and shard over DP x CP
+        self.cfg, self.pstate = cfg, pstate.gradient_replicas()
         self.sharded = parallel.use_distributed_optimizer
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)

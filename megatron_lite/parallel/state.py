@@ -1,7 +1,8 @@
 """The one owner of process groups.
 
-`initialize()` builds every group from a rank grid `arange(world).reshape(pp, dp, tp)` (tp
-innermost, so a TP group stays inside a node) and returns a frozen `ParallelState` that the
+`initialize()` builds every group from a rank grid `arange(world).reshape(pp, dp, cp, tp)`
+(Megatron's order: tp innermost, so a TP group stays inside a node, then context parallel,
+then data parallel, then pipeline) and returns a frozen `ParallelState` that the
 training code passes explicitly to whatever needs it. Nothing here is a module-level global.
 
 All `new_group` calls are made by every rank in the same order, as torch.distributed requires.
@@ -12,13 +13,14 @@ the collectives in `comms.py` are no-ops for a group of one, so the same code ru
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError, data_parallel_size
+from megatron_lite.config import Config, ConfigError
 from megatron_lite.errors import found_on_rank
 from megatron_lite.parallel.launch import (
     LaunchEnv,
@@ -32,7 +34,7 @@ from megatron_lite.parallel.launch import (
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's coordinates on the (pp, dp, tp) grid and the groups it belongs to."""
+    """This rank's coordinates on the (pp, dp, cp, tp) grid and the groups it belongs to."""
 
     rank: int
     world_size: int
@@ -49,15 +51,44 @@ class ParallelState:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     mp_group: dist.ProcessGroup | None = None
-    """tp x pp ranks sharing one dp rank: a whole model replica (used for global norms)."""
+    """tp x pp ranks sharing one (dp, cp) position: a whole model replica (global norms; a CP
+    rank holds the same parameters as its CP peers, so norms never span CP)."""
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage of one (dp, tp) position: tied-embedding gradient sum."""
     world_group: dist.ProcessGroup | None = None
     """All ranks (None in a single process, where every collective is a no-op)."""
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, indexed by stage."""
-    grid: tuple[tuple[tuple[int, ...], ...], ...] = (((0,),),)
-    """grid[pp][dp][tp] = global rank."""
+    grid: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...] = ((((0,),),),)
+    """grid[pp][dp][cp][tp] = global rank."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    """The ranks that split this rank's sequences (same pp, dp and tp position)."""
+    cp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's CP group, indexed by cp rank (the ring's order)."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """dp x cp ranks holding the same parameters: gradients are summed and ZeRO-1 shards over
+    it (Megatron's data-parallel group with context parallelism)."""
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in `dp_cp_group` (dp-major, as the grid orders global ranks)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    def gradient_replicas(self) -> ParallelState:
+        """This state seen by the optimizer and the checkpoint files: the data-parallel
+        coordinates widened to DP x CP, since every CP rank holds a full replica of its
+        stage's parameters and a partial gradient of it."""
+        if self.cp_size == 1:
+            return self
+        return replace(self, dp_size=self.dp_cp_size, dp_rank=self.dp_cp_rank,
+                       dp_group=self.dp_cp_group, cp_size=1, cp_rank=0, cp_group=None,
+                       cp_ranks=(self.rank,))
 
     @property
     def is_first_stage(self) -> bool:
@@ -81,7 +112,8 @@ class ParallelState:
         return self.backend is not None
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
+        cp = f"cp {self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, {cp}"
                 f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
                 f"device {self.device}")
 
@@ -93,44 +125,50 @@ def single_process_state(device: torch.device | None = None) -> ParallelState:
                          device=device or torch.device("cpu"), backend=None)
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> list[list[list[int]]]:
-    """grid[p][d][t] = global rank, tp fastest-varying, then dp, then pp."""
-    dp = world_size // (tp * pp)
-    return [[[(p * dp + d) * tp + t for t in range(tp)] for d in range(dp)] for p in range(pp)]
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> list[list[list[list[int]]]]:
+    """grid[p][d][c][t] = global rank, tp fastest-varying, then cp, then dp, then pp."""
+    dp = world_size // (tp * cp * pp)
+    return [[[[((p * dp + d) * cp + c) * tp + t for t in range(tp)] for c in range(cp)]
+             for d in range(dp)] for p in range(pp)]
 
 
-def format_grid(grid: list[list[list[int]]], full: bool = False, width: int = 1000) -> str:
-    """Human-readable rank grid for the start-up log and --dry-run.
+def format_grid(grid: list[list[list[list[int]]]], full: bool = False, width: int = 1000) -> str:
+    """Human-readable rank grid (`grid[pp][dp][cp][tp]`) for the start-up log and --dry-run.
 
     Beyond about a screenful (`width` characters) it is summarized: the layout rule, then the
     first two and the last pipeline stage, each with its first two and last DP groups, TP
-    groups written as rank ranges. `full` prints every group.
+    groups written as rank ranges. `full` prints every group. CP appears only when > 1.
     """
-    def stage_line(p: int, stage: list[list[int]], groups: list[int]) -> str:
+    cp = len(grid[0][0])
+
+    def stage_line(p: int, stage: list[list[list[int]]], groups: list[int]) -> str:
         cells = []
         for d in groups:
             if d < 0:
                 cells.append("...")
                 continue
-            ranks = stage[d]
-            contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
-            shown = f"[{ranks[0]}-{ranks[-1]}]" if contiguous and len(ranks) > 2 else str(ranks)
-            cells.append(f"dp{d}:tp{shown}")
+            for c, cell in enumerate(stage[d]):
+                ranks = list(cell)
+                contiguous = ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+                shown = (f"[{ranks[0]}-{ranks[-1]}]" if contiguous and len(ranks) > 2
+                         else str(ranks))
+                cells.append(f"dp{d}{f'cp{c}' if cp > 1 else ''}:tp{shown}")
         return f"  pp stage {p}: " + "  ".join(cells)
 
-    lines = [stage_line(p, [list(r) for r in st], list(range(len(st))))
-             for p, st in enumerate(grid)]
+    lines = [stage_line(p, st, list(range(len(st)))) for p, st in enumerate(grid)]
     text = "\n".join(lines)
     if full or len(text) <= width:
         return text
-    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0])
+    pp, dp, tp = len(grid), len(grid[0]), len(grid[0][0][0])
     groups = list(range(dp)) if dp <= 3 else [0, 1, -1, dp - 1]
     stages = list(range(pp)) if pp <= 3 else [0, 1, -1, pp - 1]
-    out = [f"  {pp} pp stages x {dp} dp groups x {tp} tp ranks = {pp * dp * tp} ranks; rank = "
-           f"(pp x {dp} + dp) x {tp} + tp (TP groups are consecutive ranks); summarized, "
-           "--log-rank-grid prints every group"]
+    cp_dims = f" x {cp} cp ranks" if cp > 1 else ""
+    cp_rule = f" x {cp} + cp)" if cp > 1 else ""
+    out = [f"  {pp} pp stages x {dp} dp groups{cp_dims} x {tp} tp ranks = {pp * dp * cp * tp} "
+           f"ranks; rank = {'(' if cp > 1 else ''}(pp x {dp} + dp){cp_rule} x {tp} + tp "
+           "(TP groups are consecutive ranks); summarized, --log-rank-grid prints every group"]
     for p in stages:
-        out.append("  ..." if p < 0 else stage_line(p, [list(r) for r in grid[p]], groups))
+        out.append("  ..." if p < 0 else stage_line(p, grid[p], groups))
     return "\n".join(out)
 
 
@@ -191,18 +229,16 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
     (or Slurm-derived) master address and port.
     """
     env = env or detect_launch_env()
-    tp = cfg.parallel.tensor_model_parallel_size
-    pp = cfg.parallel.pipeline_model_parallel_size
+    tp, pp, cp = _sizes(cfg)
     world, rank = env.world_size, env.rank
-    dp = data_parallel_size(cfg, world)
-    grid = rank_grid(world, tp, pp)
+    grid = rank_grid(world, tp, pp, cp)
     backend, use_cuda = _pick_backend(cfg.parallel.distributed_backend)
     _check_launch(cfg, env, backend, init_method)
     device = torch.device("cpu")
     if use_cuda:
         device = torch.device("cuda", _device_index(backend, env.local_rank))
         torch.cuda.set_device(device)
-    common = _coordinates(env, grid, tp, pp, dp, device)
+    common = _coordinates(env, grid, device)
     if world == 1 and init_method is None:
         return ParallelState(backend=None, **common)
 
@@ -252,11 +288,9 @@ def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:
     env = LaunchEnv(rank=rank, local_rank=rank % 8, world_size=world_size, local_world_size=8,
                     master_addr="", master_port=0, source="dry run", node_rank=rank // 8,
                     num_nodes=max(1, world_size // 8))
-    tp = cfg.parallel.tensor_model_parallel_size
-    pp = cfg.parallel.pipeline_model_parallel_size
-    dp = data_parallel_size(cfg, world_size)
-    grid = rank_grid(world_size, tp, pp)
-    common = _coordinates(env, grid, tp, pp, dp, torch.device("meta"))
+    tp, pp, cp = _sizes(cfg)
+    grid = rank_grid(world_size, tp, pp, cp)
+    common = _coordinates(env, grid, torch.device("meta"))
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -266,37 +300,59 @@ def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:
     return _with_groups("meta:fake", timeout, common, grid)
 
 
-def _coordinates(env: LaunchEnv, grid: list[list[list[int]]], tp: int, pp: int, dp: int,
-                 device: torch.device) -> dict:
+def _sizes(cfg: Config) -> tuple[int, int, int]:
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            p.context_parallel_size)
+
+
+def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torch.device
+                 ) -> dict:
     """The ParallelState fields that follow from the rank grid alone."""
-    p_idx, rem = divmod(env.rank, dp * tp)
-    d_idx, t_idx = divmod(rem, tp)
+    pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
+    p_idx, rem = divmod(env.rank, dp * cp * tp)
+    d_idx, rem = divmod(rem, cp * tp)
+    c_idx, t_idx = divmod(rem, tp)
     return dict(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                 tp_size=tp, tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp,
-                dp_rank=d_idx, device=device,
-                pp_ranks=tuple(grid[s][d_idx][t_idx] for s in range(pp)),
-                grid=tuple(tuple(tuple(r) for r in stage) for stage in grid))
+                dp_rank=d_idx, cp_size=cp, cp_rank=c_idx, device=device,
+                pp_ranks=tuple(grid[s][d_idx][c_idx][t_idx] for s in range(pp)),
+                cp_ranks=tuple(grid[p_idx][d_idx][c][t_idx] for c in range(cp)),
+                grid=tuple(tuple(tuple(tuple(r) for r in dp_row) for dp_row in stage)
+                           for stage in grid))
 
 
 def _with_groups(backend: str, timeout: timedelta, common: dict,
-                 grid: list[list[list[int]]]) -> ParallelState:
+                 grid: list[list[list[list[int]]]]) -> ParallelState:
     """Create every group (same order on all ranks) once the default group exists."""
-    rank, pp, dp, tp = common["rank"], len(grid), len(grid[0]), len(grid[0][0])
-    tp_lists = [grid[p][d] for p in range(pp) for d in range(dp)]
-    dp_lists = [[grid[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pp_lists = [[grid[p][d][t] for p in range(pp)] for d in range(dp) for t in range(tp)]
-    mp_lists = [[grid[p][d][t] for p in range(pp) for t in range(tp)] for d in range(dp)]
+    rank = common["rank"]
+    pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
+    cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
+             for t in range(tp)]
+
+    def lists(key: Callable[[tuple[int, int, int, int]], tuple]) -> list[list[int]]:
+        """Group the grid's cells by `key` (the coordinates a group shares), in rank order."""
+        out: dict[tuple, list[int]] = {}
+        for p, d, c, t in cells:
+            out.setdefault(key((p, d, c, t)), []).append(grid[p][d][c][t])
+        return list(out.values())
+
+    pp_lists = lists(lambda x: (x[1], x[2], x[3]))
     emb_lists = [sorted({r[0], r[-1]}) for r in pp_lists]
-    return ParallelState(
-        backend=backend,
-        world_group=dist.group.WORLD,
-        tp_group=_new_groups(tp_lists, rank, timeout),
-        dp_group=_new_groups(dp_lists, rank, timeout),
+    groups = dict(
+        tp_group=_new_groups(lists(lambda x: (x[0], x[1], x[2])), rank, timeout),
+        dp_group=_new_groups(lists(lambda x: (x[0], x[2], x[3])), rank, timeout),
         pp_group=_new_groups(pp_lists, rank, timeout),
-        mp_group=_new_groups(mp_lists, rank, timeout),
+        mp_group=_new_groups(lists(lambda x: (x[1], x[2])), rank, timeout),
         embedding_group=_new_groups(emb_lists, rank, timeout),
-        **common,
     )
+    # Without CP there is no ring (a group of one is a no-op, None) and DP x CP is DP: no
+    # extra groups, which a 1,024-rank dry run would otherwise create by the thousand.
+    groups["cp_group"] = (_new_groups(lists(lambda x: (x[0], x[1], x[3])), rank, timeout)
+                          if cp > 1 else None)
+    groups["dp_cp_group"] = (_new_groups(lists(lambda x: (x[0], x[3])), rank, timeout)
+                             if cp > 1 else groups["dp_group"])
+    return ParallelState(backend=backend, world_group=dist.group.WORLD, **groups, **common)
 
 
 def destroy(state: ParallelState) -> None:

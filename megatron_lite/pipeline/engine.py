@@ -55,12 +55,19 @@ class ModelChunk(Protocol):
     weight_grads: WeightGradQueue | None
     """Read only by zero-bubble schedules (B and W steps); None otherwise."""
 
-    def __call__(self, x: Tensor, labels: Tensor | None = None) -> Tensor: ...
+    def __call__(self, x: Tensor, labels: Tensor | None = None, **sequence: Tensor) -> Tensor:
+        ...
 
 
 Batch = Mapping[str, Tensor]
 """One micro-batch on the stage's device: "tokens" [b, s] (read by the first chunk of the
-model), "labels" [b, s] (read by the last), plus whatever `loss_fn` needs (e.g. "loss_mask")."""
+model), "labels" [b, s] (read by the last), the `SEQUENCE_KEYS` present (read by every
+chunk), plus whatever `loss_fn` needs (e.g. "loss_mask")."""
+
+SEQUENCE_KEYS = ("token_index", "positions", "documents")
+"""Batch entries every chunk of every stage takes as keywords: where this rank's tokens sit
+in the sequence (context parallelism), their RoPE positions and document ids. They come
+from the batch, not the previous stage: each stage reads its own copy of the micro-batch."""
 
 LossFn = Callable[[Tensor, Batch], Tensor]
 """(per-token losses [b, s], batch) -> this micro-batch's contribution to the step loss."""
@@ -155,13 +162,14 @@ def _forward(op: Forward, chunks: Sequence[ModelChunk], microbatches: Sequence[B
         if not forward_only:
             x.requires_grad_()
             state.inputs[key] = x
+    sequence = {k: mb[k] for k in SEQUENCE_KEYS if k in mb}
     if chunk.post_process:
-        loss = loss_fn(chunk(x, mb["labels"]), mb)
+        loss = loss_fn(chunk(x, mb["labels"], **sequence), mb)
         state.losses[op.microbatch] = loss.detach()
         if not forward_only:
             state.outputs[key] = loss
     else:
-        state.outputs[key] = chunk(x)
+        state.outputs[key] = chunk(x, **sequence)
 
 
 def _backward(op: Backward | BackwardInput, chunk: ModelChunk, state: _RunState) -> None:
