@@ -112,8 +112,14 @@ class Optimizer:
         if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
                              "(plain data parallelism has no parameter all-gather)")
+        if parallel.shard_params:
+            raise ValueError("--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is "
+                             "not available yet; use optim_grads")
         self.cfg, self.pstate = cfg, pstate
         self.sharded = parallel.use_distributed_optimizer
+        """The optimizer state is sharded over DP (every strategy but no_shard)."""
+        self.shard_grads = parallel.shard_grads
+        """ZeRO-2/3: only the owned gradient slices are kept (`ShardState.grad`)."""
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
