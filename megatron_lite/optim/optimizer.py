@@ -26,7 +26,8 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,7 +38,7 @@ from torch import nn
 from megatron_lite.config import Config
 from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
-from megatron_lite.optim import zero1
+from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
 from megatron_lite.parallel import comms
@@ -112,14 +113,13 @@ class Optimizer:
         if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
                              "(plain data parallelism has no parameter all-gather)")
-        if parallel.shard_params:
-            raise ValueError("--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is "
-                             "not available yet; use optim_grads")
         self.cfg, self.pstate = cfg, pstate
         self.sharded = parallel.use_distributed_optimizer
         """The optimizer state is sharded over DP (every strategy but no_shard)."""
         self.shard_grads = parallel.shard_grads
         """ZeRO-2/3: only the owned gradient slices are kept (`ShardState.grad`)."""
+        self.shard_params = parallel.shard_params
+        """ZeRO-3: only the owned parameter slices are kept; `fsdp` gathers them per unit."""
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
@@ -127,8 +127,9 @@ class Optimizer:
         named = _named_parameters(chunks)
         self.params = [p for _, p, _ in named]
         self._names = [n for n, _, _ in named]
-        self._build_buffers(named, torch.bfloat16 if parallel.grad_reduce_in_bf16
-                            else torch.float32)
+        reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32
+        units = zero3.unit_of_params(zero3.unit_modules(chunks)) if self.shard_params else None
+        self._build_buffers(named, reduce_dtype, units)
         self._step = 0
         self._handles: dict[BucketKey, dist.Work | None] = {}
         self._gathers: dict[BucketKey, dist.Work | None] = {}
@@ -138,9 +139,16 @@ class Optimizer:
         self.grad_check: Callable[[torch.Tensor], None] | None = None
         """Called with each bucket's local gradients right before its DP reduction (NaN/Inf
         checks that can name the rank; see megatron_lite/reliability)."""
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-                       for i, p in enumerate(self.params)]
-        if parallel.overlap_param_gather:
+        self.fsdp: zero3.FullyShardedParams | None = None
+        if self.shard_params:
+            self.fsdp = zero3.FullyShardedParams(chunks, self.params, self._slot, self.buffers,
+                                                 pstate, reduce_dtype, self.traffic,
+                                                 self._check_grad)
+            self._hooks = self.fsdp.hooks
+        else:
+            self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                           for i, p in enumerate(self.params)]
+        if parallel.overlap_param_gather and not self.shard_params:
             self._register_gather_waits(chunks)
 
     def close(self) -> None:
@@ -157,8 +165,9 @@ class Optimizer:
         self._hooks.clear()
 
     def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
-                       grad_dtype: torch.dtype) -> None:
-        """One buffer per parameter dtype; tied-embedding copies get their own buckets."""
+                       grad_dtype: torch.dtype, units: dict[int, int] | None = None) -> None:
+        """One buffer per parameter dtype; tied-embedding copies get their own buckets, and
+        under ZeRO-3 (`units`: id(param) -> unit) every unit its own."""
         pstate = self.pstate
         self.buffers: list[GradBuffer] = []
         self.shards: list[zero1.ShardState] = []
@@ -171,16 +180,23 @@ class Optimizer:
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
             tied = [pstate.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
             groups = [2 * chunk + is_tied for (_, _, chunk), is_tied in zip(members, tied)]
+            if units is not None:
+                groups = [units[id(p)] for _, p, _ in members]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
                                   list(reversed(range(len(members)))),
                                   self.cfg.parallel.ddp_bucket_size, pstate.dp_size)
             b = len(self.buffers)
-            buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype)
+            if units is not None:
+                buffer = zero3.ShardedParamBuffer([p for _, p, _ in members], layout,
+                                                  pstate.dp_rank)
+            else:
+                buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype)
             for bucket in layout.buckets:
                 key = (b, bucket.index)
-                self._chunk_of[key] = bucket.group // 2
-                if bucket.group % 2:
-                    self._deferred.add(key)
+                if units is None:  # (ZeRO-3 refuses PP: no stage copies)
+                    self._chunk_of[key] = bucket.group // 2
+                    if bucket.group % 2:
+                        self._deferred.add(key)
                 self._members[key] = [index[id(members[i][1])] for i in bucket.params]
                 for i in self._members[key]:
                     self._slot[i] = key
@@ -226,6 +242,8 @@ class Optimizer:
             buffer.grad.zero_()
         for p in self.params:
             p.grad = None
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
         self._arrivals = [0] * len(self.params)
         self._waiting = {key: len(m) for key, m in self._members.items()}
         self._handles.clear()
@@ -249,14 +267,17 @@ class Optimizer:
             if self._waiting[key] == 0 and key not in self._deferred:
                 self._launch(key)
 
+    def _check_grad(self, grad: torch.Tensor) -> None:
+        if self.grad_check is not None:
+            self.grad_check(grad)
+
     def _launch(self, key: BucketKey) -> None:
         """Start the DP reduction of one bucket (asynchronously)."""
         pstate = self.pstate
         buffer = self.buffers[key[0]]
         bucket = buffer.layout.buckets[key[1]]
         grad = buffer.bucket_grad(bucket)
-        if self.grad_check is not None:
-            self.grad_check(grad)
+        self._check_grad(grad)
         if self.sharded:
             own = bucket.shard(pstate.dp_size, pstate.dp_rank)
             self._handles[key] = comms.reduce_scatter_flat(
@@ -274,7 +295,7 @@ class Optimizer:
 
         Only with --overlap-grad-reduce (otherwise `finalize_grads` reduces everything).
         """
-        if not self.overlap_grad_reduce:
+        if not self.overlap_grad_reduce or self.fsdp is not None:
             return
         for key in self._keys():
             if (self._chunk_of[key] == chunk_index and key not in self._handles
@@ -288,13 +309,16 @@ class Optimizer:
             buffer = self.buffers[key[0]]
             for j in buffer.layout.buckets[key[1]].params:
                 comms.all_reduce_(buffer.params[j].main_grad, pstate.embedding_group)
-        for key in self._keys():
-            if key not in self._handles:
-                self._launch(key)
-        for key in self._keys():
-            handle = self._handles[key]
-            if handle is not None:
-                handle.wait()
+        if self.fsdp is not None:
+            self.fsdp.finish(self.num_microbatches)
+        else:
+            for key in self._keys():
+                if key not in self._handles:
+                    self._launch(key)
+            for key in self._keys():
+                handle = self._handles[key]
+                if handle is not None:
+                    handle.wait()
         if self._sp_pieces and pstate.tp_size > 1:
             grads = [self.buffers[b].grad[s:e] for b, s, e in self._sp_pieces]
             flat = comms.all_reduce_(torch.cat(grads), pstate.tp_group)
@@ -339,8 +363,9 @@ class Optimizer:
         return int(comms.host_scalar(comms.all_reduce_(count, group)))
 
     def _start_param_sync(self, async_op: bool) -> None:
-        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""
-        if not self.sharded:
+        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first
+        (ZeRO-3 gathers a unit's buckets only when its forward needs them)."""
+        if not self.sharded or self.fsdp is not None:
             return
         pstate = self.pstate
         for key in reversed(self._keys()):
@@ -357,6 +382,26 @@ class Optimizer:
             handle = self._gathers.pop(key, None)
             if handle is not None:
                 handle.wait()
+
+    @contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Under ZeRO-3 every parameter holds its full value inside (all units gathered at
+        once: for reading weights outside a forward); a no-op otherwise."""
+        if self.fsdp is None:
+            yield
+            return
+        self.finish_param_sync()
+        with self.fsdp.gathered():
+            yield
+
+    def set_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set a parameter (this rank's TP/PP-local tensor), e.g. from a checkpoint; under
+        ZeRO-3 only its owned slice is kept. Call `reload_model_params` afterwards."""
+        if self.fsdp is None:
+            with torch.no_grad():
+                param.copy_(value)
+        else:
+            self.fsdp.write_param(param, value)
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers; call before reading model weights

@@ -80,7 +80,9 @@ def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
         norms.append(result.grad_norm)
         calls.append(dict(opt.traffic.calls))
         sent.append(opt.traffic.total_bytes)
-    return {"params": model_parameters(chunks), "norms": norms, "calls": calls, "bytes": sent,
+    with opt.gathered_params():  # ZeRO-3 keeps only shards between forwards
+        params = model_parameters(chunks)
+    return {"params": params, "norms": norms, "calls": calls, "bytes": sent,
             "splits": {n: tags.tp_split(p) for n, p in chunks[0].named_parameters()}}
 
 
