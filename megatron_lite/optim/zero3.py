@@ -202,7 +202,7 @@ class FullyShardedParams:
         self.params, self.slot = list(params), list(slot)
         modules = unit_modules(chunks)
         owner = unit_of_params(modules)
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self._index = {id(p): i for i, p in enumerate(self.params)}
         self._buffer_index = {id(p): j for buf in self.buffers for j, p in enumerate(buf.params)}
         self.units: list[Unit] = []
         for u, mods in enumerate(modules):
@@ -227,6 +227,8 @@ class FullyShardedParams:
         self._temp: dict[BucketKey, Tensor] = {}
         self._arrived: set[int] = set()
         self._reductions: list[tuple[dist.Work | None, Tensor, Tensor, Tensor]] = []
+        self.peak_gathered_bytes = 0
+        """The most bytes of full-size parameter buckets held at once so far."""
         self.hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             self.hooks.append(unit.modules[0].register_forward_pre_hook(
@@ -251,6 +253,7 @@ class FullyShardedParams:
                                                self.pstate.dp_group, async_op=async_op,
                                                traffic=self.traffic))
         self._gathers[u] = works
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _prefetch(self, u: int) -> None:
         if u not in self._ready and u not in self._gathers:
@@ -375,10 +378,10 @@ class FullyShardedParams:
 
     def write_param(self, param: nn.Parameter, value: Tensor) -> None:
         """Set a parameter from a full local tensor (loading a checkpoint)."""
-        key = self.slot[self.params.index(param)]
+        key = self.slot[self._index[id(param)]]
         self.buffers[key[0]].write_param(self._buffer_index[id(param)], value)
 
     def gathered_bytes(self) -> int:
-        """Bytes of full-size parameter buckets gathered right now."""
+        """Bytes of full-size parameter buckets held right now (gathered or arriving)."""
         return sum(self.buffers[k[0]].full[k[1]].untyped_storage().nbytes()
-                   for u in self._ready for k in self.units[u].keys)
+                   for u in self._ready | set(self._gathers) for k in self.units[u].keys)
