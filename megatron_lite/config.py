@@ -114,6 +114,12 @@ class ParallelConfig:
     by bucket during backward), optim_grads_params (ZeRO-3: also the parameters, gathered per
     layer); default optim with --use-distributed-optimizer, optim_grads_params with
     --use-megatron-fsdp (Megatron-FSDP's default), else no_shard."""
+    sharded_grad_accumulation: str = field(
+        default="reduce-scatter", metadata={"choices": ["reduce-scatter", "full-buffer"]})
+    """How optim_grads accumulates micro-batches: reduce-scatter every micro-batch's buckets
+    into the fp32 shard (no full-size gradient; gradient traffic x micro-batches), or add
+    them into a full-size buffer in the parameter dtype and reduce-scatter once per step
+    (ZeRO-1's traffic; 2 more bytes per parameter under --bf16)."""
     use_megatron_fsdp: bool = False
     """Megatron-FSDP's switch: sharding follows --data-parallel-sharding-strategy, whose
     default it makes optim_grads_params."""

@@ -17,8 +17,9 @@ optimizer's hooks) and only the bytes come and go. Per micro-batch:
 - backward: that output-gradient hook fires before any of the unit's backward nodes run; it
   re-gathers the unit (waiting for the prefetch) and starts the previous unit's gather;
 - once the last parameter of a unit has received its gradient (the post-accumulate hooks),
-  every node that reads those weights has run: the unit's gradients are reduce-scattered
-  (asynchronously, into an fp32 shard accumulator) and the unit is freed.
+  every node that reads those weights has run, and the unit is freed. The optimizer's own
+  hooks, which run first, have by then reduce-scattered the unit's buckets into the gradient
+  shards (ZeRO-2's path: a bucket goes as soon as all its members arrived).
 
 So each unit is gathered twice per micro-batch and its gradients reduce-scattered once. A
 weight used by two units (the tied embedding read by the head) stays gathered from its first
@@ -31,7 +32,7 @@ backward then frees them as above.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -103,9 +104,6 @@ class OwnedSlices:
     def bucket(self, b: int) -> Tensor:
         return self.data[self.offsets[b]:self.offsets[b + 1]]
 
-    def zero_(self) -> None:
-        self.data.zero_()
-
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
@@ -119,20 +117,18 @@ def _allocate(t: Tensor) -> None:
 
 
 class ShardedParamBuffer:
-    """A `GradBuffer` without full-size tensors: the owned slices of the parameters and of
-    the reduced fp32 gradient (`param`, `grad`: `OwnedSlices`), and per bucket a full-size
-    parameter tensor (`full`) that the parameters view and that holds bytes only while its
-    unit is gathered."""
+    """`GradBuffer(full_grad=False)` without full-size tensors either: the owned slice of
+    the parameters (`param`, an `OwnedSlices`), no gradient buffer (the reduced gradient is
+    the ShardState's), and per bucket a full-size parameter tensor (`full`) that the
+    parameters view and that holds bytes only while its unit is gathered."""
 
     def __init__(self, params: Sequence[nn.Parameter], layout: BufferLayout,
-                 dp_rank: int) -> None:
-        self.params, self.layout = list(params), layout
+                 grad_dtype: torch.dtype, dp_rank: int) -> None:
+        self.params, self.layout, self.grad_dtype = list(params), layout, grad_dtype
+        self.grad = None
         first = self.params[0]
-        owned = layout.owned(dp_rank, sharded=True)
-        self.param = OwnedSlices(owned, first.dtype, first.device)
-        self.grad = OwnedSlices(owned, torch.float32, first.device)
-        """Micro-batch gradients, reduce-scattered, add up here in fp32."""
-        self.grad_dtype = torch.float32
+        self.param = OwnedSlices(layout.owned(dp_rank, sharded=True), first.dtype,
+                                 first.device)
         self.full: list[Tensor] = []
         with torch.no_grad():
             for bucket, own in zip(layout.buckets, self.param.owned):
@@ -168,8 +164,8 @@ class ShardedParamBuffer:
                     flat[part.start - r.start:part.end - r.start])
 
     def nbytes(self) -> int:
-        """Bytes of the (sharded) gradient buffer."""
-        return self.grad.nbytes()
+        """Bytes of a full-size gradient buffer: none."""
+        return 0
 
 
 @dataclass
@@ -194,11 +190,8 @@ class FullyShardedParams:
 
     def __init__(self, chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
                  slot: Sequence[BucketKey], buffers: Sequence[ShardedParamBuffer],
-                 pstate: ParallelState,
-                 reduce_dtype: torch.dtype, traffic: comms.Traffic,
-                 check: Callable[[Tensor], None]) -> None:
-        self.buffers, self.pstate = list(buffers), pstate
-        self.reduce_dtype, self.traffic, self.check = reduce_dtype, traffic, check
+                 pstate: ParallelState, traffic: comms.Traffic) -> None:
+        self.buffers, self.pstate, self.traffic = list(buffers), pstate, traffic
         self.params, self.slot = list(params), list(slot)
         modules = unit_modules(chunks)
         owner = unit_of_params(modules)
@@ -214,7 +207,7 @@ class FullyShardedParams:
         for i in range(len(self.params)):
             if not any(i in unit.params for unit in self.units):
                 raise ValueError(f"parameter {i} belongs to no ZeRO-3 unit")
-        self._unit_of_key = {key: u for u, unit in enumerate(self.units) for key in unit.keys}
+        self._unit_of = {i: u for u, unit in enumerate(self.units) for i in unit.params}
         last_use: dict[int, int] = {}
         for u, unit in enumerate(self.units):
             for v in unit.uses:
@@ -224,9 +217,8 @@ class FullyShardedParams:
         self._gathers: dict[int, list[dist.Work | None]] = {}
         """Unit -> its in-flight all-gathers."""
         self._ready: set[int] = set()
-        self._temp: dict[BucketKey, Tensor] = {}
         self._arrived: set[int] = set()
-        self._reductions: list[tuple[dist.Work | None, Tensor, Tensor, Tensor]] = []
+        """Parameters whose gradient of the running backward pass is in."""
         self.peak_gathered_bytes = 0
         """The most bytes of full-size parameter buckets held at once so far."""
         self.hooks: list[RemovableHandle] = []
@@ -239,9 +231,6 @@ class FullyShardedParams:
             self.hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
 
     # ---- gather / free ---------------------------------------------------------------------
-
-    def _bucket(self, key: BucketKey) -> Bucket:
-        return self.buffers[key[0]].layout.buckets[key[1]]
 
     def _start_gather(self, u: int, async_op: bool) -> None:
         works = []
@@ -316,60 +305,16 @@ class FullyShardedParams:
             for v in self.units[u - 1].uses:
                 self._prefetch(v)
 
-    def _on_grad(self, i: int, param: nn.Parameter) -> None:
-        """Post-accumulate hook: file the micro-batch gradient; reduce a completed unit."""
-        if i in self._arrived:
-            raise RuntimeError(f"parameter {i} received two gradients in one backward pass")
-        key = self.slot[i]
-        buffer = self.buffers[key[0]]
-        bucket = self._bucket(key)
-        if key not in self._temp:
-            self._temp[key] = buffer.new_bucket_grad(bucket, self.reduce_dtype)
-        buffer.param_grad_view(self._temp[key], bucket, self._buffer_index[id(param)]).add_(
-            param.grad)
-        param.grad = None
+    def _on_grad(self, i: int, _param: nn.Parameter) -> None:
+        """Post-accumulate hook, after the optimizer's: free a unit whose gradients are in."""
+        u = self._unit_of[i]
         self._arrived.add(i)
-        u = self._unit_of_key[key]
         if all(j in self._arrived for j in self.units[u].params):
             self._arrived.difference_update(self.units[u].params)
-            self._reduce(u)
             self.release(u)
 
-    # ---- gradients -------------------------------------------------------------------------
-
-    def _reduce(self, u: int) -> None:
-        """Reduce-scatter unit `u`'s gradients (async; about two units' worth in flight)."""
-        dp = self.pstate.dp_size
-        for key in self.units[u].keys:
-            full = self._temp.pop(key)
-            self.check(full)
-            out = torch.empty(full.numel() // dp, dtype=full.dtype, device=full.device)
-            work = comms.reduce_scatter_flat(out, full, self.pstate.dp_group, async_op=True,
-                                             traffic=self.traffic)
-            self._reductions.append((work, out, full,
-                                     self.buffers[key[0]].grad.bucket(key[1])))
-        while len(self._reductions) > 2 * max(len(unit.keys) for unit in self.units):
-            self._finish_one()
-
-    def _finish_one(self) -> None:
-        work, out, _full, target = self._reductions.pop(0)
-        if work is not None:
-            work.wait()
-        target.add_(out)
-
-    def finish(self, num_microbatches: int) -> None:
-        """Wait for every reduce-scatter of the step; all units must have completed."""
-        while self._reductions:
-            self._finish_one()
-        if self._arrived or self._temp:
-            raise RuntimeError("ZeRO-3: a backward pass left units with only part of their "
-                               f"gradients ({len(self._arrived)} parameters) after "
-                               f"{num_microbatches} micro-batches")
-
     def zero_grad(self) -> None:
-        self._temp.clear()
         self._arrived.clear()
-        self._reductions.clear()
 
     def close(self) -> None:
         for handle in self.hooks:

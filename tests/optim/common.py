@@ -65,14 +65,14 @@ def train_ours(pstate: ParallelState, cfg: Config, steps: int) -> dict:
 
 def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
               steps: range) -> dict:
-    norms, calls, sent = [], [], []
+    norms, calls, sent, losses = [], [], [], []
     runner = StepRunner(cfg, pstate, chunks)
     for step in steps:
         batches = step_batches(step, pstate.dp_rank, pstate.dp_size, cfg.train.micro_batch_size,
                                cfg.train.global_batch_size)
         opt.traffic.reset()
         opt.zero_grad()
-        runner(batches, global_token_count(batches, pstate))
+        losses.append(runner(batches, global_token_count(batches, pstate)).item())
         opt.finalize_grads()
         result = opt.step(cfg.optim.lr)
         opt.finish_param_sync()
@@ -83,6 +83,7 @@ def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
     with opt.gathered_params():  # ZeRO-3 keeps only shards between forwards
         params = model_parameters(chunks)
     return {"params": params, "norms": norms, "calls": calls, "bytes": sent,
+            "losses": losses,
             "splits": {n: tags.tp_split(p) for n, p in chunks[0].named_parameters()}}
 
 

@@ -42,7 +42,7 @@ def _owned_grads(opt: Optimizer) -> list[tuple[str, int, torch.Tensor]]:
                 part = r.intersect(own)
                 if part is not None:
                     out.append((info.name.split(".", 1)[1], part.start - r.start,
-                                buffer.grad[part.start:part.end].clone()))
+                                shard.grad_at(part).clone()))
     return out
 
 
@@ -75,7 +75,8 @@ def _train(pstate: ParallelState, cfg, steps: int = STEPS, grads: bool = False) 
         out["unit_bytes"] = [sum(opt.buffers[b].full[k].numel() * opt.buffers[b].full[k]
                                  .element_size() for b, k in unit.keys)
                              for unit in opt.fsdp.units]
-        out["shard_bytes"] = sum(b.param.nbytes() + b.grad.nbytes() for b in opt.buffers)
+        out["shard_bytes"] = (sum(b.param.nbytes() for b in opt.buffers)
+                              + sum(s.grad_nbytes() for s in opt.shards))
     out["padded_numel"] = sum(b.layout.numel for b in opt.buffers)
     out["memory"] = opt.memory()
     with opt.gathered_params():
