@@ -657,13 +657,18 @@ def validate(cfg: Config, world_size: int) -> None:
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
         errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
                       "all-gather; add --use-distributed-optimizer or drop it")
-    errors += _sharding_errors(parallel)
+    errors += _sharding_errors(parallel, train.compile)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def _sharding_errors(parallel: ParallelConfig) -> list[str]:
+def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
     pp = parallel.pipeline_model_parallel_size
+    if parallel.shard_params and compile_:
+        return ["--data-parallel-sharding-strategy optim_grads_params with --compile is not "
+                "supported: ZeRO-3's hooks gather and free each layer's weights around its "
+                "forward, which a compiled layer would trace into its graph; drop --compile "
+                "or use optim_grads"]
     if parallel.shard_params and pp > 1:
         return ["--data-parallel-sharding-strategy optim_grads_params with "
                 f"--pipeline-model-parallel-size {pp} is not supported: every stage would "

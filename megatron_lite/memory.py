@@ -129,7 +129,8 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     chunk that starts mid-model), so it needs no pipeline communication; TP ranks run it
     together because the layers' collectives are inside.
     """
-    owned = {t.untyped_storage().data_ptr() for c in chunks
+    # by storage identity: a ZeRO-3 weight's bytes (and address) come and go with its gathers
+    owned = {t.untyped_storage()._cdata for c in chunks
              for t in [*c.parameters(), *c.buffers()]}
     # storage address -> one tensor on it, alive until counted so that no address repeats
     saved: dict[int, Tensor] = {}
@@ -139,9 +140,9 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
         # reference cycle through C++ that Python's collector cannot free, so the
         # micro-batch's activations (and the process groups its nodes name) would otherwise
         # live until the process exits.
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in owned:
-            saved.setdefault(ptr, t)
+        storage = t.untyped_storage()
+        if storage._cdata not in owned:
+            saved.setdefault(storage.data_ptr(), t)
 
     def unpack(_: None) -> Tensor:
         raise RuntimeError("the memory-measurement forward has no backward")

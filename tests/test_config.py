@@ -31,6 +31,8 @@ CASES = [
       "2", "--num-layers", "4"], 4,
      ["--data-parallel-sharding-strategy optim_grads_params", "--pipeline-model-parallel-size 2",
       "use optim_grads"]),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--compile"], 2,
+     ["optim_grads_params with --compile", "drop --compile"]),
 ]
 
 

@@ -37,7 +37,8 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -48,7 +49,7 @@ from torch import nn
 from megatron_lite.config import Config
 from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
-from megatron_lite.optim import zero1
+from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
 from megatron_lite.parallel import comms
@@ -126,9 +127,6 @@ class Optimizer:
         if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
                              "(plain data parallelism has no parameter all-gather)")
-        if parallel.shard_params:
-            raise ValueError("--data-parallel-sharding-strategy optim_grads_params (ZeRO-3) is "
-                             "not available yet; use optim_grads")
         self.cfg, self.pstate = cfg, pstate
         self.sharded = parallel.use_distributed_optimizer
         """The optimizer state is sharded over DP (every strategy but no_shard)."""
@@ -138,6 +136,8 @@ class Optimizer:
         self.full_accumulator = (self.shard_grads
                                  and parallel.sharded_grad_accumulation == "full-buffer")
         """ZeRO-2 with --sharded-grad-accumulation full-buffer: one reduce-scatter per step."""
+        self.shard_params = parallel.shard_params
+        """ZeRO-3: only the owned parameter slices are kept; `fsdp` gathers them per unit."""
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
@@ -145,8 +145,9 @@ class Optimizer:
         named = _named_parameters(chunks)
         self.params = [p for _, p, _ in named]
         self._names = [n for n, _, _ in named]
+        units = zero3.unit_of_params(zero3.unit_modules(chunks)) if self.shard_params else None
         self._build_buffers(named, torch.bfloat16 if parallel.grad_reduce_in_bf16
-                            else torch.float32)
+                            else torch.float32, units)
         self._live: dict[BucketKey, torch.Tensor] = {}
         """ZeRO-2/3: bucket gradients accumulating since their last reduce-scatter."""
         self._seen: dict[BucketKey, set[int]] = {}
@@ -167,7 +168,13 @@ class Optimizer:
         checks that can name the rank; see megatron_lite/reliability)."""
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
-        if parallel.overlap_param_gather:
+        self.fsdp: zero3.FullyShardedParams | None = None
+        """ZeRO-3's gathers and frees (its hooks run after the gradient hooks above)."""
+        if self.shard_params:
+            self.fsdp = zero3.FullyShardedParams(chunks, self.params, self._slot, self.buffers,
+                                                 pstate, self.traffic)
+            self._hooks += self.fsdp.hooks
+        elif parallel.overlap_param_gather:
             self._register_gather_waits(chunks)
 
     def close(self) -> None:
@@ -184,8 +191,9 @@ class Optimizer:
         self._hooks.clear()
 
     def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
-                       grad_dtype: torch.dtype) -> None:
-        """One buffer per parameter dtype; tied-embedding copies get their own buckets."""
+                       grad_dtype: torch.dtype, units: dict[int, int] | None = None) -> None:
+        """One buffer per parameter dtype; tied-embedding copies get their own buckets, and
+        under ZeRO-3 (`units`: id(param) -> unit) every unit its own."""
         pstate = self.pstate
         self.buffers: list[GradBuffer] = []
         self.shards: list[zero1.ShardState] = []
@@ -200,17 +208,23 @@ class Optimizer:
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
             tied = [pstate.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
             groups = [2 * chunk + is_tied for (_, _, chunk), is_tied in zip(members, tied)]
+            if units is not None:  # ZeRO-3 refuses PP: no stage copies, one chunk
+                groups = [2 * units[id(p)] for _, p, _ in members]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
                                   list(reversed(range(len(members)))),
                                   self.cfg.parallel.ddp_bucket_size, pstate.dp_size)
             b = len(self.buffers)
-            buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype,
-                                full_grad=not self.shard_grads)
+            if units is not None:
+                buffer = zero3.ShardedParamBuffer([p for _, p, _ in members], layout,
+                                                  grad_dtype, pstate.dp_rank)
+            else:
+                buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype,
+                                    full_grad=not self.shard_grads)
             for j, (_, p, _) in enumerate(members):
                 self._local[index[id(p)]] = j
             for bucket in layout.buckets:
                 key = (b, bucket.index)
-                self._chunk_of[key] = bucket.group // 2
+                self._chunk_of[key] = members[bucket.params[0]][2]
                 if bucket.group % 2:
                     self._deferred.add(key)
                 self._members[key] = [index[id(members[i][1])] for i in bucket.params]
@@ -258,6 +272,8 @@ class Optimizer:
             shard.zero_grad()
         for p in self.params:
             p.grad = None
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
         self._arrivals = [0] * len(self.params)
         self._waiting = {key: len(m) for key, m in self._members.items()}
         self._handles.clear()
@@ -479,8 +495,9 @@ class Optimizer:
         return int(comms.host_scalar(comms.all_reduce_(count, group)))
 
     def _start_param_sync(self, async_op: bool) -> None:
-        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""
-        if not self.sharded:
+        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first
+        (ZeRO-3 gathers a unit's buckets only when its forward needs them)."""
+        if not self.sharded or self.fsdp is not None:
             return
         pstate = self.pstate
         for key in reversed(self._keys()):
@@ -497,6 +514,31 @@ class Optimizer:
             handle = self._gathers.pop(key, None)
             if handle is not None:
                 handle.wait()
+
+    @contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Under ZeRO-3 every parameter holds its full value inside (all units gathered at
+        once: for reading weights outside a forward); a no-op otherwise."""
+        if self.fsdp is None:
+            yield
+            return
+        with self.fsdp.gathered():
+            yield
+
+    def set_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set a parameter (this rank's TP/PP-local tensor), e.g. from a checkpoint; under
+        ZeRO-3 only its owned slice is kept. Call `reload_model_params` afterwards."""
+        if self.fsdp is None:
+            with torch.no_grad():
+                param.copy_(value)
+        else:
+            self.fsdp.write_param(param, value)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage kept through a step (the model's, or ZeRO-3's shards)."""
+        if self.fsdp is None:
+            return list(self.params)
+        return [b.param.data for b in self.buffers]
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers; call before reading model weights
