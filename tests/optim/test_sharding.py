@@ -35,7 +35,9 @@ STRATEGIES = {
                                 "sharded_grad_accumulation": "full-buffer",
                                 "ddp_bucket_size": 3000},
     "optim_buckets": {"data_parallel_sharding_strategy": "optim", "ddp_bucket_size": 3000},
+    "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"},
 }
+"""ZeRO-3's own checks (gradients, traffic, memory, recompute) are in test_zero3.py."""
 
 
 def _train(pstate, variants: dict[str, dict], common: dict) -> dict[str, dict]:
@@ -64,7 +66,8 @@ PP2 = {"optim_grads": {**STRATEGIES["optim_grads_buckets"], "ddp_bucket_size": 2
 
 def _four_ranks(pstate) -> dict:
     """One spawn of 4 ranks: DP=4, then TP=2 x DP=2 and PP=2 x DP=2 on the same ranks."""
-    return {"dp4": _train(pstate, {k: STRATEGIES[k] for k in ("optim", "optim_grads")},
+    return {"dp4": _train(pstate, {k: STRATEGIES[k]
+                                   for k in ("optim", "optim_grads", "optim_grads_params")},
                           {"global_batch": 4 * MICRO_BATCHES}),
             "tp2": _train(relayout(pstate, 2, 1), TP2, {"tp": 2}),
             "pp2": _train(relayout(pstate, 1, 2), PP2, {"pp": 2})}
