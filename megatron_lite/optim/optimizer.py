@@ -57,6 +57,8 @@ from megatron_lite.parallel.state import ParallelState
 
 BucketKey = tuple[int, int]
 """(buffer index, bucket index)."""
+MAX_INFLIGHT_SCATTERS = 2
+"""ZeRO-2/3: reduce-scatters that may run at once; each holds a bucket-sized input."""
 
 
 @dataclass
@@ -150,8 +152,9 @@ class Optimizer:
         """ZeRO-2/3: bucket gradients accumulating since their last reduce-scatter."""
         self._seen: dict[BucketKey, set[int]] = {}
         """ZeRO-2/3: members that added a gradient into the live bucket tensor."""
-        self._inflight: dict[BucketKey, tuple[dist.Work | None, torch.Tensor]] = {}
-        """ZeRO-2/3: running reduce-scatters and the input each must keep alive."""
+        self._inflight: dict[BucketKey, tuple[dist.Work | None, torch.Tensor | None]] = {}
+        """ZeRO-2/3: each bucket's latest reduce-scatter and the input it must keep alive
+        (None once waited for)."""
         self._scattered: set[BucketKey] = set()
         """ZeRO-2/3: buckets whose shard already holds a part of this step's gradient."""
         self._step = 0
@@ -350,7 +353,7 @@ class Optimizer:
             self.grad_check(live)
         send = live if live.dtype == out.dtype else live.to(out.dtype)
         if key in self._scattered:
-            handle = self._inflight.pop(key)[0]
+            handle = self._inflight.pop(key)[0]  # (re-inserted last: dicts keep launch order)
             if handle is not None:
                 handle.wait()
             own = bucket.shard(pstate.dp_size, pstate.dp_rank).relative_to(bucket.range.start)
@@ -358,6 +361,17 @@ class Optimizer:
         self._inflight[key] = (comms.reduce_scatter_flat(
             out, send, pstate.dp_group, async_op=True, traffic=self.traffic), send)
         self._scattered.add(key)
+        self._retire(keep=MAX_INFLIGHT_SCATTERS)
+
+    def _retire(self, keep: int) -> None:
+        """Wait for the oldest reduce-scatters until `keep` still hold their input: without
+        this every bucket's input would live until `finalize_grads`, a full-size gradient."""
+        running = [k for k, (_, send) in self._inflight.items() if send is not None]
+        for key in running[:max(0, len(running) - keep)]:
+            handle = self._inflight[key][0]
+            if handle is not None:
+                handle.wait()
+            self._inflight[key] = (None, None)
 
     def _launch(self, key: BucketKey) -> None:
         """Start the DP reduction of one bucket (asynchronously)."""
@@ -427,9 +441,7 @@ class Optimizer:
         for key in self._keys():
             if key in self._live or key not in self._scattered:
                 self._scatter(key)
-        for handle, _ in self._inflight.values():
-            if handle is not None:
-                handle.wait()
+        self._retire(keep=0)
         self._inflight.clear()
 
     def _finalize_full(self) -> None:

@@ -2,19 +2,22 @@
 
 Each rank runs two micro-batches per step (gradient accumulation 2) with clipping active, so
 ZeRO-2's per-micro-batch reduce-scatter (its default accumulation) really accumulates in the
-shard. One spawn per layout trains every variant from a fresh model.
+shard. Two spawns (2 and 4 ranks) train every variant from a fresh model; the 4-rank one also runs
+TP=2 x DP=2 and PP=2 x DP=2 on the same ranks (`relayout`).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.checkpoint.common import relayout
 from tests.distributed import run_ranks
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
     full_params,
     make_config,
+    rel_err,
     train_ours,
     train_reference,
 )
@@ -40,12 +43,45 @@ def _train(pstate, variants: dict[str, dict], common: dict) -> dict[str, dict]:
             for name, flags in variants.items()}
 
 
+BF16 = {name: {**STRATEGIES[name], "bf16": True}
+        for name in ("optim", "optim_grads_buckets", "optim_grads_full_buffer")}
+
+
+def _two_ranks(pstate) -> dict:
+    common = {"global_batch": 2 * MICRO_BATCHES}
+    return {"main": _train(pstate, STRATEGIES, common), "bf16": _train(pstate, BF16, common)}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    return run_ranks(_two_ranks, 2, tmp_path_factory.mktemp("two"), timeout=300)
+
+
+TP2 = {name: {**STRATEGIES[name], "sequence_parallel": True, "lr": 1e-3}
+       for name in ("no_shard", "optim_grads", "optim_grads_buckets")}
+PP2 = {"optim_grads": {**STRATEGIES["optim_grads_buckets"], "ddp_bucket_size": 2000}}
+
+
+def _four_ranks(pstate) -> dict:
+    """One spawn of 4 ranks: DP=4, then TP=2 x DP=2 and PP=2 x DP=2 on the same ranks."""
+    return {"dp4": _train(pstate, {k: STRATEGIES[k] for k in ("optim", "optim_grads")},
+                          {"global_batch": 4 * MICRO_BATCHES}),
+            "tp2": _train(relayout(pstate, 2, 1), TP2, {"tp": 2}),
+            "pp2": _train(relayout(pstate, 1, 2), PP2, {"pp": 2})}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    return run_ranks(_four_ranks, 4, tmp_path_factory.mktemp("four"), timeout=400)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["dp2", "dp4"])
 def dp(request, tmp_path_factory) -> tuple[int, list[dict], dict]:
     dp = request.param
-    variants = STRATEGIES if dp == 2 else {k: STRATEGIES[k] for k in ("optim", "optim_grads")}
-    ranks = run_ranks(_train, dp, tmp_path_factory.mktemp(f"dp{dp}"), timeout=300,
-                      variants=variants, common={"global_batch": dp * MICRO_BATCHES})
+    if dp == 2:
+        ranks = [r["main"] for r in request.getfixturevalue("two")]
+    else:
+        ranks = [r["dp4"] for r in request.getfixturevalue("four")]
     reference = train_reference(STEPS, global_batch=dp * MICRO_BATCHES)
     assert min(reference["norms"]) > OPTIM.clip_grad, "clipping must be active at every step"
     return dp, ranks, reference
@@ -97,28 +133,23 @@ def test_zero2_keeps_only_the_gradient_shard(dp) -> None:
         assert zero2["memory"].state_bytes == zero1["memory"].state_bytes == 12 * elements // size
 
 
-def test_tp2_dp2_sequence_parallel(tmp_path) -> None:
+def test_tp2_dp2_sequence_parallel(four) -> None:
     """ZeRO-2 on a TP=2 model with SP norms (summed over TP on the owned shard) equals plain
     DP on the same layout, and one process at lr 1e-3 (see test_data_parallel for why)."""
-    variants = {name: {**STRATEGIES[name], "sequence_parallel": True, "lr": 1e-3}
-                for name in ("no_shard", "optim_grads", "optim_grads_buckets")}
-    ranks = run_ranks(_train, 4, tmp_path, tp=2, timeout=300, variants=variants,
-                      common={"tp": 2})
+    ranks = [r["tp2"] for r in four]
     reference = train_reference(STEPS, lr=1e-3)
-    for name in variants:
+    plain = full_params([r["no_shard"] for r in ranks[0:2]], tp=2)
+    for name in TP2:
         for d in (0, 2):
             full = full_params([r[name] for r in ranks[d:d + 2]], tp=2)
             assert_same_params(full, reference["params"], tol=1e-5)
-            plain = full_params([r["no_shard"] for r in ranks[0:2]], tp=2)
             assert_same_params(full, plain, tol=1e-5)
 
 
-def test_pp2_dp2_optim_grads(tmp_path) -> None:
+def test_pp2_dp2_optim_grads(four) -> None:
     """1F1B over two stages with tied embeddings (their own bucket, summed over the
     embedding group before its reduce-scatter) under ZeRO-2."""
-    variants = {"optim_grads": {**STRATEGIES["optim_grads_buckets"], "ddp_bucket_size": 2000}}
-    ranks = run_ranks(_train, 4, tmp_path, pp=2, timeout=300, variants=variants,
-                      common={"pp": 2})
+    ranks = [r["pp2"] for r in four]
     reference = train_reference(STEPS)
     for dp_rank in (0, 1):
         stages = [ranks[dp_rank]["optim_grads"], ranks[2 + dp_rank]["optim_grads"]]
@@ -127,3 +158,17 @@ def test_pp2_dp2_optim_grads(tmp_path) -> None:
         emb = [s["params"]["embedding.weight"] for s in stages]
         assert_same_params({"tied": emb[1]}, {"tied": emb[0]}, tol=1e-6)
         assert stages[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+
+
+def test_bf16_accumulation_choice(two) -> None:
+    """bf16 weights: ZeRO-2's default sums micro-batches in the fp32 shard, so it differs from
+    ZeRO-1 only by summation order, which bf16 rounding of the weights amplifies over 10
+    steps (measured 1.4e-3, worst tensor); the full-buffer accumulator adds the micro-batches
+    in bf16 first, which rounds every step (measured 1.6e-2, 12x further from ZeRO-1): the
+    reason it is not the default."""
+    for rank in (r["bf16"] for r in two):
+        ref = rank["optim"]["params"]
+        worst = {name: max(rel_err(rank[name]["params"][n], p) for n, p in ref.items())
+                 for name in ("optim_grads_buckets", "optim_grads_full_buffer")}
+        assert worst["optim_grads_buckets"] < 3e-3
+        assert worst["optim_grads_full_buffer"] > 5 * worst["optim_grads_buckets"]
