@@ -221,6 +221,9 @@ class FullyShardedParams:
         """Parameters whose gradient of the running backward pass is in."""
         self.peak_gathered_bytes = 0
         """The most bytes of full-size parameter buckets held at once so far."""
+        self.blocking_gathers = 0
+        """Gathers not prefetched (the compute waited for all of it) so far: per micro-batch
+        the first unit's forward and the last unit's backward (with what it reads) only."""
         self.hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             self.hooks.append(unit.modules[0].register_forward_pre_hook(
@@ -233,6 +236,7 @@ class FullyShardedParams:
     # ---- gather / free ---------------------------------------------------------------------
 
     def _start_gather(self, u: int, async_op: bool) -> None:
+        self.blocking_gathers += not async_op
         works = []
         for key in self.units[u].keys:
             buffer = self.buffers[key[0]]

@@ -74,6 +74,7 @@ def _train(pstate: ParallelState, cfg, steps: int = STEPS, grads: bool = False) 
                     for p in opt.params}
         out["idle_param_bytes"] = sum(storages.values())
         out["peak_gathered"] = opt.fsdp.peak_gathered_bytes
+        out["blocking_gathers"] = opt.fsdp.blocking_gathers
         out["unit_bytes"] = [sum(opt.buffers[b].full[k].numel() * opt.buffers[b].full[k]
                                  .element_size() for b, k in unit.keys)
                              for unit in opt.fsdp.units]
@@ -158,6 +159,15 @@ def test_recompute_composes(dp2, granularity: str) -> None:
         assert_same_params(run["params"], ref["params"], tol=1e-5)
         # recomputation re-runs forwards inside backward, but gathers nothing extra
         assert run["bytes"] == rank["zero3"]["bytes"]
+        assert run["blocking_gathers"] == rank["zero3"]["blocking_gathers"]
+
+
+def test_gathers_are_prefetched(dp2) -> None:
+    """Only the embedding's forward and the head's backward wait for a whole gather (the
+    head and the tied embedding it reads: 3 per micro-batch); every other unit's gather was
+    started one unit ahead (here 4 units, 2 micro-batches per rank)."""
+    for rank in dp2[1]:
+        assert rank["zero3"]["blocking_gathers"] == STEPS * 2 * 3
 
 
 def test_traffic_is_two_gathers_and_one_reduce_scatter(dp2) -> None:
