@@ -173,10 +173,12 @@ def sharding_summary(cfg: Config, dp: int, params: int, state_bytes: float | Non
 
 
 def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
-                  optimizer_bytes: int, grad_bytes: int) -> str:
-    """Measured state and activation bytes of this rank next to the planner's estimate."""
-    params = {id(p): p for c in chunks for p in c.parameters()}
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+                  optimizer_bytes: int, grad_bytes: int, param_bytes: int | None = None) -> str:
+    """Measured state and activation bytes of this rank next to the planner's estimate;
+    `param_bytes` is what the optimizer keeps (ZeRO-3: the shards), default the model's."""
+    if param_bytes is None:
+        params = {id(p): p for c in chunks for p in c.parameters()}
+        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank,
                           fused_kernels=chunks[0].layers[0].attention.use_triton
                           if len(chunks[0].layers) else False, device_type=pstate.device.type)

@@ -26,7 +26,8 @@ optimizer keeps its own master copy so ZeRO-1 can shard it).
 --data-parallel-sharding-strategy splits more of it over d DP ranks (`state_bytes`, bf16):
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
-18/d plus one gathered unit (the largest of a layer, the embedding, the head) in bf16. The
+18/d between steps, plus gathered units during the step (the largest of a layer, the
+embedding, the head, in bf16: counted in the activation peak, running + prefetched). The
 textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
 
 Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
@@ -211,19 +212,19 @@ SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """--data-parallel-sharding-strategy values; index = ZeRO stage."""
 
 
-def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool, unit_params: int = 0,
+def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
                 full_grad_accumulator: bool = False) -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them.
 
-    Sharded parts are ceil(n/dp) elements (bucket padding aside). ZeRO-3's parameters add
-    `unit_params` elements for the unit gathered at a time; ZeRO-2 with
+    Sharded parts are ceil(n/dp) elements (bucket padding aside); ZeRO-3's gathered units
+    come and go within the step (`gathered_unit_bytes`). ZeRO-2 with
     --sharded-grad-accumulation full-buffer adds a full-size accumulator in the parameter
     dtype (bucket tensors in flight are not counted, as for the other strategies).
     """
     stage = SHARDING.index(sharding)
     pb, gb, ob = STATE_BYTES[bf16]
     owned = math.ceil(num_params / dp) if stage >= 1 else num_params
-    params = owned * pb + unit_params * pb if stage >= 3 else num_params * pb
+    params = owned * pb if stage >= 3 else num_params * pb
     grads = owned * gb if stage >= 2 else num_params * gb
     if stage == 2 and full_grad_accumulator:
         grads += num_params * pb
@@ -245,6 +246,15 @@ def largest_unit_params(model: ModelConfig, tp: int) -> int:
     """ZeRO-3's largest gathered unit on one TP rank: a layer, the embedding or the head."""
     vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
     return max(layer_params(model, tp), vocab + model.hidden_size)
+
+
+ZERO3_UNITS_IN_FLIGHT = 2
+"""ZeRO-3 holds the running unit and the prefetched next one gathered at once."""
+
+
+def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
+    """ZeRO-3's gathered parameters at the peak: two of the largest unit."""
+    return ZERO3_UNITS_IN_FLIGHT * largest_unit_params(model, tp) * STATE_BYTES[bf16][0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,8 +451,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
     v_shape = spec.schedule == "zbv"
     n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
-    unit = largest_unit_params(model, spec.tp) if spec.sharding == "optim_grads_params" else 0
-    pb, gb, ob = state_bytes(n, spec.dp, spec.sharding, spec.act.bf16, unit,
+    pb, gb, ob = state_bytes(n, spec.dp, spec.sharding, spec.act.bf16,
                              spec.full_grad_accumulator and spec.microbatches > 1)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
@@ -458,6 +467,8 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     working = layer_activation_bytes(model, spec.act) + recompute_peak
     if holds_head:
         working += head_transient_bytes(model, spec.act)
+    if spec.sharding == "optim_grads_params":
+        working += gathered_unit_bytes(model, spec.tp, spec.act.bf16)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)

@@ -75,7 +75,7 @@ def test_dry_run_needs_no_process_group() -> None:
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_dry_run_bytes_per_strategy_match_the_formula(strategy: str, capsys) -> None:
     """Rank 0 of a DP=8 bf16 run on the meta device: the bytes its real tensors hold equal the
     planner's within 2%, and their sum per parameter is the strategy's formula (e.g. ZeRO-2

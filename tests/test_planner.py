@@ -224,17 +224,24 @@ def test_estimate_memory_follows_the_config_layout():
         assert est.in_flight == 2
 
 
-def test_zero3_holds_18_over_d_plus_one_gathered_unit():
+def test_zero3_holds_18_over_d_plus_gathered_units():
+    """Between steps 2 + 4 + 12 bytes over d; during the step two of the largest units
+    (running + prefetched) gathered in bf16, on top of the activations."""
     model = _tiny(num_layers=8)
-    cfg = Config(model=model, parallel=ParallelConfig(
-        tensor_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params"),
-        train=TrainConfig(micro_batch_size=2, global_batch_size=16, bf16=True))
-    est = estimate_memory(cfg, 16)
+
+    def estimate(sharding: str):
+        cfg = Config(model=model, parallel=ParallelConfig(
+            tensor_model_parallel_size=2, data_parallel_sharding_strategy=sharding),
+            train=TrainConfig(micro_batch_size=2, global_batch_size=16, bf16=True))
+        return estimate_memory(cfg, 16)
+
+    est, zero2 = estimate("optim_grads_params"), estimate("optim_grads")
     owned = math.ceil(stage_params(model, 2, 1, 0, 8) / 8)
     unit = largest_unit_params(model, 2)
     assert unit == max(layer_params(model, 2), model.padded_vocab_size(2) * 32 // 2 + 32)
     assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (
-        2 * owned + 2 * unit, 4 * owned, 12 * owned)
+        2 * owned, 4 * owned, 12 * owned)
+    assert est.activation_bytes - zero2.activation_bytes == 2 * 2 * unit
 
 
 def test_8b_on_256_gpus_sharding_arithmetic():

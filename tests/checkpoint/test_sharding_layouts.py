@@ -2,7 +2,8 @@
 
 One 4-rank spawn. ZeRO-2 at DP=4 is interrupted at iteration 3 and resumed (bit-identical
 to the uninterrupted run), and its iteration 3 is loaded into ZeRO-1 at TP=2 x DP=2 and into
-plain DP at DP=4; the plain run's own iteration 3 goes back into ZeRO-2 at TP=2 x DP=2. Every
+plain DP and ZeRO-3 at DP=4; the plain run's iteration 3 goes into ZeRO-2 at TP=2 x DP=2 (ZeRO-3
+as a source: tests/optim/test_zero3_end_to_end.py). Every
 load is saved at once (no step) and must hold the source's full weights and optimizer state
 bit for bit; training then follows the source's continued run (TP changes rounding: 1e-5).
 """
@@ -22,10 +23,11 @@ LAYOUTS = {
     "dp4-no_shard": ([STRATEGY, "no_shard"], 1),
     "tp2dp2-optim": (["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 2),
     "tp2dp2-optim_grads": ([STRATEGY, "optim_grads", "--tensor-model-parallel-size", "2"], 2),
+    "dp4-optim_grads_params": ([STRATEGY, "optim_grads_params"], 1),
 }
 """name -> (flags, tp)."""
 RESHARDS = [("dp4-optim_grads", "tp2dp2-optim"), ("dp4-optim_grads", "dp4-no_shard"),
-            ("dp4-no_shard", "tp2dp2-optim_grads")]
+            ("dp4-no_shard", "tp2dp2-optim_grads"), ("dp4-optim_grads", "dp4-optim_grads_params")]
 SOURCES = ("dp4-optim_grads", "dp4-no_shard")
 
 
