@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import train
 from tests.distributed import run_ranks
 
@@ -103,3 +103,15 @@ def test_checkpoint_holds_shards_only(resumed) -> None:
     """One optimizer file per DP rank (the shards); the model file carries only the layout."""
     assert [f for f in resumed["files"] if f.startswith("optim_")] == [
         f"optim_tp0_pp0_dp{d}.safetensors" for d in range(4)]
+
+
+def test_untied_output_layer_matches_single_process(tmp_path) -> None:
+    """Untied head (its own unit; the embedding is freed right after its forward) with full
+    recomputation, through the training loop at DP=2 vs one process."""
+    flags = [*FLAGS, "--train-iters", "6", "--untie-embeddings-and-output-weights",
+             "--recompute-granularity", "full"]
+    single = train(parse_config(flags), single_process_state()).losses
+    zero3 = run_ranks(_runs, 2, tmp_path, timeout=240, runs=[[*flags, *ZERO3]])
+    for rank in zero3:
+        assert len(rank[0]) == len(single) == 6
+        assert all(_rel(a, b) <= 1e-5 for a, b in zip(rank[0], single)), (rank[0], single)
