@@ -3,7 +3,8 @@
 For each DP size (default 2 and 4, one spawn each) every rank builds one model + optimizer
 per strategy and runs full training steps round-robin over them, so machine noise hits all
 alike; the median step time of each is compared with no_shard's. Memory: the states each
-optimizer keeps (`Optimizer.memory()` plus the parameters), and the peak of one whole step
+optimizer keeps between steps (`Optimizer.memory()` plus its parameter storage, ZeRO-3's
+shards), and the peak of one whole step
 (model, optimizer and every tensor allocated in the step, including the gradient buckets in
 flight), counted by `memory.LiveBytes` while that first step runs (untimed: counting slows
 every op). Bytes are what the DP collectives sent per step (ring volume, `comms.Traffic`).
@@ -120,7 +121,7 @@ def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
                 times[name].append(elapsed)
     for name, (_, _, opt, peak) in setups.items():
         mem = opt.memory()
-        param_bytes = sum(p.numel() * p.element_size() for p in opt.params)
+        param_bytes = sum(t.numel() * t.element_size() for t in opt.param_tensors())
         out[name] = {"step_s": statistics.median(times[name]), "params": mem.local_params,
                      "state_bytes": param_bytes + mem.grad_buffer_bytes + mem.state_bytes,
                      "peak_bytes": peak, "dp_bytes": opt.traffic.total_bytes,
