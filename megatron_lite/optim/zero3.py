@@ -4,12 +4,12 @@ Every rank keeps only its 1/dp slice of each bucket of the parameter buffer (the
 ZeRO-1 updates), so between uses a model chunk holds 2/dp bytes per bf16 parameter; with the
 sharded gradient and optimizer state that is 18/dp bytes per parameter (2 + 4 + 12).
 
-The model says how it is cut into units (`ShardedModel.sharding_units`: the embedding, each
-transformer layer, the head); each unit's parameters form their own buckets (a bucket never
-spans two units). A unit is materialised by all-gathering its buckets into full-size bucket
-tensors that its parameters' `.data` permanently view; freeing resizes those storages to zero
-bytes, so the parameters keep their identity (autograd's saved references to the weights, the
-optimizer's hooks) and only the bytes come and go. Per micro-batch:
+Each model chunk says how it is cut into units (its `sharding_units()`, e.g. LlamaChunk's:
+the embedding, each transformer layer, the head); each unit's parameters form their own
+buckets (a bucket never spans two units). A unit is materialised by all-gathering its
+buckets into full-size bucket tensors that its parameters' `.data` permanently view; freeing
+resizes those storages to zero bytes, so the parameters keep their identity (autograd's saved
+references to the weights, the optimizer's hooks) and only the bytes come and go. Per micro-batch:
 
 - forward: a pre-hook on the unit's first module waits for its gather (or runs it) and starts
   the next unit's gather asynchronously; a post-hook on its last module frees every unit whose
@@ -186,7 +186,7 @@ def _in_backward() -> bool:
 
 
 class FullyShardedParams:
-    """Gathers, frees and reduces the units of one rank's model chunks (see module doc)."""
+    """Gathers and frees the units of one rank's model chunks (see the module docstring)."""
 
     def __init__(self, chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
                  slot: Sequence[BucketKey], buffers: Sequence[ShardedParamBuffer],
@@ -204,10 +204,10 @@ class FullyShardedParams:
             reads = {owner[id(p)] for m in mods for p in m.parameters() if id(p) in index}
             self.units.append(Unit(mods, sorted({self.slot[i] for i in mine}),
                                    [u, *sorted(reads - {u})], mine))
-        for i in range(len(self.params)):
-            if not any(i in unit.params for unit in self.units):
-                raise ValueError(f"parameter {i} belongs to no ZeRO-3 unit")
         self._unit_of = {i: u for u, unit in enumerate(self.units) for i in unit.params}
+        if len(self._unit_of) != len(self.params):
+            raise ValueError("some trainable parameters belong to no module of any ZeRO-3 "
+                             "unit (`sharding_units()` must cover the whole chunk)")
         last_use: dict[int, int] = {}
         for u, unit in enumerate(self.units):
             for v in unit.uses:
@@ -221,6 +221,9 @@ class FullyShardedParams:
         """Parameters whose gradient of the running backward pass is in."""
         self.peak_gathered_bytes = 0
         """The most bytes of full-size parameter buckets held at once so far."""
+        self.blocking_gathers = 0
+        """Gathers not prefetched (the compute waited for all of it) so far: per micro-batch
+        the first unit's forward and the last unit's backward (with what it reads) only."""
         self.hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             self.hooks.append(unit.modules[0].register_forward_pre_hook(
@@ -233,6 +236,7 @@ class FullyShardedParams:
     # ---- gather / free ---------------------------------------------------------------------
 
     def _start_gather(self, u: int, async_op: bool) -> None:
+        self.blocking_gathers += not async_op
         works = []
         for key in self.units[u].keys:
             buffer = self.buffers[key[0]]

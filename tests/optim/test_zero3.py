@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_lite.arguments import parse_config
+from megatron_lite.dry_run import run_rank
 from megatron_lite.layers import tags
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count, reduce_loss
 from tests.distributed import run_ranks
 from tests.optim.common import (
@@ -72,6 +74,7 @@ def _train(pstate: ParallelState, cfg, steps: int = STEPS, grads: bool = False) 
                     for p in opt.params}
         out["idle_param_bytes"] = sum(storages.values())
         out["peak_gathered"] = opt.fsdp.peak_gathered_bytes
+        out["blocking_gathers"] = opt.fsdp.blocking_gathers
         out["unit_bytes"] = [sum(opt.buffers[b].full[k].numel() * opt.buffers[b].full[k]
                                  .element_size() for b, k in unit.keys)
                              for unit in opt.fsdp.units]
@@ -156,6 +159,15 @@ def test_recompute_composes(dp2, granularity: str) -> None:
         assert_same_params(run["params"], ref["params"], tol=1e-5)
         # recomputation re-runs forwards inside backward, but gathers nothing extra
         assert run["bytes"] == rank["zero3"]["bytes"]
+        assert run["blocking_gathers"] == rank["zero3"]["blocking_gathers"]
+
+
+def test_gathers_are_prefetched(dp2) -> None:
+    """Only the embedding's forward and the head's backward wait for a whole gather (the
+    head and the tied embedding it reads: 3 per micro-batch); every other unit's gather was
+    started one unit ahead (here 4 units, 2 micro-batches per rank)."""
+    for rank in dp2[1]:
+        assert rank["zero3"]["blocking_gathers"] == STEPS * 2 * 3
 
 
 def test_traffic_is_two_gathers_and_one_reduce_scatter(dp2) -> None:
@@ -225,3 +237,27 @@ def test_tp2_dp2_sequence_parallel(tmp_path) -> None:
 
 def _tp_suite(pstate: ParallelState, cfgs: dict) -> dict:
     return {name: _train(pstate, cfg) for name, cfg in cfgs.items()}
+
+
+def test_dry_run_on_meta() -> None:
+    """The meta-device rank dry run: shards only between steps, and on the DP group the
+    step's collectives are per unit and micro-batch two bf16 gathers and one fp32 scatter."""
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--vocab-size", "256", "--micro-batch-size", "1",
+             "--global-batch-size", "8", "--bf16", "--dry-run", *[
+                 "--data-parallel-sharding-strategy", "optim_grads_params"]]
+    cfg = parse_config(flags)
+    result = run_rank(cfg, 4, 1)
+    params = sum(p.numel() for p in build_model(cfg, single_process_state())[0].parameters())
+    assert result.params_bytes == pytest.approx(2 * params / 4, rel=0.02)
+    assert result.grads_bytes == 2 * result.params_bytes  # fp32 gradient shard
+    assert result.optimizer_bytes == 6 * result.params_bytes
+    dp_group = tuple(range(4))
+    ops = [op for op in result.ops if op.group == dp_group and op.op != "all_reduce"]
+    units, microbatches = 4, 2
+    gathers = [op for op in ops if op.op == "all_gather"]
+    scatters = [op for op in ops if op.op == "reduce_scatter"]
+    assert len(gathers) == 2 * units * microbatches and {op.dtype for op in gathers} == {
+        "bfloat16"}
+    assert len(scatters) == units * microbatches and {op.dtype for op in scatters} == {
+        "float32"}
