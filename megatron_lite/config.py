@@ -78,6 +78,10 @@ class ModelConfig:
         return multiple * math.ceil(self.vocab_size / multiple)
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""--data-parallel-sharding-strategy values (Megatron-FSDP's names), least to most sharded."""
+
+
 @dataclass
 class ParallelConfig:
     """How ranks are laid out: world = pp x dp x cp x tp, tp innermost."""
@@ -104,7 +108,24 @@ class ParallelConfig:
     """Context-parallel size c: ranks that split every sequence into 2c chunks (rank i holds
     chunks i and 2c-1-i, which balances causal work) and pass K/V around a ring."""
     use_distributed_optimizer: bool = False
-    """ZeRO-1: shard fp32 master weights and Adam state over data-parallel ranks."""
+    """ZeRO-1: shard fp32 master weights and Adam state over data-parallel ranks (the same as
+    --data-parallel-sharding-strategy optim; set by every sharding strategy but no_shard)."""
+    data_parallel_sharding_strategy: str | None = field(
+        default=None, metadata={"choices": list(SHARDING_STRATEGIES)})
+    """What is split over data-parallel ranks: no_shard (nothing), optim (ZeRO-1: fp32 master
+    weights and Adam state), optim_grads (ZeRO-2: also the gradients, reduce-scattered bucket
+    by bucket during backward), optim_grads_params (ZeRO-3: also the parameters, gathered per
+    layer); default optim with --use-distributed-optimizer, optim_grads_params with
+    --use-megatron-fsdp (Megatron-FSDP's default), else no_shard."""
+    sharded_grad_accumulation: str = field(
+        default="reduce-scatter", metadata={"choices": ["reduce-scatter", "full-buffer"]})
+    """How optim_grads accumulates micro-batches: reduce-scatter every micro-batch's buckets
+    into the fp32 shard (no full-size gradient; gradient traffic x micro-batches), or add
+    them into a full-size buffer in the parameter dtype and reduce-scatter once per step
+    (ZeRO-1's traffic; 2 more bytes per parameter under --bf16)."""
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP's switch: sharding follows --data-parallel-sharding-strategy, whose
+    default it makes optim_grads_params."""
     overlap_grad_reduce: bool = False
     """Start each gradient bucket's reduction as soon as its gradients are ready."""
     overlap_param_gather: bool = False
@@ -130,6 +151,26 @@ class ParallelConfig:
                      "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
+        strategy = self.data_parallel_sharding_strategy
+        if strategy == "no_shard" and self.use_distributed_optimizer:
+            raise ConfigError("--use-distributed-optimizer shards the optimizer but "
+                              "--data-parallel-sharding-strategy no_shard shards nothing; "
+                              "drop one of them")
+        if strategy is None:
+            strategy = ("optim_grads_params" if self.use_megatron_fsdp else
+                        "optim" if self.use_distributed_optimizer else "no_shard")
+        self.data_parallel_sharding_strategy = strategy
+        self.use_distributed_optimizer = strategy != "no_shard"
+
+    @property
+    def shard_grads(self) -> bool:
+        """ZeRO-2 and 3: each rank keeps only its shard of the reduced gradient."""
+        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shard_params(self) -> bool:
+        """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
+        return self.data_parallel_sharding_strategy == "optim_grads_params"
 
 
 @dataclass
@@ -664,6 +705,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
         errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
                       "all-gather; add --use-distributed-optimizer or drop it")
+    errors += _sharding_errors(parallel, train.compile)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -683,6 +725,22 @@ def _context_parallel_errors(cfg: Config) -> list[str]:
                       f"({seq}) divisible by 2 x {cp} x --tensor-model-parallel-size {tp} = "
                       f"{unit}; use --seq-length {unit * math.ceil(seq / unit)}")
     return errors
+
+
+def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
+    pp = parallel.pipeline_model_parallel_size
+    if parallel.shard_params and compile_:
+        return ["--data-parallel-sharding-strategy optim_grads_params with --compile is not "
+                "supported: ZeRO-3's hooks gather and free each layer's weights around its "
+                "forward, which a compiled layer would trace into its graph; drop --compile "
+                "or use optim_grads"]
+    if parallel.shard_params and pp > 1:
+        return ["--data-parallel-sharding-strategy optim_grads_params with "
+                f"--pipeline-model-parallel-size {pp} is not supported: every stage would "
+                "gather each layer's parameters again for every micro-batch (2 all-gathers "
+                "per layer per micro-batch instead of per step); use optim_grads with "
+                "pipeline parallelism"]
+    return []
 
 
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:

@@ -90,8 +90,8 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
                 loader, _ = build_data_loaders(_mock_config(cfg), pstate.dp_rank, pstate.dp_size,
                                                cp_rank=pstate.cp_rank)
                 runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
-                params = live.bytes_of([p for c in chunks for p in c.parameters()])
-                grads = live.bytes_of([b.grad for b in optimizer.buffers])
+                params = live.bytes_of(optimizer.param_tensors())
+                grads = live.bytes_of(optimizer.grad_tensors())
                 states = live.bytes_of([t for s in optimizer.shards
                                         for t in (s.master, s.exp_avg, s.exp_avg_sq)])
                 before = live.reset_peak()

@@ -21,7 +21,7 @@ from megatron_lite.config import Config, validate
 from megatron_lite.data.loader import context_parallel_index
 from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
 from megatron_lite.pipeline.partition import config_partition, stage_chunks
-from megatron_lite.planner import estimate_memory, stage_params
+from megatron_lite.planner import estimate_memory, sharding_formula, stage_params
 
 GIB = 2**30
 
@@ -131,7 +131,8 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     chunk that starts mid-model), so it needs no pipeline communication; TP and CP ranks run
     it together because the layers' collectives (and the CP ring) are inside.
     """
-    owned = {t.untyped_storage().data_ptr() for c in chunks
+    # by storage identity: a ZeRO-3 weight's bytes (and address) come and go with its gathers
+    owned = {t.untyped_storage()._cdata for c in chunks
              for t in [*c.parameters(), *c.buffers()]}
     # storage address -> one tensor on it, alive until counted so that no address repeats
     saved: dict[int, Tensor] = {}
@@ -141,9 +142,9 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
         # reference cycle through C++ that Python's collector cannot free, so the
         # micro-batch's activations (and the process groups its nodes name) would otherwise
         # live until the process exits.
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in owned:
-            saved.setdefault(ptr, t)
+        storage = t.untyped_storage()
+        if storage._cdata not in owned:
+            saved.setdefault(storage.data_ptr(), t)
 
     def unpack(_: None) -> Tensor:
         raise RuntimeError("the memory-measurement forward has no backward")
@@ -164,18 +165,35 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
     return total
 
 
+def sharding_summary(cfg: Config, dp: int, params: int, state_bytes: float | None = None
+                     ) -> str:
+    """The DP sharding strategy's bytes-per-parameter formula at this DP size, and (given the
+    states' bytes) the B/param measured on this rank beside it."""
+    strategy = cfg.parallel.data_parallel_sharding_strategy
+    form, per_param = sharding_formula(strategy, dp, cfg.train.bf16)
+    line = (f"sharding {strategy} over d={dp}: {form} = {per_param:.3f} B/param x "
+            f"{params:,} = {fmt_bytes(per_param * params)}")
+    if state_bytes is not None:
+        line += f"; measured {state_bytes / max(1, params):.3f} B/param"
+    return line
+
+
 def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
-                  optimizer_bytes: int, grad_bytes: int) -> str:
-    """Measured state and activation bytes of this rank next to the planner's estimate."""
-    params = {id(p): p for c in chunks for p in c.parameters()}
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+                  optimizer_bytes: int, grad_bytes: int, param_bytes: int | None = None) -> str:
+    """Measured state and activation bytes of this rank next to the planner's estimate;
+    `param_bytes` is what the optimizer keeps (ZeRO-3: the shards), default the model's."""
+    if param_bytes is None:
+        params = {id(p): p for c in chunks for p in c.parameters()}
+        param_bytes = sum(p.numel() * p.element_size() for p in params.values())
     est = estimate_memory(cfg, pstate.world_size, stage=pstate.pp_rank,
                           fused_kernels=chunks[0].layers[0].attention.use_triton
                           if len(chunks[0].layers) else False, device_type=pstate.device.type)
     lines = [f"memory (rank {pstate.rank}, stage {pstate.pp_rank}): measured | planner",
              f"  parameters  {fmt_bytes(param_bytes)} | {fmt_bytes(est.param_bytes)}",
              f"  gradients   {fmt_bytes(grad_bytes)} | {fmt_bytes(est.grad_bytes)}",
-             f"  optimizer   {fmt_bytes(optimizer_bytes)} | {fmt_bytes(est.optimizer_bytes)}"]
+             f"  optimizer   {fmt_bytes(optimizer_bytes)} | {fmt_bytes(est.optimizer_bytes)}",
+             "  " + sharding_summary(cfg, pstate.dp_size, est.params,
+                                     param_bytes + grad_bytes + optimizer_bytes)]
     if pstate.device.type == "cpu":
         saved = measure_saved_bytes(chunks, cfg, pstate)
         ratio = est.activation_bytes_per_microbatch / saved if saved else float("nan")
@@ -211,4 +229,5 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
         lines.append(f"  stage {stage}: {chunks} | {params:,} params per rank | states "
                      f"{fmt_bytes(est.state_bytes)} + activations "
                      f"{fmt_bytes(est.activation_bytes)} = {fmt_bytes(est.total_bytes)}")
+        lines.append("    " + sharding_summary(cfg, world_size // (tp * pp), params))
     return "\n".join(lines)

@@ -4,7 +4,7 @@ Pure arithmetic (imports only `megatron_lite.config`). Three users:
 - `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
   per-rank bytes of the layout in a `Config`;
 - `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x schedule (1F1B, interleaved
-  v, ZB-H1, ZBV) x DP x micro-batch x ZeRO-1 x recompute, predicts memory and step time for
+  v, ZB-H1, ZBV) x DP x micro-batch x DP sharding x recompute, predicts memory and step time for
   each and ranks them;
 - `metrics.py` takes its FLOPs per token from `training_flops_per_token`, so the training log's
   MFU and the planner's are the same number for the same run.
@@ -23,9 +23,12 @@ Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf1
 params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
 runs hold fp32 params (4), fp32 grads (4) and a separate fp32 master + m + v (12) = 20 (the
 optimizer keeps its own master copy so ZeRO-1 can shard it).
-ZeRO-1 (`--use-distributed-optimizer`) splits master + m + v over DP, padded to a multiple of
-dp, so bf16 costs 6 + 12/dp. The textbook ZeRO stages (16 bytes/param, Rajbhandari et al.
-2019) are `zero_state_bytes`.
+--data-parallel-sharding-strategy splits more of it over d DP ranks (`state_bytes`, bf16):
+optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
+(ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
+18/d between steps, plus gathered units during the step (the largest of a layer, the
+embedding, the head, in bf16: counted in the activation peak, running + prefetched). The
+textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
 
 Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
 saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py).
@@ -205,11 +208,53 @@ def zero_state_bytes(num_params: float, dp: int, stage: int, param_bytes: float 
     return num_params * (param_bytes + grad_bytes + optim_bytes)
 
 
-def state_bytes(num_params: int, dp: int, zero1: bool, bf16: bool) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them."""
+SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""--data-parallel-sharding-strategy values; index = ZeRO stage."""
+
+
+def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
+                full_grad_accumulator: bool = False) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them.
+
+    Sharded parts are ceil(n/dp) elements (bucket padding aside); ZeRO-3's gathered units
+    come and go within the step (`gathered_unit_bytes`). ZeRO-2 with
+    --sharded-grad-accumulation full-buffer adds a full-size accumulator in the parameter
+    dtype (bucket tensors in flight are not counted, as for the other strategies).
+    """
+    stage = SHARDING.index(sharding)
     pb, gb, ob = STATE_BYTES[bf16]
-    owned = math.ceil(num_params / dp) if zero1 else num_params
-    return num_params * pb, num_params * gb, owned * ob
+    owned = math.ceil(num_params / dp) if stage >= 1 else num_params
+    params = owned * pb if stage >= 3 else num_params * pb
+    grads = owned * gb if stage >= 2 else num_params * gb
+    if stage == 2 and full_grad_accumulator:
+        grads += num_params * pb
+    return params, grads, owned * ob
+
+
+def sharding_formula(sharding: str, dp: int, bf16: bool = True) -> tuple[str, float]:
+    """The issue's bytes-per-parameter formula of a strategy and its value at `dp` (the
+    gathered ZeRO-3 unit is not in it), e.g. ("2 + 16/d", 2.25) for optim_grads at d = 64."""
+    pb, gb, ob = STATE_BYTES[bf16]
+    forms = {"no_shard": (f"{pb} + {gb} + {ob}", pb + gb + ob),
+             "optim": (f"{pb} + {gb} + {ob}/d", pb + gb + ob / dp),
+             "optim_grads": (f"{pb} + {gb + ob}/d", pb + (gb + ob) / dp),
+             "optim_grads_params": (f"{pb + gb + ob}/d + unit", (pb + gb + ob) / dp)}
+    return forms[sharding]
+
+
+def largest_unit_params(model: ModelConfig, tp: int) -> int:
+    """ZeRO-3's largest gathered unit on one TP rank: a layer, the embedding or the head."""
+    vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
+    return max(layer_params(model, tp), vocab + model.hidden_size)
+
+
+ZERO3_UNITS_IN_FLIGHT = 2
+"""ZeRO-3 holds the running unit and the prefetched next one gathered at once."""
+
+
+def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
+    """ZeRO-3's gathered parameters at the peak: two of the largest unit."""
+    return ZERO3_UNITS_IN_FLIGHT * largest_unit_params(model, tp) * STATE_BYTES[bf16][0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,19 +447,23 @@ class StageSpec:
     """Data-parallel size (ZeRO-1 shards over dp x act.cp)."""
     chunks: int
     microbatches: int
-    zero1: bool
+    sharding: str
+    """--data-parallel-sharding-strategy."""
     recompute: Recompute
     act: ActivationSetup
     schedule: str | None = None
     """--pipeline-schedule (None: 1F1B or interleaved by `chunks`); ZBV holds the head on
     stage 0."""
+    full_grad_accumulator: bool = False
+    """--sharded-grad-accumulation full-buffer (ZeRO-2 only)."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
     v_shape = spec.schedule == "zbv"
     n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
-    pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.zero1, spec.act.bf16)
+    pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
+                             spec.full_grad_accumulator and spec.microbatches > 1)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     holds_head = stage == (0 if v_shape else spec.pp - 1)
@@ -429,6 +478,8 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     working = layer_activation_bytes(model, spec.act) + recompute_peak
     if holds_head:
         working += head_transient_bytes(model, spec.act)
+    if spec.sharding == "optim_grads_params":
+        working += gathered_unit_bytes(model, spec.tp, spec.act.bf16)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)
@@ -467,7 +518,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                           cp=cp)
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
-                     parallel.use_distributed_optimizer, _recompute_from(cfg), act, schedule)
+                     parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
+                     parallel.sharded_grad_accumulation == "full-buffer")
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]
@@ -514,7 +566,8 @@ class Layout:
     chunks: int
     """Virtual pipeline chunks per stage v (1 = plain 1F1B)."""
     micro_batch: int
-    zero1: bool
+    sharding: str
+    """--data-parallel-sharding-strategy (`SHARDING`)."""
     recompute: Recompute
     sequence_parallel: bool
     schedule: str | None = None
@@ -526,6 +579,10 @@ class Layout:
     def schedule_name(self) -> str:
         """The --pipeline-schedule this layout runs."""
         return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
+
+    @property
+    def zero_stage(self) -> int:
+        return SHARDING.index(self.sharding)
 
 
 @dataclass(frozen=True)
@@ -636,20 +693,28 @@ def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage:
     return compute, tp_comm, p2p
 
 
-def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float) -> tuple[float, float]:
-    """(exposed DP communication, optimizer step) seconds; grads reduced in fp32."""
+def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatches: int
+             ) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds; grads reduced in fp32.
+
+    ZeRO-2 reduce-scatters every micro-batch (its default accumulation), hidden behind each
+    micro-batch's backward; ZeRO-3 also all-gathers the bf16 parameters twice per
+    micro-batch (forward, backward), hidden behind the whole micro-batch.
+    """
     lat = c.latency_us * 1e-6
-    replicas = lay.dp * lay.cp  # gradients are reduced (and ZeRO-1 shards) over DP x CP
+    replicas = lay.dp * lay.cp  # gradients are reduced (and sharded) over DP x CP
     bw = c.intra_node_gbps if lay.tp * replicas <= c.gpus_per_node else c.inter_node_gbps
-    if lay.zero1:
-        grads = _ring_s(4 * n_params, replicas, bw, lat, 1)
-        params = _ring_s(2 * n_params, replicas, bw, lat, 1)
-    else:
+    zero, m = lay.zero_stage, microbatches
+    if zero == 0:
         grads, params = _ring_s(4 * n_params, replicas, bw, lat, 2), 0.0
+    else:
+        grads = _ring_s(4 * n_params, replicas, bw, lat, 1) * (m if zero >= 2 else 1)
+        params = _ring_s(2 * n_params, replicas, bw, lat, 1) * (2 * m if zero == 3 else 1)
     if c.dp_overlap:
-        grads = max(0.0, grads - 2 / 3 * stage_s)
-        params = max(0.0, params - 1 / 3 * stage_s)
-    owned = n_params / replicas if lay.zero1 else n_params
+        hide = m * stage_s if zero >= 2 else stage_s
+        grads = max(0.0, grads - 2 / 3 * hide)
+        params = max(0.0, params - (hide if zero == 3 else 1 / 3 * stage_s))
+    owned = n_params / replicas if zero else n_params
     # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
     optimizer = 34 * owned / (c.hbm_gbps * 1e9)
     return grads + params, optimizer
@@ -660,7 +725,7 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
     mbs = global_batch // (lay.dp * lay.micro_batch)
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp)
-    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.zero1, lay.recompute, act,
+    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
                      lay.schedule)
     per_stage = model.num_layers // lay.pp
     mems = [stage_memory(model, spec, i, per_stage) for i in range(lay.pp)]
@@ -670,7 +735,7 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     stage_s = compute + tp_comm + p2p
     bubble = bubble_time(lay.pp, stage_s, lay.chunks, lay.schedule_name,
                          pipeline_op_costs(model, lay.tp))
-    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s)
+    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s, mbs)
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
     flops = training_flops_per_token(ModelShape.from_config(model, lay.tp), model.seq_length)
@@ -694,7 +759,8 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
 
     TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
     layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
-    micro-batches m >= pp; ZeRO-1 only with dp > 1; SP always on with TP (same traffic, less
+    micro-batches m >= pp; every sharding strategy with dp x cp > 1 (optim_grads_params only
+    with pp = 1, as the run refuses it with PP); SP always on with TP (same traffic, less
     memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
     layers. CP (a power of two) only for long sequences: each rank keeps at least 8192 tokens
     (so seq 8192 never splits), and 2·cp·tp divides the sequence.
@@ -722,8 +788,9 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
                 n_mb = global_batch // (dp * mb)
                 if n_mb < pp or (v > 1 and schedule is None and n_mb % pp):
                     continue
-                for zero1 in ([False, True] if dp * cp > 1 else [False]):
-                    out.append(Layout(tp, pp, dp, v, mb, zero1, Recompute(), tp > 1,
+                shardings = SHARDING[:4 if pp == 1 else 3] if dp * cp > 1 else SHARDING[:1]
+                for sharding in shardings:
+                    out.append(Layout(tp, pp, dp, v, mb, sharding, Recompute(), tp > 1,
                                       schedule, cp))
     return out
 
@@ -776,8 +843,10 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
                   model.num_layers // (lay.pp * lay.chunks)]
     if lay.sequence_parallel:
         flags.append("--sequence-parallel")
-    if lay.zero1:
+    if lay.sharding == "optim":
         flags.append("--use-distributed-optimizer")
+    elif lay.sharding != "no_shard":
+        flags += ["--data-parallel-sharding-strategy", lay.sharding]
     flags += lay.recompute.flags()
     return [str(f) for f in flags]
 

@@ -622,6 +622,7 @@ def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                optimizer: Optimizer) -> None:
     """Rank 0: bytes held by parameters, gradients and optimizer, measured vs planned."""
     report = optimizer.memory()
-    text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes)
+    text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes,
+                         sum(t.numel() * t.element_size() for t in optimizer.param_tensors()))
     if pstate.rank == 0:
         print(report.describe() + "\n" + text, flush=True)

@@ -31,6 +31,7 @@ from megatron_lite.pipeline.schedule import build_schedule, schedule_chunks
 from megatron_lite.planner import (
     GIB,
     PRESETS,
+    SHARDING,
     Cluster,
     Plan,
     pipeline_op_costs,
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
     flt.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"])
-    flt.add_argument("--zero1", choices=["on", "off"])
+    flt.add_argument("--sharding", choices=list(SHARDING),
+                     help="--data-parallel-sharding-strategy (column ZeRO: its stage 0-3)")
     flt.add_argument("--recompute", choices=["none", "selective", "full"])
     ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
     pic = ap.add_argument_group("picture")
@@ -110,14 +112,14 @@ def _keep(args: argparse.Namespace):
             return False
         if args.schedule is not None and args.schedule != lay.schedule_name:
             return False
-        if args.zero1 is not None and (args.zero1 == "on") != lay.zero1:
+        if args.sharding is not None and args.sharding != lay.sharding:
             return False
         return args.recompute is None or args.recompute == lay.recompute.granularity
     return keep
 
 
 HEADER = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
-          f"{'m':>5} {'ZeRO1':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
+          f"{'m':>5} {'ZeRO':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
           f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
 
 
@@ -125,7 +127,7 @@ def row(i: int, plan: Plan, gpus: int) -> str:
     lay, mem = plan.layout, plan.memory
     return (f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.schedule_name:>11} {lay.chunks:>3} "
             f"{lay.dp:>5} {lay.micro_batch:>4} "
-            f"{plan.microbatches:>5} {'on' if lay.zero1 else 'off':>5} "
+            f"{plan.microbatches:>5} {lay.zero_stage:>5} "
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
             f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
             f"{plan.bubble_s / plan.step_s:>6.1%} {plan.tokens_per_s / gpus:>10,.0f} "
@@ -172,8 +174,8 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
 
 def schedule_ranking(plans: list[Plan], best: Plan) -> list[Plan]:
     """The best plan of each pipeline schedule among `plans` with `best`'s TP, PP, DP, micro-
-    batch and ZeRO-1 (plans come sorted, fitting and fastest first)."""
-    same = ("tp", "cp", "pp", "dp", "micro_batch", "zero1")
+    batch and sharding (plans come sorted, fitting and fastest first)."""
+    same = ("tp", "cp", "pp", "dp", "micro_batch", "sharding")
     ranked: dict[str, Plan] = {}
     for plan in plans:
         if all(getattr(plan.layout, k) == getattr(best.layout, k) for k in same):

@@ -27,6 +27,12 @@ CASES = [
     (["--seq-length", "128", "--max-position-embeddings", "64"], 1,
      ["--seq-length 128", "--max-position-embeddings 64"]),
     (["--overlap-param-gather"], 2, ["--overlap-param-gather", "--use-distributed-optimizer"]),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--pipeline-model-parallel-size",
+      "2", "--num-layers", "4"], 4,
+     ["--data-parallel-sharding-strategy optim_grads_params", "--pipeline-model-parallel-size 2",
+      "use optim_grads"]),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--compile"], 2,
+     ["optim_grads_params with --compile", "drop --compile"]),
 ]
 
 
@@ -54,3 +60,20 @@ def test_pretrain_rejects_before_process_groups(monkeypatch, capsys) -> None:
     assert rc == 2
     assert "world size 3 is not divisible" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("flags,strategy", [
+    ([], "no_shard"), (["--use-distributed-optimizer"], "optim"),
+    (["--use-megatron-fsdp"], "optim_grads_params"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], "optim_grads"),
+    (["--data-parallel-sharding-strategy", "optim_grads"], "optim_grads")])
+def test_sharding_strategy_and_its_aliases(flags: list[str], strategy: str) -> None:
+    parallel = parse_config(flags).parallel
+    assert parallel.data_parallel_sharding_strategy == strategy
+    assert parallel.use_distributed_optimizer == (strategy != "no_shard")
+
+
+def test_distributed_optimizer_contradicting_no_shard_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer"):
+        parse_config(["--use-distributed-optimizer", "--data-parallel-sharding-strategy",
+                      "no_shard"])

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
+from megatron_lite.dry_run import run_rank
 from megatron_lite.memory import dry_run_report, measure_saved_bytes
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.planner import estimate_memory
+from megatron_lite.planner import estimate_memory, sharding_formula, stage_params
 from megatron_lite.training import build_model
 from tests.distributed import run_ranks
 
@@ -26,6 +27,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 LAYOUTS = {
     "single-fp32": ([], 1, 1, 1),
     "dp2-zero1-bf16": (["--use-distributed-optimizer", "--bf16"], 2, 1, 1),
+    "dp2-zero2-bf16": (["--data-parallel-sharding-strategy", "optim_grads", "--bf16"], 2, 1, 1),
     "tp2-sp-pp2-untied": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
                            "--pipeline-model-parallel-size", "2",
                            "--untie-embeddings-and-output-weights"], 4, 2, 2),
@@ -71,3 +73,21 @@ def test_dry_run_needs_no_process_group() -> None:
     assert "world size 64 = pp 4 x dp 2 x tp 8" in text
     assert "stage 3: chunk 0: layers 6-7" in text
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_dry_run_bytes_per_strategy_match_the_formula(strategy: str, capsys) -> None:
+    """Rank 0 of a DP=8 bf16 run on the meta device: the bytes its real tensors hold equal the
+    planner's within 2%, and their sum per parameter is the strategy's formula (e.g. ZeRO-2
+    2 + 16/d = 4 B/param at d = 8) within 2%; the dry run prints the formula per stage."""
+    cfg = parse_config([*MODEL, "--bf16", "--data-parallel-sharding-strategy", strategy,
+                        "--global-batch-size", "16", "--hidden-size", "256",
+                        "--ffn-hidden-size", "512"])
+    r = run_rank(cfg, 8, 0)
+    measured = (r.params_bytes, r.grads_bytes, r.optimizer_bytes)
+    planned = (r.planner_params_bytes, r.planner_grads_bytes, r.planner_optimizer_bytes)
+    assert measured == pytest.approx(planned, rel=0.02)
+    n = stage_params(cfg.model, 1, 1, 0, 4)
+    assert sum(measured) / n == pytest.approx(sharding_formula(strategy, 8)[1], rel=0.02)
+    form = sharding_formula(strategy, 8)[0]
+    assert f"sharding {strategy} over d=8: {form}" in dry_run_report(cfg, 8)

@@ -20,6 +20,7 @@ from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
     GIB,
     PRESETS,
+    SHARDING,
     ActivationSetup,
     Cluster,
     Layout,
@@ -29,11 +30,15 @@ from megatron_lite.planner import (
     estimate_memory,
     evaluate,
     in_flight,
+    largest_unit_params,
     layer_activation_bytes,
+    layer_params,
     pretrain_flags,
     search,
+    sharding_formula,
     stage_layer_counts,
     stage_params,
+    state_bytes,
     total_params,
     training_flops_per_token,
     zero_state_bytes,
@@ -198,24 +203,82 @@ def test_in_flight_counts_and_interleaving_penalty():
 
 
 def test_estimate_memory_follows_the_config_layout():
-    """ZeRO-1 shards master + m + v over dp; bf16 is 2 + 4 + 12 bytes/param."""
+    """bf16 is 2 + 4 + 12 bytes/param; ZeRO-1 shards master + m + v over dp, ZeRO-2 also the
+    fp32 gradient (and the full-buffer accumulation adds a bf16 full-size gradient)."""
     model = _tiny(num_layers=8)
-    for zero1 in (False, True):
+    for sharding, accumulation in (("no_shard", None), ("optim", None), ("optim_grads", None),
+                                   ("optim_grads", "full-buffer")):
         cfg = Config(model=model,
                      parallel=ParallelConfig(tensor_model_parallel_size=2,
                                              pipeline_model_parallel_size=2,
-                                             use_distributed_optimizer=zero1),
+                                             data_parallel_sharding_strategy=sharding,
+                                             sharded_grad_accumulation=accumulation
+                                             or "reduce-scatter"),
                      train=TrainConfig(micro_batch_size=2, global_batch_size=16, bf16=True))
         est = estimate_memory(cfg, 16, stage=0)
-        n = stage_params(model, 2, 2, 0, 4)
+        n, owned = stage_params(model, 2, 2, 0, 4), math.ceil(stage_params(model, 2, 2, 0, 4) / 4)
         assert est.params == n
-        assert est.state_bytes == 2 * n + 4 * n + 12 * (math.ceil(n / 4) if zero1 else n)
+        grads = {"no_shard": 4 * n, "optim": 4 * n, "optim_grads": 4 * owned}[sharding]
+        grads += 2 * n if accumulation else 0
+        assert est.state_bytes == 2 * n + grads + 12 * (owned if sharding != "no_shard" else n)
         assert est.in_flight == 2
+
+
+def test_zero3_holds_18_over_d_plus_gathered_units():
+    """Between steps 2 + 4 + 12 bytes over d; during the step two of the largest units
+    (running + prefetched) gathered in bf16, on top of the activations."""
+    model = _tiny(num_layers=8)
+
+    def estimate(sharding: str):
+        cfg = Config(model=model, parallel=ParallelConfig(
+            tensor_model_parallel_size=2, data_parallel_sharding_strategy=sharding),
+            train=TrainConfig(micro_batch_size=2, global_batch_size=16, bf16=True))
+        return estimate_memory(cfg, 16)
+
+    est, zero2 = estimate("optim_grads_params"), estimate("optim_grads")
+    owned = math.ceil(stage_params(model, 2, 1, 0, 8) / 8)
+    unit = largest_unit_params(model, 2)
+    assert unit == max(layer_params(model, 2), model.padded_vocab_size(2) * 32 // 2 + 32)
+    assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (
+        2 * owned, 4 * owned, 12 * owned)
+    assert est.activation_bytes - zero2.activation_bytes == 2 * 2 * unit
+
+
+def test_8b_on_256_gpus_sharding_arithmetic():
+    """The issue's example: 8B parameters, textbook 2 + 2 + 8 bytes = 16 + 16 + 64 = 96 GB,
+    0.37 GB per GPU fully sharded over 256; ours at DP=64 (bf16 params, fp32 grads, fp32
+    master + Adam): ZeRO-1 2 + 4 + 12/64 = 6.19 B/param ~ 50 GB, ZeRO-2 2 + 16/64 = 2.25,
+    ZeRO-3 18/64 = 0.28 (plus one gathered unit)."""
+    n = 8_000_000_000
+    assert zero_state_bytes(n, 1, 0, 2, 2, 8) / 1e9 == 96
+    assert round(zero_state_bytes(n, 256, 3, 2, 2, 8) / 1e9, 2) == 0.38  # 0.375
+    per_param = {s: sum(state_bytes(n, 64, s, bf16=True)) / n for s in SHARDING}
+    assert per_param == pytest.approx({"no_shard": 18, "optim": 6.1875, "optim_grads": 2.25,
+                                       "optim_grads_params": 0.28125})
+    assert sum(state_bytes(n, 64, "optim", bf16=True)) / 1e9 == pytest.approx(49.5)
+    for s in SHARDING:
+        assert sharding_formula(s, 64)[1] == pytest.approx(per_param[s])
+    assert sharding_formula("optim_grads", 64)[0] == "2 + 16/d"
+    assert sharding_formula("optim", 64)[0] == "2 + 4 + 12/d"
+    assert sharding_formula("optim_grads_params", 64)[0] == "18/d + unit"
+
+
+def test_search_considers_every_sharding_strategy():
+    """8B at 8 x 40 GB: only ZeRO-2/3 leave room for activations at TP=1 (no sharding would
+    need 18 B/param = 144 GB); ZeRO-3 is never offered with PP."""
+    model = PRESETS["8B"][1]
+    plans = search(model, Cluster(gpus=8, gpu_memory_gib=40), 64, 1e9,
+                   keep=lambda lay: lay.tp == 1)
+    fitting = {p.layout.sharding for p in plans if p.fits and p.layout.pp == 1}
+    assert fitting and fitting <= {"optim_grads", "optim_grads_params"}
+    assert all(p.layout.sharding != "optim_grads_params" for p in plans if p.layout.pp > 1)
+    flags = pretrain_flags(model, next(p for p in plans if p.fits), 64)
+    assert parse_config(flags).parallel.data_parallel_sharding_strategy in fitting
 
 
 def test_70b_on_1024_h100_tp8_pp8_dp16():
     model = PRESETS["70B"][1]
-    lay = Layout(tp=8, pp=8, dp=16, chunks=1, micro_batch=1, zero1=True,
+    lay = Layout(tp=8, pp=8, dp=16, chunks=1, micro_batch=1, sharding="optim",
                  recompute=Recompute(), sequence_parallel=True)
     plan = evaluate(model, lay, Cluster(gpus=1024), 512, 15e12)
     assert plan.fits, plan.reason
@@ -236,7 +299,7 @@ def test_plan_flops_are_the_shared_count_at_the_layout_tp():
     model = PRESETS["8B"][1]
     cluster = Cluster(gpus=8)
     for tp in (1, 8):
-        lay = Layout(tp=tp, pp=1, dp=8 // tp, chunks=1, micro_batch=1, zero1=True,
+        lay = Layout(tp=tp, pp=1, dp=8 // tp, chunks=1, micro_batch=1, sharding="optim",
                      recompute=Recompute(), sequence_parallel=tp > 1)
         plan = evaluate(model, lay, cluster, 64, 1e9)
         shape = ModelShape.from_config(model, tp)

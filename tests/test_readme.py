@@ -113,6 +113,7 @@ COMMANDS: dict[str, Cheap] = {
     'python bench/shakespeare.py --steps 20 --repeats 6 --threads 1 --settings "reference fp32 '
     'eager" "ours fp32 eager" "ours bf16 eager" "ours bf16 compiled"': HELP,
     "python bench/zero1.py --steps 20": HELP,
+    "python bench/sharding.py --dp 2 4 --steps 10": HELP,
     "python bench/pipeline_bubble.py": HELP,
     "python bench/preprocess.py --mb 20 --repeats 3": HELP,
     "python bench/index_build.py": HELP,

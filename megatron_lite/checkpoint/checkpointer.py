@@ -217,7 +217,8 @@ class Checkpointer:
             weights, splits = {}, {}
             for name, local, param in model_parameters(self.chunks, self.tied):
                 if not is_tied_copy(local, self.tied):
-                    weights[name] = param.detach()
+                    if not self.optimizer.shard_params:  # ZeRO-3: the masters are the weights
+                        weights[name] = param.detach()
                     splits[name] = tags.tp_split(param)
             file = ckpt_files.model_file(pstate.tp_rank, pstate.pp_rank)
             weight_meta = {"tp_split": splits, "tp_rank": pstate.tp_rank,
@@ -248,7 +249,8 @@ class Checkpointer:
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
                        "dp": pstate.dp_size, "cp": parallel.context_parallel_size,
                        "virtual_chunks": len(self.partition[0]),
-                       "use_distributed_optimizer": parallel.use_distributed_optimizer},
+                       "use_distributed_optimizer": parallel.use_distributed_optimizer,
+                       "weights_in_optimizer": self.optimizer.shard_params},
             "partition": self.partition,
             "seed": self.cfg.train.seed,
             "versions": {"torch": torch.__version__, "numpy": np.__version__,
@@ -461,7 +463,8 @@ class Checkpointer:
                 tensor = reader.local_weight(name, tp_rank)
             if tensor is None or tensor.shape != param.shape:
                 tensor = local_slice(reader.full_weight(name), param, pstate)
-            param.copy_(tensor)
+            self.optimizer.set_param(param, tensor)
+        self.optimizer.reload_model_params()  # masters = the loaded weights
 
     def _load_optimizer(self, reader: CheckpointReader) -> None:
         """Read into host tensors, then `load_state_dict` copies them into the live buffers:

@@ -87,6 +87,10 @@ class CheckpointReader:
         layout = self.meta["layout"]
         self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
         self.model_cfg = self.meta["config"]["model"]
+        self.weights_in_optimizer = bool(layout.get("weights_in_optimizer"))
+        """Saved under ZeRO-3: no weights in the model files, each is its fp32 master cast
+        to the run's parameter dtype (exactly what the training step wrote into it)."""
+        self.param_dtype = torch.bfloat16 if self.meta["config"]["train"]["bf16"] else torch.float32
         self.tied = not self.model_cfg["untie_embeddings_and_output_weights"]
         self._files: dict[str, TensorFile] = {}
         self._optim: dict[tuple[int, int], dict[str, dict[str, Tensor]]] = {}
@@ -118,6 +122,8 @@ class CheckpointReader:
     def local_weight(self, name: str, tp_rank: int) -> Tensor:
         """The tensor exactly as saved by TP rank `tp_rank` (same-TP fast path)."""
         stage, _ = self._stage(name)
+        if self.weights_in_optimizer:
+            return self._optim_position(tp_rank, stage)[name]["master"].to(self.param_dtype)
         return self.file(model_file(tp_rank, stage)).get(name)
 
     def _full(self, name: str, pieces: list[Tensor]) -> Tensor:

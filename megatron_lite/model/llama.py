@@ -211,6 +211,15 @@ class LlamaChunk(nn.Module):
         self.register_buffer("rope_cos", cos.to(opts.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(opts.dtype), persistent=False)
 
+    def sharding_units(self) -> list[tuple[nn.Module, ...]]:
+        """The modules ZeRO-3 gathers together, in forward order: the embedding, each layer,
+        the head (final norm, then the output layer, which may read the tied embedding)."""
+        units: list[tuple[nn.Module, ...]] = [(self.embedding,)] if self.pre_process else []
+        units += [(layer,) for layer in self.layers]
+        if self.post_process:
+            units.append((self.final_norm, self.output))
+        return units
+
     def forward(self, x: Tensor, labels: Tensor | None = None, *,
                 token_index: Tensor | None = None, positions: Tensor | None = None,
                 documents: Tensor | None = None) -> Tensor:

@@ -163,27 +163,45 @@ class GradBuffer:
 
     Parameters are moved into `param` (their `.data` becomes a view of it), so an all-gather
     into a bucket of `param` updates the model in place. Each parameter also gets
-    `main_grad`, its view of `grad`, where micro-batch gradients accumulate.
+    `main_grad`, its view of `grad`, where micro-batch gradients accumulate. With
+    `full_grad=False` (ZeRO-2/3) there is no full-size `grad` (None) and no `main_grad`: the
+    optimizer accumulates into short-lived per-bucket tensors (`new_bucket_grad`) and keeps
+    only the reduced shard.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], layout: BufferLayout,
-                 grad_dtype: torch.dtype) -> None:
+                 grad_dtype: torch.dtype, full_grad: bool = True) -> None:
         self.params, self.layout = list(params), layout
+        self.grad_dtype = grad_dtype
         first = self.params[0]
         self.param = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
-        self.grad = torch.zeros(layout.numel, dtype=grad_dtype, device=first.device)
+        self.grad = (torch.zeros(layout.numel, dtype=grad_dtype, device=first.device)
+                     if full_grad else None)
         with torch.no_grad():
             for p, r in zip(self.params, layout.param_ranges):
                 view = self.param[r.start:r.end].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                p.main_grad = self.grad[r.start:r.end].view_as(p)
+                if self.grad is not None:
+                    p.main_grad = self.grad[r.start:r.end].view_as(p)
 
     def bucket_grad(self, bucket: Bucket) -> Tensor:
+        if self.grad is None:
+            raise RuntimeError("no full-size gradient buffer under ZeRO-2/3")
         return self.grad[bucket.range.start:bucket.range.end]
+
+    def new_bucket_grad(self, bucket: Bucket, dtype: torch.dtype) -> Tensor:
+        """A zeroed stand-alone gradient for one bucket (ZeRO-2/3 accumulation)."""
+        return torch.zeros(bucket.range.size, dtype=dtype, device=self.param.device)
+
+    def param_grad_view(self, bucket_grad: Tensor, bucket: Bucket, i: int) -> Tensor:
+        """Parameter `i`'s part of a `new_bucket_grad` tensor, shaped like the parameter."""
+        r = self.layout.param_ranges[i].relative_to(bucket.range.start)
+        return bucket_grad[r.start:r.end].view_as(self.params[i])
 
     def bucket_param(self, bucket: Bucket) -> Tensor:
         return self.param[bucket.range.start:bucket.range.end]
 
     def nbytes(self) -> int:
-        return self.grad.numel() * self.grad.element_size()
+        """Bytes of the full-size gradient buffer (0 without one)."""
+        return 0 if self.grad is None else self.grad.numel() * self.grad.element_size()

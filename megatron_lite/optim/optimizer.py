@@ -11,6 +11,17 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
   --overlap-grad-reduce a bucket starts as soon as every gradient in it has arrived for the
   last micro-batch (counted per parameter) or when the pipeline engine calls
   `start_grad_sync(chunk)`; otherwise `finalize_grads()` starts them all.
+- ZeRO-2/3 (--data-parallel-sharding-strategy optim_grads / optim_grads_params): there is
+  no full-size gradient buffer. The hook adds into a bucket-sized tensor made when the
+  bucket's first gradient arrives; once every member has arrived it is reduce-scattered into
+  the owned fp32 shard (`ShardState.grad`) and dropped, so at most the buckets in flight
+  exist at full size. With gradient accumulation this happens every micro-batch (the default,
+  --sharded-grad-accumulation reduce-scatter: fp32 accumulation, no full-size storage,
+  gradient traffic x micro-batches: 1.5x ZeRO-1's total at 2 micro-batches, measured in
+  tests/optim/test_sharding.py); `full-buffer` keeps the buckets alive in the parameter dtype
+  (bf16: 2 B/param) until the last micro-batch and sends ZeRO-1's bytes. Per-micro-batch is
+  the default because memory is what ZeRO-2 is chosen for; the shard is folded into this
+  rank's slice of the next micro-batch's input, so the collective returns the running sum.
 - After the DP reduction, `finalize_grads()` sums sequence-parallel norm gradients over TP.
   Sums commute, so this is right on the slice a rank owns even after a reduce-scatter (TP peers
   share the layout). Tied-embedding copies on the first and last pipeline stage live in their
@@ -26,7 +37,8 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,14 +49,16 @@ from torch import nn
 from megatron_lite.config import Config
 from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
-from megatron_lite.optim import zero1
-from megatron_lite.optim.buffers import GradBuffer, build_layout
+from megatron_lite.optim import zero1, zero3
+from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
 BucketKey = tuple[int, int]
 """(buffer index, bucket index)."""
+MAX_INFLIGHT_SCATTERS = 2
+"""ZeRO-2/3: reduce-scatters that may run at once; each holds a bucket-sized input."""
 
 
 @dataclass
@@ -64,7 +78,8 @@ class MemoryReport:
     padding_elements: int
     """Owned elements that are padding, not parameters (their optimizer state is wasted)."""
     grad_buffer_bytes: int
-    """The gradient buffer (every parameter, whatever the sharding)."""
+    """The gradient kept through the step: the full-size buffer, or under ZeRO-2/3 the owned
+    shard (the bucket tensors in flight during backward come and go)."""
     local_params: int
     """Parameters on this rank (after TP/PP splitting, before DP sharding)."""
     buffer_elements: int
@@ -115,6 +130,15 @@ class Optimizer:
         # CP ranks hold the same parameters as DP ranks do: reduce and shard over DP x CP
         self.cfg, self.pstate = cfg, pstate.gradient_replicas()
         self.sharded = parallel.use_distributed_optimizer
+        """The optimizer state is sharded over DP (every strategy but no_shard)."""
+        self.shard_grads = parallel.shard_grads
+        """ZeRO-2/3: only the owned gradient slices are kept (`ShardState.grad`); buckets
+        are reduce-scattered from the hooks whatever --overlap-grad-reduce says."""
+        self.full_accumulator = (self.shard_grads
+                                 and parallel.sharded_grad_accumulation == "full-buffer")
+        """ZeRO-2 with --sharded-grad-accumulation full-buffer: one reduce-scatter per step."""
+        self.shard_params = parallel.shard_params
+        """ZeRO-3: only the owned parameter slices are kept; `fsdp` gathers them per unit."""
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
         self.traffic = comms.Traffic()
@@ -127,8 +151,18 @@ class Optimizer:
         named = _named_parameters(chunks)
         self.params = [p for _, p, _ in named]
         self._names = [n for n, _, _ in named]
+        units = zero3.unit_of_params(zero3.unit_modules(chunks)) if self.shard_params else None
         self._build_buffers(named, torch.bfloat16 if parallel.grad_reduce_in_bf16
-                            else torch.float32)
+                            else torch.float32, units)
+        self._live: dict[BucketKey, torch.Tensor] = {}
+        """ZeRO-2/3: bucket gradients accumulating since their last reduce-scatter."""
+        self._seen: dict[BucketKey, set[int]] = {}
+        """ZeRO-2/3: members that added a gradient into the live bucket tensor."""
+        self._inflight: dict[BucketKey, tuple[dist.Work | None, torch.Tensor | None]] = {}
+        """ZeRO-2/3: each bucket's latest reduce-scatter and the input it must keep alive
+        (None once waited for)."""
+        self._scattered: set[BucketKey] = set()
+        """ZeRO-2/3: buckets whose shard already holds a part of this step's gradient."""
         self._step = 0
         self._handles: dict[BucketKey, dist.Work | None] = {}
         self._gathers: dict[BucketKey, dist.Work | None] = {}
@@ -140,7 +174,13 @@ class Optimizer:
         checks that can name the rank; see megatron_lite/reliability)."""
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
-        if parallel.overlap_param_gather:
+        self.fsdp: zero3.FullyShardedParams | None = None
+        """ZeRO-3's gathers and frees (its hooks run after the gradient hooks above)."""
+        if self.shard_params:
+            self.fsdp = zero3.FullyShardedParams(chunks, self.params, self._slot, self.buffers,
+                                                 pstate, self.traffic)
+            self._hooks += self.fsdp.hooks
+        elif parallel.overlap_param_gather:
             self._register_gather_waits(chunks)
 
     def close(self) -> None:
@@ -157,8 +197,9 @@ class Optimizer:
         self._hooks.clear()
 
     def _build_buffers(self, named: list[tuple[str, nn.Parameter, int]],
-                       grad_dtype: torch.dtype) -> None:
-        """One buffer per parameter dtype; tied-embedding copies get their own buckets."""
+                       grad_dtype: torch.dtype, units: dict[int, int] | None = None) -> None:
+        """One buffer per parameter dtype; tied-embedding copies get their own buckets, and
+        under ZeRO-3 (`units`: id(param) -> unit) every unit its own."""
         pstate = self.pstate
         self.buffers: list[GradBuffer] = []
         self.shards: list[zero1.ShardState] = []
@@ -166,19 +207,30 @@ class Optimizer:
         self._deferred: set[BucketKey] = set()
         self._chunk_of: dict[BucketKey, int] = {}
         self._members: dict[BucketKey, list[int]] = {}
+        self._local = [0] * len(named)
+        """Each parameter's index inside its buffer."""
         index = {id(p): i for i, (_, p, _) in enumerate(named)}
         for dtype in dict.fromkeys(p.dtype for _, p, _ in named):
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
             tied = [pstate.pp_size > 1 and tags.is_shared_embedding(p) for _, p, _ in members]
             groups = [2 * chunk + is_tied for (_, _, chunk), is_tied in zip(members, tied)]
+            if units is not None:  # ZeRO-3 refuses PP: no stage copies, one chunk
+                groups = [2 * units[id(p)] for _, p, _ in members]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
                                   list(reversed(range(len(members)))),
                                   self.cfg.parallel.ddp_bucket_size, pstate.dp_size)
             b = len(self.buffers)
-            buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype)
+            if units is not None:
+                buffer = zero3.ShardedParamBuffer([p for _, p, _ in members], layout,
+                                                  grad_dtype, pstate.dp_rank)
+            else:
+                buffer = GradBuffer([p for _, p, _ in members], layout, grad_dtype,
+                                    full_grad=not self.shard_grads)
+            for j, (_, p, _) in enumerate(members):
+                self._local[index[id(p)]] = j
             for bucket in layout.buckets:
                 key = (b, bucket.index)
-                self._chunk_of[key] = bucket.group // 2
+                self._chunk_of[key] = members[bucket.params[0]][2]
                 if bucket.group % 2:
                     self._deferred.add(key)
                 self._members[key] = [index[id(members[i][1])] for i in bucket.params]
@@ -222,18 +274,27 @@ class Optimizer:
         batch-size ramp-up changes it per step): overlap launches a bucket after the last."""
         self.num_microbatches = num_microbatches or num_microbatches_of(self.cfg,
                                                                         self.pstate.world_size)
-        for buffer in self.buffers:
-            buffer.grad.zero_()
+        for shard in self.shards:
+            shard.zero_grad()
         for p in self.params:
             p.grad = None
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
         self._arrivals = [0] * len(self.params)
         self._waiting = {key: len(m) for key, m in self._members.items()}
         self._handles.clear()
+        self._live.clear()
+        self._seen.clear()
+        self._inflight.clear()
+        self._scattered.clear()
         self._finalized = False
 
     def _on_grad(self, i: int, param: nn.Parameter) -> None:
         """Post-accumulate hook: move the micro-batch gradient into the buffer."""
         key = self._slot[i]
+        if self.shard_grads:
+            self._accumulate_sharded(i, key, param)
+            return
         if key in self._handles:
             raise RuntimeError(
                 f"a gradient of {self._names[i]} arrived after its bucket's DP reduction "
@@ -248,6 +309,75 @@ class Optimizer:
             self._waiting[key] -= 1
             if self._waiting[key] == 0 and key not in self._deferred:
                 self._launch(key)
+
+    def _accumulate_sharded(self, i: int, key: BucketKey, param: nn.Parameter) -> None:
+        """ZeRO-2/3 hook: add into the bucket's live tensor; reduce-scatter it once every
+        member has arrived (each micro-batch, or with a full-buffer accumulator the last)."""
+        self._arrivals[i] += 1
+        if self._arrivals[i] > self.num_microbatches:
+            raise RuntimeError(
+                f"a gradient of {self._names[i]} arrived after its bucket's DP reduction "
+                f"started: more backward passes per step than the {self.num_microbatches} "
+                "micro-batches the config implies")
+        buffer = self.buffers[key[0]]
+        bucket = buffer.layout.buckets[key[1]]
+        live = self._live.get(key)
+        if live is None:
+            dtype = buffer.param.dtype if self.full_accumulator else buffer.grad_dtype
+            live = self._live[key] = buffer.new_bucket_grad(bucket, dtype)
+        buffer.param_grad_view(live, bucket, self._local[i]).add_(param.grad)
+        param.grad = None
+        if key in self._deferred:
+            return
+        if self.full_accumulator:
+            if self._arrivals[i] == self.num_microbatches:
+                self._waiting[key] -= 1
+                if self._waiting[key] == 0:
+                    self._scatter(key)
+            return
+        seen = self._seen.setdefault(key, set())
+        seen.add(i)
+        if len(seen) == len(self._members[key]):
+            self._scatter(key)
+
+    def _scatter(self, key: BucketKey) -> None:
+        """ZeRO-2/3: reduce-scatter the live bucket tensor into the owned gradient shard.
+
+        A bucket scattered earlier in the step (an earlier micro-batch) already holds a sum
+        in its shard: this rank adds it into its own slice of the input first, so the
+        collective's result is the running total and no shard-sized temporary is needed.
+        """
+        pstate = self.pstate
+        buffer = self.buffers[key[0]]
+        bucket = buffer.layout.buckets[key[1]]
+        out = self.shards[key[0]].bucket_grad_shard(key[1])
+        live = self._live.pop(key, None)
+        if live is None:
+            live = buffer.new_bucket_grad(bucket, out.dtype)
+        self._seen.pop(key, None)
+        if self.grad_check is not None:
+            self.grad_check(live)
+        send = live if live.dtype == out.dtype else live.to(out.dtype)
+        if key in self._scattered:
+            handle = self._inflight.pop(key)[0]  # (re-inserted last: dicts keep launch order)
+            if handle is not None:
+                handle.wait()
+            own = bucket.shard(pstate.dp_size, pstate.dp_rank).relative_to(bucket.range.start)
+            send[own.start:own.end].add_(out)
+        self._inflight[key] = (comms.reduce_scatter_flat(
+            out, send, pstate.dp_group, async_op=True, traffic=self.traffic), send)
+        self._scattered.add(key)
+        self._retire(keep=MAX_INFLIGHT_SCATTERS)
+
+    def _retire(self, keep: int) -> None:
+        """Wait for the oldest reduce-scatters until `keep` still hold their input: without
+        this every bucket's input would live until `finalize_grads`, a full-size gradient."""
+        running = [k for k, (_, send) in self._inflight.items() if send is not None]
+        for key in running[:max(0, len(running) - keep)]:
+            handle = self._inflight[key][0]
+            if handle is not None:
+                handle.wait()
+            self._inflight[key] = (None, None)
 
     def _launch(self, key: BucketKey) -> None:
         """Start the DP reduction of one bucket (asynchronously)."""
@@ -272,8 +402,15 @@ class Optimizer:
     def start_grad_sync(self, chunk_index: int) -> None:
         """Pipeline hook: chunk `chunk_index` ran its last backward; start its buckets.
 
-        Only with --overlap-grad-reduce (otherwise `finalize_grads` reduces everything).
+        Only with --overlap-grad-reduce (otherwise `finalize_grads` reduces everything);
+        under ZeRO-2/3 always, for buckets whose gradients are still accumulating.
         """
+        if self.shard_grads:
+            for key in self._keys():
+                if (self._chunk_of[key] == chunk_index and key in self._live
+                        and key not in self._deferred):
+                    self._scatter(key)
+            return
         if not self.overlap_grad_reduce:
             return
         for key in self._keys():
@@ -289,6 +426,36 @@ class Optimizer:
 
     def _finish_reductions(self) -> None:
         pstate = self.pstate
+        if self.shard_grads:
+            self._finalize_sharded()
+        else:
+            self._finalize_full()
+        if self._sp_pieces and pstate.tp_size > 1:
+            grads = [self.shards[b].grad_at(Range(s, e)) for b, s, e in self._sp_pieces]
+            flat = comms.all_reduce_(torch.cat(grads), pstate.tp_group)
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced)
+
+    def _finalize_sharded(self) -> None:
+        """ZeRO-2/3: tied embeddings over the embedding group, the buckets still live (or
+        never scattered: every rank must join every collective), then wait for all."""
+        pstate = self.pstate
+        for key in sorted(self._deferred):
+            buffer = self.buffers[key[0]]
+            bucket = buffer.layout.buckets[key[1]]
+            live = self._live.get(key)
+            if live is None:
+                live = self._live[key] = buffer.new_bucket_grad(bucket, buffer.grad_dtype)
+            for j in bucket.params:
+                comms.all_reduce_(buffer.param_grad_view(live, bucket, j), pstate.embedding_group)
+        for key in self._keys():
+            if key in self._live or key not in self._scattered:
+                self._scatter(key)
+        self._retire(keep=0)
+        self._inflight.clear()
+
+    def _finalize_full(self) -> None:
+        pstate = self.pstate
         for key in sorted(self._deferred):
             buffer = self.buffers[key[0]]
             for j in buffer.layout.buckets[key[1]].params:
@@ -300,11 +467,6 @@ class Optimizer:
             handle = self._handles[key]
             if handle is not None:
                 handle.wait()
-        if self._sp_pieces and pstate.tp_size > 1:
-            grads = [self.buffers[b].grad[s:e] for b, s, e in self._sp_pieces]
-            flat = comms.all_reduce_(torch.cat(grads), pstate.tp_group)
-            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(reduced)
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -342,13 +504,14 @@ class Optimizer:
         count = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
         for s in self.shards:
             for r in s.norm_ranges:
-                count += (s.buffer.grad[r.start:r.end] == 0).sum()
+                count += (s.grad_at(r) == 0).sum()
         group = self.pstate.world_group if self.sharded else self.pstate.mp_group
         return int(comms.host_scalar(comms.all_reduce_(count, group)))
 
     def _start_param_sync(self, async_op: bool) -> None:
-        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first."""
-        if not self.sharded:
+        """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first
+        (ZeRO-3 gathers a unit's buckets only when its forward needs them)."""
+        if not self.sharded or self.fsdp is not None:
             return
         pstate = self.pstate
         for key in reversed(self._keys()):
@@ -367,6 +530,31 @@ class Optimizer:
                 with self.wait_clock:
                     handle.wait()
 
+    @contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Under ZeRO-3 every parameter holds its full value inside (all units gathered at
+        once: for reading weights outside a forward); a no-op otherwise."""
+        if self.fsdp is None:
+            yield
+            return
+        with self.fsdp.gathered():
+            yield
+
+    def set_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set a parameter (this rank's TP/PP-local tensor), e.g. from a checkpoint; under
+        ZeRO-3 only its owned slice is kept. Call `reload_model_params` afterwards."""
+        if self.fsdp is None:
+            with torch.no_grad():
+                param.copy_(value)
+        else:
+            self.fsdp.write_param(param, value)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameter storage kept through a step (the model's, or ZeRO-3's shards)."""
+        if self.fsdp is None:
+            return list(self.params)
+        return [b.param.data for b in self.buffers]
+
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers; call before reading model weights
         outside a forward (e.g. saving a checkpoint) under --overlap-param-gather."""
@@ -381,12 +569,18 @@ class Optimizer:
         for shard in self.shards:
             shard.copy_params_to_master()
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient storage kept through a step (full buffers or ZeRO-2/3 shards)."""
+        return ([b.grad for b in self.buffers if b.grad is not None]
+                + [s.grad for s in self.shards if s.grad is not None])
+
     def memory(self) -> MemoryReport:
         """What this rank's optimizer holds (the lead prints `describe()` at start-up)."""
         return MemoryReport(
             state_bytes=sum(s.nbytes() for s in self.shards),
             padding_elements=sum(s.padding() for s in self.shards),
-            grad_buffer_bytes=sum(b.nbytes() for b in self.buffers),
+            grad_buffer_bytes=(sum(b.nbytes() for b in self.buffers)
+                               + sum(s.grad_nbytes() for s in self.shards)),
             local_params=sum(p.numel() for p in self.params),
             buffer_elements=sum(b.layout.numel for b in self.buffers),
             buffer_padding_elements=sum(b.layout.padding for b in self.buffers))

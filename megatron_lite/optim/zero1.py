@@ -24,6 +24,7 @@ k - offset of bucket b). Loading requires the same layout and says which field d
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,7 +52,12 @@ class ParamInfo:
 
 
 class ShardState:
-    """fp32 masters and Adam moments for the owned ranges of one buffer."""
+    """fp32 masters and Adam moments for the owned ranges of one buffer.
+
+    The reduced gradient of the owned ranges is read through `grad_at`/`bucket_grad_shard`:
+    views of the buffer's full-size `grad`, or, when the buffer has none (ZeRO-2/3), of
+    `grad`, a shard-sized tensor laid out like `master` that the reduce-scatters fill.
+    """
 
     def __init__(self, buffer: GradBuffer, owned: Sequence[Range],
                  infos: Sequence[ParamInfo]) -> None:
@@ -64,6 +70,9 @@ class ShardState:
         self.master = torch.empty(n, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.grad = (torch.zeros(n, dtype=buffer.grad_dtype, device=device)
+                     if buffer.grad is None else None)
+        """ZeRO-2/3: the owned reduced gradient, shard coordinates (None: in `buffer.grad`)."""
         self.copy_params_to_master()
         layout = buffer.layout
         decay, norm, decoupled = [], [], []
@@ -82,6 +91,27 @@ class ShardState:
         self.norm_ranges = merge(norm)
         """Buffer coordinates of the owned gradient elements that count toward the norm."""
 
+    def bucket_grad_shard(self, bucket: int) -> Tensor:
+        """The owned slice of bucket `bucket`'s reduced gradient (a reduce-scatter target)."""
+        if self.grad is None:
+            own = self.owned[bucket]
+            return self.buffer.grad[own.start:own.end]
+        return self.grad[self.offsets[bucket]:self.offsets[bucket + 1]]
+
+    def grad_at(self, r: Range) -> Tensor:
+        """The reduced gradient of buffer range `r`, which lies inside one owned range."""
+        if self.grad is None:
+            return self.buffer.grad[r.start:r.end]
+        b = bisect_right([own.start for own in self.owned], r.start) - 1
+        start = self.offsets[b] + r.start - self.owned[b].start
+        return self.grad[start:start + r.size]
+
+    def zero_grad(self) -> None:
+        if self.grad is not None:
+            self.grad.zero_()
+        else:
+            self.buffer.grad.zero_()
+
     def pieces(self) -> list[tuple[Range, slice]]:
         """(owned buffer range, matching shard slice) per bucket."""
         return [(r, slice(o, o + r.size)) for r, o in zip(self.owned, self.offsets)]
@@ -98,7 +128,7 @@ class ShardState:
                 self.buffer.param[own.start:own.end].copy_(self.master[sl])
 
     def norm_pieces(self) -> list[Tensor]:
-        return [self.buffer.grad[r.start:r.end] for r in self.norm_ranges]
+        return [self.grad_at(r) for r in self.norm_ranges]
 
     def padding(self) -> int:
         """Owned elements that belong to no parameter (bucket padding)."""
@@ -106,6 +136,10 @@ class ShardState:
         used = sum(overlap.size for bucket, own in zip(layout.buckets, self.owned)
                    for _, overlap in intersections(own, layout.param_ranges, bucket.params))
         return self.master.numel() - used
+
+    def grad_nbytes(self) -> int:
+        """Bytes of the shard-sized gradient (0 when the buffer holds the gradient)."""
+        return 0 if self.grad is None else self.grad.numel() * self.grad.element_size()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -152,7 +186,8 @@ class ShardState:
             for r in ranges:
                 origin = max(s for s in to_buffer if s <= r.start)
                 start = to_buffer[origin] + r.start - origin
-                grad = self.buffer.grad[start:start + r.size]
+                grad = (self.buffer.grad[start:start + r.size] if self.grad is None
+                        else self.grad[r.start:r.end])
                 masters.append(self.master[r.start:r.end])
                 grads.append(grad if grad.dtype == torch.float32 else grad.float())
                 exp_avgs.append(self.exp_avg[r.start:r.end])
@@ -169,7 +204,7 @@ class ShardState:
     def layout_meta(self) -> dict:
         layout = self.buffer.layout
         return {"param_dtype": str(self.buffer.param.dtype).removeprefix("torch."),
-                "grad_dtype": str(self.buffer.grad.dtype).removeprefix("torch."),
+                "grad_dtype": str(self.buffer.grad_dtype).removeprefix("torch."),
                 "numel": layout.numel,
                 "buckets": [[b.range.start, b.range.end] for b in layout.buckets],
                 "owned": [[r.start, r.end] for r in self.owned],

@@ -65,14 +65,14 @@ def train_ours(pstate: ParallelState, cfg: Config, steps: int) -> dict:
 
 def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
               steps: range) -> dict:
-    norms, calls, sent = [], [], []
+    norms, calls, sent, losses = [], [], [], []
     runner = StepRunner(cfg, pstate, chunks)
     for step in steps:
         batches = step_batches(step, pstate.dp_rank, pstate.dp_size, cfg.train.micro_batch_size,
                                cfg.train.global_batch_size)
         opt.traffic.reset()
         opt.zero_grad()
-        runner(batches, global_token_count(batches, pstate))
+        losses.append(runner(batches, global_token_count(batches, pstate)).item())
         opt.finalize_grads()
         result = opt.step(cfg.optim.lr)
         opt.finish_param_sync()
@@ -80,7 +80,10 @@ def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
         norms.append(result.grad_norm)
         calls.append(dict(opt.traffic.calls))
         sent.append(opt.traffic.total_bytes)
-    return {"params": model_parameters(chunks), "norms": norms, "calls": calls, "bytes": sent,
+    with opt.gathered_params():  # ZeRO-3 keeps only shards between forwards
+        params = model_parameters(chunks)
+    return {"params": params, "norms": norms, "calls": calls, "bytes": sent,
+            "losses": losses,
             "splits": {n: tags.tp_split(p) for n, p in chunks[0].named_parameters()}}
 
 
@@ -117,16 +120,17 @@ def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | No
                                "weight_decay": 0.0}],
                              lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                              weight_decay=o.weight_decay)
-    norms = []
+    norms, losses, grads = [], [], []
     runner = StepRunner(cfg, pstate, [model])
     for step in range(steps):
         batches = step_batches(step, 0, 1, micro=1, global_batch=global_batch)
         adam.zero_grad(set_to_none=True)
-        runner(batches, global_token_count(batches, pstate))
+        losses.append(runner(batches, global_token_count(batches, pstate)).item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item())
         adam.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "norms": norms}
+            "norms": norms, "losses": losses, "grads": grads}
 
 
 def full_params(ranks: list[dict], tp: int) -> dict[str, Tensor]:

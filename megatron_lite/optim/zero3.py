@@ -1,0 +1,336 @@
+"""ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params): parameters sharded over DP.
+
+Every rank keeps only its 1/dp slice of each bucket of the parameter buffer (the same slice
+ZeRO-1 updates), so between uses a model chunk holds 2/dp bytes per bf16 parameter; with the
+sharded gradient and optimizer state that is 18/dp bytes per parameter (2 + 4 + 12).
+
+Each model chunk says how it is cut into units (its `sharding_units()`, e.g. LlamaChunk's:
+the embedding, each transformer layer, the head); each unit's parameters form their own
+buckets (a bucket never spans two units). A unit is materialised by all-gathering its
+buckets into full-size bucket tensors that its parameters' `.data` permanently view; freeing
+resizes those storages to zero bytes, so the parameters keep their identity (autograd's saved
+references to the weights, the optimizer's hooks) and only the bytes come and go. Per micro-batch:
+
+- forward: a pre-hook on the unit's first module waits for its gather (or runs it) and starts
+  the next unit's gather asynchronously; a post-hook on its last module frees every unit whose
+  last forward user it is, and hooks the unit's output gradient;
+- backward: that output-gradient hook fires before any of the unit's backward nodes run; it
+  re-gathers the unit (waiting for the prefetch) and starts the previous unit's gather;
+- once the last parameter of a unit has received its gradient (the post-accumulate hooks),
+  every node that reads those weights has run, and the unit is freed. The optimizer's own
+  hooks, which run first, have by then reduce-scattered the unit's buckets into the gradient
+  shards (ZeRO-2's path: a bucket goes as soon as all its members arrived).
+
+So each unit is gathered twice per micro-batch and its gradients reduce-scattered once. A
+weight used by two units (the tied embedding read by the head) stays gathered from its first
+forward use to the last, and from the head's backward to its own: no third gather, one more
+unit of memory. Recomputation composes: a forward re-run inside backward (detected with
+autograd's current graph task) only waits for the units it reads and frees nothing; the
+backward then frees them as above.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from megatron_lite.optim.buffers import Bucket, BufferLayout, Range
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+
+BucketKey = tuple[int, int]
+"""(buffer index, bucket index)."""
+
+
+def unit_modules(chunks: Sequence[nn.Module]) -> list[tuple[nn.Module, ...]]:
+    """Every chunk's units in forward order (chunk by chunk)."""
+    units = []
+    for chunk in chunks:
+        if not hasattr(chunk, "sharding_units"):
+            raise TypeError(f"{type(chunk).__name__} does not say how ZeRO-3 cuts it into "
+                            "units (a `sharding_units()` method)")
+        units += chunk.sharding_units()
+    return units
+
+
+def unit_of_params(units: Sequence[tuple[nn.Module, ...]]) -> dict[int, int]:
+    """id(parameter) -> the first unit (in forward order) that holds it."""
+    owner: dict[int, int] = {}
+    for u, modules in enumerate(units):
+        for module in modules:
+            for p in module.parameters():
+                owner.setdefault(id(p), u)
+    return owner
+
+
+class OwnedSlices:
+    """The owned ranges of a flat buffer (one per bucket), stored back to back and addressed
+    in buffer coordinates, so code written for a full-size buffer (`buffer.param[a:b]` inside
+    one owned range) runs unchanged on the shard."""
+
+    def __init__(self, owned: Sequence[Range], dtype: torch.dtype, device: torch.device
+                 ) -> None:
+        self.owned = list(owned)
+        self._starts = [r.start for r in self.owned]
+        self.offsets = [0]
+        for r in self.owned:
+            self.offsets.append(self.offsets[-1] + r.size)
+        self.data = torch.zeros(self.offsets[-1], dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def __getitem__(self, index: slice) -> Tensor:
+        start, stop = index.start, index.stop
+        b = bisect_right(self._starts, start) - 1
+        if b < 0 or stop > self.owned[b].end:
+            raise IndexError(f"buffer range [{start}, {stop}) is not inside one owned range")
+        offset = self.offsets[b] + start - self.owned[b].start
+        return self.data[offset:offset + stop - start]
+
+    def bucket(self, b: int) -> Tensor:
+        return self.data[self.offsets[b]:self.offsets[b + 1]]
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def _free(t: Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _allocate(t: Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+class ShardedParamBuffer:
+    """`GradBuffer(full_grad=False)` without full-size tensors either: the owned slice of
+    the parameters (`param`, an `OwnedSlices`), no gradient buffer (the reduced gradient is
+    the ShardState's), and per bucket a full-size parameter tensor (`full`) that the
+    parameters view and that holds bytes only while its unit is gathered."""
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: BufferLayout,
+                 grad_dtype: torch.dtype, dp_rank: int) -> None:
+        self.params, self.layout, self.grad_dtype = list(params), layout, grad_dtype
+        self.grad = None
+        first = self.params[0]
+        self.param = OwnedSlices(layout.owned(dp_rank, sharded=True), first.dtype,
+                                 first.device)
+        self.full: list[Tensor] = []
+        with torch.no_grad():
+            for bucket, own in zip(layout.buckets, self.param.owned):
+                full = torch.zeros(bucket.range.size, dtype=first.dtype, device=first.device)
+                for i in bucket.params:
+                    p = self.params[i]
+                    r = layout.param_ranges[i].relative_to(bucket.range.start)
+                    view = full[r.start:r.end].view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view  # the unsharded original is dropped here
+                local = own.relative_to(bucket.range.start)
+                self.param.bucket(bucket.index).copy_(full[local.start:local.end])
+                _free(full)
+                self.full.append(full)
+
+    def new_bucket_grad(self, bucket: Bucket, dtype: torch.dtype) -> Tensor:
+        """A zeroed stand-alone gradient for one bucket (one micro-batch of one unit)."""
+        return torch.zeros(bucket.range.size, dtype=dtype, device=self.param.device)
+
+    def param_grad_view(self, bucket_grad: Tensor, bucket: Bucket, i: int) -> Tensor:
+        """Parameter `i`'s part of a `new_bucket_grad` tensor, shaped like the parameter."""
+        r = self.layout.param_ranges[i].relative_to(bucket.range.start)
+        return bucket_grad[r.start:r.end].view_as(self.params[i])
+
+    def write_param(self, i: int, value: Tensor) -> None:
+        """Set parameter `i` (a full local tensor, e.g. from a checkpoint): its owned part."""
+        r = self.layout.param_ranges[i]
+        flat = value.reshape(-1)
+        for own in self.param.owned:
+            part = r.intersect(own)
+            if part is not None:
+                self.param[part.start:part.end].copy_(
+                    flat[part.start - r.start:part.end - r.start])
+
+    def nbytes(self) -> int:
+        """Bytes of a full-size gradient buffer: none."""
+        return 0
+
+
+@dataclass
+class Unit:
+    """One gather unit: its modules (run in this order), its own buckets, what it reads."""
+
+    modules: tuple[nn.Module, ...]
+    keys: list[BucketKey]
+    uses: list[int]
+    """Units whose parameters its forward reads (itself first)."""
+    params: list[int]
+    """Optimizer indices of the parameters it owns."""
+
+
+def _in_backward() -> bool:
+    """True inside an autograd backward pass (a recomputation's forward runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class FullyShardedParams:
+    """Gathers and frees the units of one rank's model chunks (see the module docstring)."""
+
+    def __init__(self, chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
+                 slot: Sequence[BucketKey], buffers: Sequence[ShardedParamBuffer],
+                 pstate: ParallelState, traffic: comms.Traffic) -> None:
+        self.buffers, self.pstate, self.traffic = list(buffers), pstate, traffic
+        self.params, self.slot = list(params), list(slot)
+        modules = unit_modules(chunks)
+        owner = unit_of_params(modules)
+        index = self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._buffer_index = {id(p): j for buf in self.buffers for j, p in enumerate(buf.params)}
+        self.units: list[Unit] = []
+        for u, mods in enumerate(modules):
+            mine = [index[id(p)] for p in dict.fromkeys(q for m in mods for q in m.parameters())
+                    if owner[id(p)] == u and id(p) in index]
+            reads = {owner[id(p)] for m in mods for p in m.parameters() if id(p) in index}
+            self.units.append(Unit(mods, sorted({self.slot[i] for i in mine}),
+                                   [u, *sorted(reads - {u})], mine))
+        self._unit_of = {i: u for u, unit in enumerate(self.units) for i in unit.params}
+        if len(self._unit_of) != len(self.params):
+            raise ValueError("some trainable parameters belong to no module of any ZeRO-3 "
+                             "unit (`sharding_units()` must cover the whole chunk)")
+        last_use: dict[int, int] = {}
+        for u, unit in enumerate(self.units):
+            for v in unit.uses:
+                last_use[v] = u
+        self._frees_after = [[v for v, last in last_use.items() if last == u]
+                             for u in range(len(self.units))]
+        self._gathers: dict[int, list[dist.Work | None]] = {}
+        """Unit -> its in-flight all-gathers."""
+        self._ready: set[int] = set()
+        self._arrived: set[int] = set()
+        """Parameters whose gradient of the running backward pass is in."""
+        self.peak_gathered_bytes = 0
+        """The most bytes of full-size parameter buckets held at once so far."""
+        self.blocking_gathers = 0
+        """Gathers not prefetched (the compute waited for all of it) so far: per micro-batch
+        the first unit's forward and the last unit's backward (with what it reads) only."""
+        self.hooks: list[RemovableHandle] = []
+        for u, unit in enumerate(self.units):
+            self.hooks.append(unit.modules[0].register_forward_pre_hook(
+                partial(self._before_forward, u)))
+            self.hooks.append(unit.modules[-1].register_forward_hook(
+                partial(self._after_forward, u)))
+        for i, p in enumerate(self.params):
+            self.hooks.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
+
+    # ---- gather / free ---------------------------------------------------------------------
+
+    def _start_gather(self, u: int, async_op: bool) -> None:
+        self.blocking_gathers += not async_op
+        works = []
+        for key in self.units[u].keys:
+            buffer = self.buffers[key[0]]
+            full = buffer.full[key[1]]
+            _allocate(full)
+            works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
+                                               self.pstate.dp_group, async_op=async_op,
+                                               traffic=self.traffic))
+        self._gathers[u] = works
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def _prefetch(self, u: int) -> None:
+        if u not in self._ready and u not in self._gathers:
+            self._start_gather(u, async_op=True)
+
+    def materialize(self, u: int) -> None:
+        """Unit `u`'s parameters hold their full values once this returns."""
+        if u in self._ready:
+            return
+        if u not in self._gathers:
+            self._start_gather(u, async_op=False)
+        for work in self._gathers.pop(u):
+            if work is not None:
+                work.wait()
+        self._ready.add(u)
+
+    def release(self, u: int) -> None:
+        """Give unit `u`'s full-size bytes back (waits for a gather still in flight)."""
+        if u in self._gathers:
+            self.materialize(u)
+        if u in self._ready:
+            for key in self.units[u].keys:
+                _free(self.buffers[key[0]].full[key[1]])
+            self._ready.discard(u)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit materialised inside (reading weights outside a forward, e.g. in tests:
+        a freed parameter has no bytes, and reading one is undefined, even a crash)."""
+        for u in range(len(self.units)):
+            self.materialize(u)
+        try:
+            yield
+        finally:
+            for u in range(len(self.units)):
+                self.release(u)
+
+    # ---- hooks -----------------------------------------------------------------------------
+
+    def _before_forward(self, u: int, *_: object) -> None:
+        for v in self.units[u].uses:
+            self.materialize(v)
+        if not _in_backward() and u + 1 < len(self.units):
+            for v in self.units[u + 1].uses:
+                self._prefetch(v)
+
+    def _after_forward(self, u: int, _module: nn.Module, _args: object, output: object
+                       ) -> None:
+        if _in_backward():
+            return  # a recomputation: the backward frees these units once their grads are in
+        if isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(partial(self._before_backward, u))
+        for v in self._frees_after[u]:
+            self.release(v)
+
+    def _before_backward(self, u: int, _grad: Tensor) -> None:
+        for v in self.units[u].uses:
+            self.materialize(v)
+        if u > 0:
+            for v in self.units[u - 1].uses:
+                self._prefetch(v)
+
+    def _on_grad(self, i: int, _param: nn.Parameter) -> None:
+        """Post-accumulate hook, after the optimizer's: free a unit whose gradients are in."""
+        u = self._unit_of[i]
+        self._arrived.add(i)
+        if all(j in self._arrived for j in self.units[u].params):
+            self._arrived.difference_update(self.units[u].params)
+            self.release(u)
+
+    def zero_grad(self) -> None:
+        self._arrived.clear()
+
+    def close(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+    def write_param(self, param: nn.Parameter, value: Tensor) -> None:
+        """Set a parameter from a full local tensor (loading a checkpoint)."""
+        key = self.slot[self._index[id(param)]]
+        self.buffers[key[0]].write_param(self._buffer_index[id(param)], value)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full-size parameter buckets held right now (gathered or arriving)."""
+        return sum(self.buffers[k[0]].full[k[1]].untyped_storage().nbytes()
+                   for u in self._ready | set(self._gathers) for k in self.units[u].keys)

@@ -1,0 +1,76 @@
+"""Checkpoints across --data-parallel-sharding-strategy: exact resume, resharding both ways.
+
+One 4-rank spawn. ZeRO-2 at DP=4 is interrupted at iteration 3 and resumed (bit-identical
+to the uninterrupted run), and its iteration 3 is loaded into ZeRO-1 at TP=2 x DP=2 and into
+plain DP and ZeRO-3 at DP=4; the plain run's iteration 3 goes into ZeRO-2 at TP=2 x DP=2 (ZeRO-3
+as a source: tests/optim/test_zero3_end_to_end.py). Every
+load is saved at once (no step) and must hold the source's full weights and optimizer state
+bit for bit; training then follows the source's continued run (TP changes rounding: 1e-5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoint.common import assert_same_state, relayout, run_sequence
+from tests.distributed import run_ranks
+
+STRATEGY = "--data-parallel-sharding-strategy"
+LAYOUTS = {
+    "dp4-optim_grads": ([STRATEGY, "optim_grads", "--ddp-bucket-size", "3000"], 1),
+    "dp4-no_shard": ([STRATEGY, "no_shard"], 1),
+    "tp2dp2-optim": (["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 2),
+    "tp2dp2-optim_grads": ([STRATEGY, "optim_grads", "--tensor-model-parallel-size", "2"], 2),
+    "dp4-optim_grads_params": ([STRATEGY, "optim_grads_params"], 1),
+}
+"""name -> (flags, tp)."""
+RESHARDS = [("dp4-optim_grads", "tp2dp2-optim"), ("dp4-optim_grads", "dp4-no_shard"),
+            ("dp4-no_shard", "tp2dp2-optim_grads"), ("dp4-optim_grads", "dp4-optim_grads_params")]
+SOURCES = ("dp4-optim_grads", "dp4-no_shard")
+
+
+def _spawn(pstate, root: str) -> dict:
+    root_path, out = Path(root), {}
+    for name in SOURCES:
+        flags, d = LAYOUTS[name][0], root_path / name
+        out[name] = run_sequence(pstate, [[*flags, "--save", str(d / "a")],
+                                          [*flags, "--save", str(d / "b"), "--exit-interval", "3"],
+                                          [*flags, "--save", str(d / "b")]])
+    for source, target in RESHARDS:
+        flags, tp = LAYOUTS[target]
+        y = root_path / f"{source}->{target}"
+        out[(source, target)] = run_sequence(relayout(pstate, tp, 1), [
+            [*flags, "--load", str(root_path / source / "b"), "--ckpt-step", "3", "--save",
+             str(y), "--train-iters", "3"],
+            [*flags, "--save", str(y)]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("sharding_layouts")
+    ranks = run_ranks(_spawn, 4, root, timeout=300, root=str(root))
+    assert all(r == ranks[0] for r in ranks)
+    return ranks[0], root
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_resume_is_bit_identical(runs, name: str) -> None:
+    out, _ = runs
+    full, first, resumed = out[name]
+    assert first == full[:3] and resumed == full[3:]
+
+
+@pytest.mark.parametrize("source,target", RESHARDS, ids=[f"{a}->{b}" for a, b in RESHARDS])
+def test_reshard_between_strategies(runs, source: str, target: str) -> None:
+    out, root = runs
+    loaded, continued = out[(source, target)]
+    assert loaded == []
+    assert_same_state(root / source / "b" / "iter_0000003",
+                      root / f"{source}->{target}" / "iter_0000003")
+    reference = out[source][2]
+    assert continued == pytest.approx(reference, rel=1e-5)
+    if LAYOUTS[target][1] == LAYOUTS[source][1]:
+        assert continued == reference  # same TP: the strategy changes no rounding of the loss
