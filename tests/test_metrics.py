@@ -219,7 +219,7 @@ def test_planner_and_log_agree_on_flops_and_mfu_for_the_demo() -> None:
     assert " ".join(DEMO_MODEL) in demo and " ".join(DEMO_BATCH) in demo and "VOCAB=4096" in demo
     cfg = parse_config(["--mock-data", *DEMO_MODEL, *DEMO_BATCH, "--vocab-size", "4096"])
     cluster = Cluster(gpus=1, peak_tflops=2.0)
-    layout = Layout(tp=1, pp=1, dp=1, chunks=1, micro_batch=16, zero1=False,
+    layout = Layout(tp=1, pp=1, dp=1, chunks=1, micro_batch=16, sharding="no_shard",
                     recompute=Recompute(), sequence_parallel=False)
     plan = evaluate(cfg.model, layout, cluster, 16, 1e9)
     tokens = 16 * cfg.model.seq_length

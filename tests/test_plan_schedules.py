@@ -10,8 +10,8 @@ from megatron_lite.planner import PRESETS, Cluster, Layout, Recompute, evaluate,
 
 def test_zero_bubble_schedules_shrink_the_bubble_at_equal_layout() -> None:
     model, gbs = PRESETS["70B"][1], PRESETS["70B"][2]
-    base = Layout(tp=4, pp=4, dp=64, chunks=1, micro_batch=1, zero1=True, recompute=Recompute(),
-                  sequence_parallel=True)
+    base = Layout(tp=4, pp=4, dp=64, chunks=1, micro_batch=1, sharding="optim",
+                  recompute=Recompute(), sequence_parallel=True)
     plans = {name: evaluate(model, dataclasses.replace(base, **kw), Cluster(gpus=1024), gbs,
                             1e12)
              for name, kw in {"1f1b": {}, "zb-h1": {"schedule": "zb-h1"},
@@ -28,7 +28,8 @@ def test_zero_bubble_schedules_shrink_the_bubble_at_equal_layout() -> None:
 def test_plan_cli_ranks_the_schedules_for_70b_on_1024(capsys) -> None:
     import scripts.plan as plan_cli
 
-    assert plan_cli.main(["--preset", "70B", "--gpus", "1024", "--top", "3"]) == 0
+    assert plan_cli.main(["--preset", "70B", "--gpus", "1024", "--top", "3",
+                          "--sharding", "optim"]) == 0
     out = capsys.readouterr().out
     section = out.split("pipeline schedules on #1's")[1].split("pretrain.py flags")[0]
     ranked = [line.split()[4] for line in section.splitlines()[2:] if line.strip()]

@@ -186,7 +186,7 @@ def build_data_loaders(cfg: Config, dp_rank: int, dp_size: int,
                        consumed_train_samples: int = 0, cp_rank: int = 0
                        ) -> tuple[MicroBatchLoader, MicroBatchLoader | None]:
     """(train loader, validation loader or None)."""
-    loaders = build_loaders(cfg, dp_rank, dp_size, consumed_train_samples, cp_rank)
+    loaders = build_loaders(cfg, dp_rank, dp_size, consumed_train_samples, cp_rank=cp_rank)
     return loaders.train, loaders.valid
 
 
