@@ -88,46 +88,17 @@ def _peak_gib(mem: dict[str, float]) -> float:
     return mem.get("max_allocated_gib", mem.get("max_rss_gib", float("nan")))
 
 
-class ComputeTimer:
+class ComputeTimer(comms.WaitClock):
     """Per-rank time spent in forward/backward, the part of a step that does not wait for other
     data-parallel ranks. Wall time per step is the same on every rank (the gradient all-reduce
-    lines them up), so only this time can show which rank is slow. CUDA events time the stream,
-    not the kernel launches."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
-        self._start = 0.0
+    lines them up), so only this time can show which rank is slow. The same stream timing as
+    `comms.WaitClock` (CUDA events time the stream, not the kernel launches), as start/stop."""
 
     def start(self) -> None:
-        if self.cuda:
-            self._events.append((torch.cuda.Event(enable_timing=True),
-                                 torch.cuda.Event(enable_timing=True)))
-            self._events[-1][0].record()
-        else:
-            self._start = time.perf_counter()
+        self.__enter__()
 
     def stop(self) -> None:
-        if self.cuda:
-            self._events[-1][1].record()
-            if len(self._events) > 256:  # nobody popped (a benchmark): fold to bound the list
-                self.seconds += self._drain()
-        else:
-            self.seconds += time.perf_counter() - self._start
-
-    def _drain(self) -> float:
-        total = 0.0
-        for begin, end in self._events:
-            end.synchronize()
-            total += begin.elapsed_time(end) / 1e3
-        self._events.clear()
-        return total
-
-    def pop_seconds(self) -> float:
-        """Time since the last pop (syncs on CUDA; call after the step's loss `.item()`)."""
-        total, self.seconds = self.seconds + self._drain(), 0.0
-        return total
+        self.__exit__(None, None, None)
 
 
 @dataclass(frozen=True)
