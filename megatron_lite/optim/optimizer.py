@@ -178,7 +178,7 @@ class Optimizer:
         """ZeRO-3's gathers and frees (its hooks run after the gradient hooks above)."""
         if self.shard_params:
             self.fsdp = zero3.FullyShardedParams(chunks, self.params, self._slot, self.buffers,
-                                                 pstate, self.traffic)
+                                                 self.pstate, self.traffic)
             self._hooks += self.fsdp.hooks
         elif parallel.overlap_param_gather:
             self._register_gather_waits(chunks)

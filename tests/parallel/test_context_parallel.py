@@ -101,8 +101,9 @@ def train(pstate: ParallelState, config: Config, steps: int = 10) -> dict:
     loader = _loader(config, pstate)
     losses = [train_step(runner, opt, loader, pstate, config.optim.lr).loss
               for _ in range(steps)]
+    with opt.gathered_params():  # ZeRO-3 keeps only shards between forwards
+        params = model_parameters(chunks)
     opt.close()
-    params = model_parameters(chunks)
     splits = dict(zip(params, (tags.tp_split(p) for c in chunks for p in c.parameters()),
                       strict=True))
     return {"losses": losses, "params": params, "splits": splits, **_coords(pstate)}
@@ -152,6 +153,9 @@ LAYOUTS = {
     "cp2-dp2-zero1-overlap": (4, dict(cp=2, use_distributed_optimizer=True,
                                       overlap_grad_reduce=True, ddp_bucket_size=2000)),
     "cp2-pp2-zb-h1": (4, dict(cp=2, pp=2, pipeline_schedule="zb-h1")),
+    # ZeRO-2/3 shard gradients (and parameters) over DP x CP, as ZeRO-1 does
+    "cp2-zero2": (2, dict(cp=2, data_parallel_sharding_strategy="optim_grads")),
+    "cp2-dp2-zero3": (4, dict(cp=2, data_parallel_sharding_strategy="optim_grads_params")),
 }
 
 
