@@ -4,8 +4,8 @@
 #   kernel_bench   the kernel benchmark (bench/kernels.py)
 #   train_kernels  a short bf16 training run with the Triton kernels on and off (same loss curve,
 #                  each one's step time)
-#   multirank      two ranks sharing the GPU over cuda:gloo: TP=2 + SP and PP=2 against one
-#                  process (scripts/gpu_multirank.py)
+#   multirank      two ranks sharing the GPU over cuda:gloo: TP=2 + SP, PP=2, CP=2 (ring
+#                  attention) and ZeRO-3 against one process (scripts/gpu_multirank.py)
 #   train_1b       Llama-3.2-1B shape, seq 4096, bf16, kernels on, compiled: ours against plain
 #                  PyTorch (tokens/s, TFLOP/s, MFU), planner memory against the measured peak
 #   train_3b       the same at the Llama-3.2-3B shape (bench/gpu_train.py)

@@ -1,4 +1,5 @@
-"""Two ranks on one GPU: TP=2 with sequence parallelism, and PP=2, trained through torchrun with
+"""Two ranks on one GPU: TP=2 with sequence parallelism, PP=2, CP=2 (ring attention) and ZeRO-3
+(--data-parallel-sharding-strategy optim_grads_params), trained through torchrun with
 `--distributed-backend cuda:gloo`, each compared loss for loss with one process of the same run.
 
     python scripts/gpu_multirank.py --out DIR              # on a GPU (scripts/gpu_check.sh)
@@ -51,12 +52,17 @@ COMMON = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", 
           "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--seed", "1",
           "--distributed-timeout-minutes", "2"]
 LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-           "pp2": ["--pipeline-model-parallel-size", "2"]}
+           "pp2": ["--pipeline-model-parallel-size", "2"],
+           "cp2": ["--context-parallel-size", "2"],
+           "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
 # What each layout's training step, logging and start-up call (besides what both call).
 COMMON_OPS = ("all_reduce", "all_gather_objects", "all_gather_list")
 NEEDS = {"tp2_sp": (*COMMON_OPS, "all_reduce_max", "all_gather", "all_gather_async",
                     "reduce_scatter", "reduce_scatter_async"),
-         "pp2": (*COMMON_OPS, "send_recv")}
+         "pp2": (*COMMON_OPS, "send_recv"),
+         "cp2": (*COMMON_OPS, "send_recv"),  # the ring attention's K/V and dK/dV
+         "zero3": (*COMMON_OPS, "all_gather", "all_gather_async", "reduce_scatter",
+                   "reduce_scatter_async")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,9 +86,10 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
                        "all_gather_list", "barrier", "send_recv"], "ok")
     assert not result["host_tensor_refused"]
     assert {name: run["status"] for name, run in result["runs"].items()} == \
-        {"tp2_sp": "ok", "pp2": "ok"}
+        {"tp2_sp": "ok", "pp2": "ok", "cp2": "ok", "zero3": "ok"}
     text = (tmp_path / "multirank.txt").read_text()
-    assert "tp2_sp: ok: 5/5 losses" in text and "pp2: ok: 5/5 losses" in text
+    for name in ("tp2_sp", "pp2", "cp2", "zero3"):
+        assert f"{name}: ok: 5/5 losses" in text
 
 
 def test_probe_results_name_the_op_a_rank_died_in(tmp_path) -> None:
