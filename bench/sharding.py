@@ -18,32 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
-
-import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.zero1 import ACCUMULATION, MICRO, SIZES, spawn_ranks, timed_step
 from megatron_lite.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megatron_lite.memory import LiveBytes
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel import state as parallel_state
-from megatron_lite.parallel.launch import LaunchEnv
 from megatron_lite.parallel.state import ParallelState
-from megatron_lite.training import StepRunner, build_model, global_token_count
+from megatron_lite.training import StepRunner, build_model
 
-SIZES = {
-    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=704,
-                  seq_length=128, vocab_size=4096),
-    "medium": dict(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1408,
-                   seq_length=256, vocab_size=8192),
-}
 BUCKET = 250_000
 """Elements per gradient bucket: several buckets per model, so ZeRO-2 can drop them in turn."""
 VARIANTS = {
@@ -54,7 +41,6 @@ VARIANTS = {
                                 "sharded_grad_accumulation": "full-buffer"},
     "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"},
 }
-MICRO, ACCUMULATION = 2, 2
 
 
 def _config(size: str, dp: int, flags: dict) -> Config:
@@ -64,29 +50,6 @@ def _config(size: str, dp: int, flags: dict) -> Config:
                   optim=OptimConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0),
                   train=TrainConfig(micro_batch_size=MICRO, seed=0,
                                     global_batch_size=MICRO * ACCUMULATION * dp))
-
-
-def _batches(step: int, pstate: ParallelState, cfg: Config) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(step * 1000 + pstate.dp_rank)
-    seq = cfg.model.seq_length
-    tokens = torch.randint(0, cfg.model.vocab_size, (ACCUMULATION, MICRO, seq + 1), generator=g)
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(MICRO, seq)}
-            for t in tokens]
-
-
-def _step(runner: StepRunner, opt: Optimizer, pstate: ParallelState, cfg: Config, step: int
-          ) -> float:
-    batches = _batches(step, pstate, cfg)
-    start = time.perf_counter()
-    opt.zero_grad()
-    loss = runner(batches, global_token_count(batches, pstate))
-    opt.finalize_grads()
-    opt.step(cfg.optim.lr)
-    opt.finish_param_sync()
-    elapsed = time.perf_counter() - start
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss.item()}")
-    return elapsed
 
 
 def _build(pstate: ParallelState, size: str, flags: dict) -> tuple | str:
@@ -99,7 +62,7 @@ def _build(pstate: ParallelState, size: str, flags: dict) -> tuple | str:
         except ValueError as e:  # a strategy this build does not have
             return str(e)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=opt.start_grad_sync)
-        _step(runner, opt, pstate, cfg, step=0)
+        timed_step(runner, opt, pstate, cfg, step=0)
         peak = live.peak
     return cfg, runner, opt, peak
 
@@ -116,7 +79,7 @@ def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
     for step in range(1, steps + 2):  # one more warm-up round
         for name, (cfg, runner, opt, _) in setups.items():
             opt.traffic.reset()
-            elapsed = _step(runner, opt, pstate, cfg, step)
+            elapsed = timed_step(runner, opt, pstate, cfg, step)
             if step >= 2:
                 times[name].append(elapsed)
     for name, (_, _, opt, peak) in setups.items():
@@ -128,33 +91,6 @@ def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
                      "dp_calls": dict(opt.traffic.calls)}
         opt.close()
     return out
-
-
-def _spawned(rank: int, world: int, init_file: str, size: str, steps: int, queue) -> None:
-    torch.set_num_threads(1)
-    env = LaunchEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                    master_addr="127.0.0.1", master_port=0, source="bench", node_rank=0,
-                    num_nodes=1)
-    cfg = Config(parallel=ParallelConfig(distributed_backend="gloo"))
-    pstate = parallel_state.initialize(cfg, env=env, init_method=f"file://{init_file}")
-    try:
-        queue.put((rank, _measure(pstate, size, steps)))
-    finally:
-        parallel_state.destroy(pstate)
-
-
-def _run(dp: int, size: str, steps: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=_spawned, args=(r, dp, init_file, size, steps, queue))
-             for r in range(dp)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(dp)]
 
 
 def _table(dp: int, ranks: list[dict]) -> list[dict]:
@@ -196,7 +132,7 @@ def main() -> None:
           f"elements, median of {args.steps} steps")
     results = {}
     for dp in args.dp:
-        results[dp] = _table(dp, _run(dp, args.size, args.steps))
+        results[dp] = _table(dp, spawn_ranks(dp, _measure, args.size, args.steps))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"size": args.size, "device": "cpu (gloo)", "steps": args.steps,

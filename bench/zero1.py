@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,8 @@ def _config(size: str, dp: int, flags: dict) -> Config:
                                     bf16=torch.cuda.is_available()))
 
 
-def _batches(step: int, pstate: ParallelState, cfg: Config) -> list[dict[str, torch.Tensor]]:
+def batches(step: int, pstate: ParallelState, cfg: Config) -> list[dict[str, torch.Tensor]]:
+    """Step `step`'s ACCUMULATION random micro-batches of this DP rank (bench/sharding.py too)."""
     g = torch.Generator().manual_seed(step * 1000 + pstate.dp_rank)
     seq = cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (ACCUMULATION, MICRO, seq + 1), generator=g)
@@ -67,20 +69,24 @@ def _batches(step: int, pstate: ParallelState, cfg: Config) -> list[dict[str, to
             for t in tokens]
 
 
-def _step(runner: StepRunner, opt: Optimizer, pstate: ParallelState, cfg: Config, step: int
-          ) -> float:
-    batches = _batches(step, pstate, cfg)
+def timed_step(runner: StepRunner, opt: Optimizer, pstate: ParallelState, cfg: Config,
+               step: int) -> float:
+    """Seconds of one whole training step (backward, DP reduction, update, parameter sync)."""
+    data = batches(step, pstate, cfg)
     if pstate.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     opt.zero_grad()
-    runner(batches, global_token_count(batches, pstate))
+    loss = runner(data, global_token_count(data, pstate))
     opt.finalize_grads()
     opt.step(cfg.optim.lr)
     opt.finish_param_sync()
     if pstate.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"non-finite loss {loss.item()}")
+    return elapsed
 
 
 def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
@@ -94,7 +100,7 @@ def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
     for step in range(steps + 2):  # two warm-up rounds
         for name, (cfg, runner, opt) in setups.items():
             opt.traffic.reset()
-            elapsed = _step(runner, opt, pstate, cfg, step)
+            elapsed = timed_step(runner, opt, pstate, cfg, step)
             if step >= 2:
                 times[name].append(elapsed)
     out = {}
@@ -107,7 +113,8 @@ def _measure(pstate: ParallelState, size: str, steps: int) -> dict[str, dict]:
     return out
 
 
-def _spawned(rank: int, world: int, init_file: str, size: str, steps: int, queue) -> None:
+def _spawned(rank: int, world: int, init_file: str, measure: Callable, args: tuple,
+             queue) -> None:
     torch.set_num_threads(1)
     env = LaunchEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     master_addr="127.0.0.1", master_port=0, source="bench", node_rank=0,
@@ -115,9 +122,25 @@ def _spawned(rank: int, world: int, init_file: str, size: str, steps: int, queue
     cfg = Config(parallel=ParallelConfig(distributed_backend="gloo"))
     pstate = parallel_state.initialize(cfg, env=env, init_method=f"file://{init_file}")
     try:
-        queue.put((rank, _measure(pstate, size, steps)))
+        queue.put((rank, measure(pstate, *args)))
     finally:
         parallel_state.destroy(pstate)
+
+
+def spawn_ranks(world: int, measure: Callable, *args: object) -> list:
+    """`measure(pstate, *args)` on `world` spawned gloo ranks (one thread each): their results
+    by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    procs = [ctx.Process(target=_spawned, args=(r, world, init_file, measure, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world)]
 
 
 def _run(args: argparse.Namespace) -> tuple[list[dict], str]:
@@ -130,17 +153,8 @@ def _run(args: argparse.Namespace) -> tuple[list[dict], str]:
         finally:
             parallel_state.destroy(pstate)
         return (gathered if pstate.rank == 0 else []), str(pstate.device)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "rendezvous")
-    procs = [ctx.Process(target=_spawned, args=(r, args.nproc, init_file, args.size,
-                                                args.steps, queue)) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(args.nproc)], "cpu (gloo, 1 thread per rank)"
+    return (spawn_ranks(args.nproc, _measure, args.size, args.steps),
+            "cpu (gloo, 1 thread per rank)")
 
 
 def main() -> None:
