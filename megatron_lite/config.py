@@ -247,6 +247,11 @@ class TrainConfig:
     """Seed for weights, data order and mock data."""
     bf16: bool = False
     """bf16 weights and activations with fp32 master weights and fp32 gradient reduction."""
+    fp64: bool = False
+    """float64 weights, activations, gradients, reductions and optimizer state (torch
+    reference kernels): exact math, so a layout can be checked against one process far below
+    fp32's rounding noise (the equivalence tests run this way). Slow; for checking, not
+    training."""
     eval_interval: int = 1000
     """Evaluate on the validation split every this many iterations (and at the end)."""
     eval_iters: int = 10
@@ -640,6 +645,19 @@ def num_microbatches(cfg: Config, world_size: int) -> int:
     return gbs // (cfg.train.micro_batch_size * dp)
 
 
+def _fp64_errors(cfg: Config) -> list[str]:
+    """--fp64 is all-float64 or nothing: a bf16 weight, a bf16 reduction or an fp32 kernel would
+    bring back the rounding it exists to remove."""
+    if not cfg.train.fp64:
+        return []
+    clashes = [flag for flag, on in (("--bf16", cfg.train.bf16),
+                                     ("--grad-reduce-in-bf16", cfg.parallel.grad_reduce_in_bf16),
+                                     ("--triton-kernels on", cfg.model.triton_kernels == "on"))
+               if on]
+    return [f"--fp64 computes everything in float64 but {flag} is set; drop one of them"
+            for flag in clashes]
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks, run before anything is allocated. Raises ConfigError."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
@@ -655,6 +673,7 @@ def validate(cfg: Config, world_size: int) -> None:
             f"{replica} processes or change the parallel sizes"
         )
     errors += _context_parallel_errors(cfg)
+    errors += _fp64_errors(cfg)
     if model.hidden_size % model.num_attention_heads:
         errors.append(
             f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "

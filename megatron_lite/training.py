@@ -463,7 +463,15 @@ def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
+    if cfg.train.fp64:
+        return torch.float64
     return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def use_triton_kernels(cfg: Config, device: torch.device) -> bool:
+    """`--triton-kernels` resolved for `device`; never under --fp64 (the kernels compute in
+    fp32)."""
+    return not cfg.train.fp64 and resolve_use_triton(cfg.model.triton_kernels, device)
 
 
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
@@ -471,7 +479,7 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
     ZBV's V, where stage 0's head reuses its embedding)."""
     opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                         dtype=model_dtype(cfg),
-                        use_triton=resolve_use_triton(cfg.model.triton_kernels, pstate.device),
+                        use_triton=use_triton_kernels(cfg, pstate.device),
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
                         recompute_num_layers=cfg.train.recompute_num_layers or 1,
@@ -600,7 +608,7 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
     device = (torch.cuda.get_device_name(pstate.device) if pstate.device.type == "cuda"
               else f"CPU ({platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads)")
-    use_triton = resolve_use_triton(model_cfg.triton_kernels, pstate.device)
+    use_triton = use_triton_kernels(cfg, pstate.device)
     grid = format_grid(pstate.grid, full=cfg.logging.log_rank_grid)
     dims = "[pp][dp][cp]" if pstate.cp_size > 1 else "[pp][dp]"
     print("megatron_lite: resolved config\n" + json.dumps(cfg.to_dict(), indent=1), flush=True)

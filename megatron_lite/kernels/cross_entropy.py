@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_lite.kernels._launch import load_triton_module, row_block_and_warps, rows_per_program
+from megatron_lite.kernels._precision import upcast
 
 _MAX_BLOCK = 8192
 """Vocab columns per loop step of the Triton kernels: big enough to stream, small enough for
@@ -43,7 +44,7 @@ def _reference_forward(
     """
     n_rows, v_local = logits.shape
     n_valid = max(0, min(v_local, vocab_size - vocab_start))
-    x = logits[:, :n_valid].float()
+    x = upcast(logits[:, :n_valid])
     local_t = (target - vocab_start).clamp(0, max(n_valid - 1, 0)).unsqueeze(-1)
     on_rank = (target >= vocab_start) & (target < vocab_start + n_valid)
     if n_valid:
@@ -54,8 +55,8 @@ def _reference_forward(
         target_logit = x.new_zeros(n_rows)
     if _tp_size(tp_group) > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    fp32_out = grad_out is not None and grad_out.dtype == torch.float32
-    probs = (grad_out if fp32_out else logits.new_empty(logits.shape, dtype=torch.float32))
+    fp32_out = grad_out is not None and grad_out.dtype == x.dtype
+    probs = (grad_out if fp32_out else logits.new_empty(logits.shape, dtype=x.dtype))
     probs = probs[:, :n_valid]
     torch.sub(x, row_max.unsqueeze(-1), out=probs).exp_()
     sums = torch.stack((probs.sum(dim=-1), target_logit))
@@ -69,7 +70,7 @@ def _reference_forward(
     # softmax - onehot; ignored rows divide by inf, which zeroes them without another pass.
     probs.div_(sum_exp.masked_fill(ignored, float("inf")).unsqueeze(-1))
     if n_valid:
-        hit = (on_rank & ~ignored).to(torch.float32).unsqueeze(-1)
+        hit = (on_rank & ~ignored).to(x.dtype).unsqueeze(-1)
         probs.scatter_add_(-1, local_t, hit.neg())
     if not fp32_out:
         grad_out[:, :n_valid].copy_(probs)
@@ -123,7 +124,7 @@ def _traceable_cross_entropy(logits: Tensor, target: Tensor, vocab_size: int,
     backward (softmax - onehot, scaled), which beats the autograd.Function's saved gradient.
     The padding columns are sliced off, so their gradient is zero.
     """
-    x = logits[..., :vocab_size].float()
+    x = upcast(logits[..., :vocab_size])
     picked = x.gather(-1, target.clamp(0, vocab_size - 1).unsqueeze(-1)).squeeze(-1)
     return (torch.logsumexp(x, dim=-1) - picked).masked_fill(target == ignore_index, 0.0)
 

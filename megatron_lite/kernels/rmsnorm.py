@@ -20,13 +20,15 @@ from megatron_lite.kernels._launch import (
     row_block_and_warps,
     rows_per_program,
 )
+from megatron_lite.kernels._precision import upcast
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Plain-PyTorch RMSNorm in fp32, cast back to x's dtype; autograd gives the backward."""
-    xf = x.float()
+    """Plain-PyTorch RMSNorm in fp32 (float64 for float64), cast back to x's dtype;
+    autograd gives the backward."""
+    xf = upcast(x)
     inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    return (xf * inv_rms * upcast(weight)).to(x.dtype)
 
 
 def _rows(t: Tensor) -> Tensor:

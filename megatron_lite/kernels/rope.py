@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from megatron_lite.kernels._launch import load_triton_module, next_power_of_2, rows_per_program
+from megatron_lite.kernels._precision import upcast
 
 
 def rope_tables(
@@ -53,17 +54,19 @@ def _check_rotary_shapes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None
 
 
 def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    xf = x.float()
+    xf = upcast(x)
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Plain-PyTorch RoPE in fp32, cast back to the input dtype; autograd gives the backward."""
+    """Plain-PyTorch RoPE in fp32 (float64 for float64), cast back to the input dtype;
+    autograd gives the backward."""
     _check_rotary_shapes(q, k, cos, sin)
-    cos4 = cos.float()[:, None, None, :] if cos.dim() == 2 else cos.float()[:, :, None, :]
-    sin4 = sin.float()[:, None, None, :] if sin.dim() == 2 else sin.float()[:, :, None, :]
+    cos, sin = upcast(cos), upcast(sin)
+    cos4 = cos[:, None, None, :] if cos.dim() == 2 else cos[:, :, None, :]
+    sin4 = sin[:, None, None, :] if sin.dim() == 2 else sin[:, :, None, :]
     return _rotate_reference(q, cos4, sin4), _rotate_reference(k, cos4, sin4)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_lite.kernels._launch import load_triton_module, next_power_of_2, rows_per_program
+from megatron_lite.kernels._precision import upcast
 
 _TILE = 2048
 """Elements per program: 16 per thread at 4 warps, enough in flight to hide memory latency."""
@@ -26,8 +27,9 @@ def _tiling(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
-    """Plain-PyTorch SwiGLU in fp32, cast back to gate's dtype; autograd gives the backward."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    """Plain-PyTorch SwiGLU in fp32 (float64 for float64), cast back to gate's dtype;
+    autograd gives the backward."""
+    return (F.silu(upcast(gate)) * upcast(up)).to(gate.dtype)
 
 
 def _rows(t: Tensor) -> Tensor:

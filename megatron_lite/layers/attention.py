@@ -53,6 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_lite.kernels._precision import math_dtype, upcast
+
 
 @dataclass(frozen=True)
 class Ring:
@@ -243,8 +245,9 @@ class _RingAttention(torch.autograd.Function):
         steps = ring.size if ring is not None else 1
         b, hq, s, _ = q.shape
         computed = q.device.type != "meta"
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s), -math.inf, dtype=torch.float32, device=q.device)
+        acc = math_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), -math.inf, dtype=acc, device=q.device)
         local = ids.cpu() if computed else None
         kv, block_ids, plans = torch.stack([k, v]), ids, []
         for step in range(steps):
@@ -256,7 +259,7 @@ class _RingAttention(torch.autograd.Function):
                 acc_o, acc_l = _view(out, p, "q"), lse[p.rows[0]:p.rows[1], :, p.q[0]:p.q[1]]
                 new_l = torch.logaddexp(acc_l, o_lse)
                 acc_o.mul_(torch.exp(acc_l - new_l).unsqueeze(-1))
-                acc_o.add_(o.float() * torch.exp(o_lse - new_l).unsqueeze(-1))
+                acc_o.add_(upcast(o) * torch.exp(o_lse - new_l).unsqueeze(-1))
                 acc_l.copy_(new_l)
             plans.append(plan)
             if posted is not None:
@@ -272,11 +275,12 @@ class _RingAttention(torch.autograd.Function):
         ring, plans = ctx.ring, ctx.plans
         steps = len(plans)
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = math_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, dkv_posted, dkv = torch.stack([k, v]), None, None
         for step in range(steps):
             kv_posted = _Posted(ring, [kv], _KV_TAG) if step + 1 < steps else None
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for p in plans[step]:
                 gq, gk, gv = _block_backward(
                     _view(dout, p, "q"), _view(q, p, "q"), _view(kv[0], p, "k"),

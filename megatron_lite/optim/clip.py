@@ -25,20 +25,21 @@ def counts_toward_norm(param: nn.Parameter, pstate: ParallelState) -> bool:
     return not (tags.is_shared_embedding(param) and not pstate.is_first_stage)
 
 
-def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_dp: bool
-                ) -> Tensor:
+def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_dp: bool,
+                dtype: torch.dtype = torch.float32) -> Tensor:
     """L2 norm of the given (already de-duplicated) gradient pieces across all ranks.
 
-    Returns an fp32 scalar tensor; NaN/Inf anywhere propagates into it.
+    Returns a scalar tensor of `dtype` (the accumulation dtype, the same on every rank: fp32,
+    or float64 under --fp64); NaN/Inf anywhere propagates into it.
     """
     grads = [g for g in grads if g.numel()]
     if grads:
         # One fused pass per piece with fp32 accumulation (no fp32 copy of bf16 gradients),
         # the same reduction torch.nn.utils.clip_grad_norm_ uses.
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        norms = torch._foreach_norm(grads, 2, dtype=dtype)
         sq = torch.stack(norms).square().sum()
     else:
-        sq = torch.zeros((), dtype=torch.float32, device=pstate.device)
+        sq = torch.zeros((), dtype=dtype, device=pstate.device)
     group = pstate.world_group if sharded_over_dp else pstate.mp_group
     comms.all_reduce_(sq, group)
     return sq.sqrt()

@@ -141,6 +141,8 @@ class Optimizer:
         """ZeRO-3: only the owned parameter slices are kept; `fsdp` gathers them per unit."""
         self.overlap_grad_reduce = parallel.overlap_grad_reduce
         self.num_microbatches = num_microbatches_of(cfg, pstate.world_size)
+        self.math_dtype = torch.float64 if cfg.train.fp64 else torch.float32
+        """Masters, moments, reductions and norms (float64 only under --fp64)."""
         self.traffic = comms.Traffic()
         """DP bytes/calls of the gradient reduction and parameter gather (tests, bench)."""
         self.wait_clock = comms.WaitClock(pstate.device)
@@ -153,7 +155,7 @@ class Optimizer:
         self._names = [n for n, _, _ in named]
         units = zero3.unit_of_params(zero3.unit_modules(chunks)) if self.shard_params else None
         self._build_buffers(named, torch.bfloat16 if parallel.grad_reduce_in_bf16
-                            else torch.float32, units)
+                            else self.math_dtype, units)
         self._live: dict[BucketKey, torch.Tensor] = {}
         """ZeRO-2/3: bucket gradients accumulating since their last reduce-scatter."""
         self._seen: dict[BucketKey, set[int]] = {}
@@ -478,7 +480,7 @@ class Optimizer:
         self._finalized = False
         self.finish_param_sync()
         norm = global_norm([g for s in self.shards for g in s.norm_pieces()], self.pstate,
-                           sharded_over_dp=self.sharded)
+                           sharded_over_dp=self.sharded, dtype=self.math_dtype)
         norm_value = comms.host_scalar(norm)
         if not (norm.is_meta or math.isfinite(norm_value)):  # meta: a dry run, no values
             return StepResult(norm_value, skipped=True)
@@ -496,7 +498,8 @@ class Optimizer:
     def params_norm(self) -> float:
         """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""
         pieces = [s.buffer.param[r.start:r.end] for s in self.shards for r in s.norm_ranges]
-        return comms.host_scalar(global_norm(pieces, self.pstate, sharded_over_dp=self.sharded))
+        return comms.host_scalar(global_norm(pieces, self.pstate, sharded_over_dp=self.sharded,
+                                             dtype=self.math_dtype))
 
     def num_zeros_in_grad(self) -> int:
         """Reduced gradient elements that are exactly zero, each element once (after `step`,

@@ -52,7 +52,8 @@ class ParamInfo:
 
 
 class ShardState:
-    """fp32 masters and Adam moments for the owned ranges of one buffer.
+    """fp32 masters and Adam moments for the owned ranges of one buffer (float64 for float64
+    parameters, at least fp32 always).
 
     The reduced gradient of the owned ranges is read through `grad_at`/`bucket_grad_shard`:
     views of the buffer's full-size `grad`, or, when the buffer has none (ZeRO-2/3), of
@@ -67,9 +68,10 @@ class ShardState:
             self.offsets.append(self.offsets[-1] + r.size)
         n = self.offsets[-1]
         device = buffer.param.device
-        self.master = torch.empty(n, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        dtype = torch.promote_types(buffer.param.dtype, torch.float32)
+        self.master = torch.empty(n, dtype=dtype, device=device)
+        self.exp_avg = torch.zeros(n, dtype=dtype, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=dtype, device=device)
         self.grad = (torch.zeros(n, dtype=buffer.grad_dtype, device=device)
                      if buffer.grad is None else None)
         """ZeRO-2/3: the owned reduced gradient, shard coordinates (None: in `buffer.grad`)."""
@@ -189,16 +191,22 @@ class ShardState:
                 grad = (self.buffer.grad[start:start + r.size] if self.grad is None
                         else self.grad[r.start:r.end])
                 masters.append(self.master[r.start:r.end])
-                grads.append(grad if grad.dtype == torch.float32 else grad.float())
+                grads.append(grad.to(self.master.dtype))
                 exp_avgs.append(self.exp_avg[r.start:r.end])
                 exp_avg_sqs.append(self.exp_avg_sq[r.start:r.end])
-            if masters:
-                steps = [torch.full((), float(step), device=self.master.device)] * len(masters)
-                torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
-                                    lr=group_lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
-                                    weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False,
-                                    maximize=False,
-                                    grad_scale=grad_scale.float().reciprocal().reshape(()))
+            if not masters:
+                continue
+            scale = grad_scale.reshape(())
+            if self.master.dtype == torch.float64:
+                # The fused op takes an fp32 scale only; --fp64 scales in float64 first.
+                grads, scale = torch._foreach_mul(grads, scale.to(torch.float64)), None
+            else:
+                scale = scale.float().reciprocal()
+            steps = [torch.full((), float(step), device=self.master.device)] * len(masters)
+            torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+                                lr=group_lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                                weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False,
+                                maximize=False, grad_scale=scale)
         self.copy_master_to_params()
 
     def layout_meta(self) -> dict:

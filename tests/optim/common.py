@@ -18,6 +18,7 @@ from megatron_lite.layers.init import unshard
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count
+from tests.numerics import EXACT, assert_all_close
 
 # GQA, ffn not a power of two, vocab divisible by 8 so TP=1/2 pad it the same way.
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -29,14 +30,17 @@ GLOBAL_BATCH = 4
 
 
 def make_config(*, tp: int = 1, pp: int = 1, global_batch: int = GLOBAL_BATCH, micro: int = 1,
-                bf16: bool = False, lr: float | None = None, **parallel: object) -> Config:
+                bf16: bool = False, fp64: bool | None = None, lr: float | None = None,
+                **parallel: object) -> Config:
+    """The tests' config; float64 (exact math, tests/numerics.py) unless bf16 or fp64=False."""
     return Config(model=replace(MODEL),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                           pipeline_model_parallel_size=pp,
                                           distributed_backend="gloo", **parallel),
                   optim=replace(OPTIM, lr=lr or OPTIM.lr),
                   train=TrainConfig(micro_batch_size=micro, global_batch_size=global_batch,
-                                    seed=11, bf16=bf16))
+                                    seed=11, bf16=bf16,
+                                    fp64=(not bf16) if fp64 is None else fp64))
 
 
 def step_batches(step: int, dp_rank: int, dp_size: int, micro: int,
@@ -98,19 +102,19 @@ def model_parameters(chunks: list) -> dict[str, Tensor]:
                 parts[1] = str(chunk.layer_ids[int(parts[1])])
             if tags.is_shared_embedding(p):
                 parts = ["embedding", "weight"]
-            out[".".join(parts)] = p.detach().float().clone()
+            out[".".join(parts)] = p.detach().clone()
     return out
 
 
-def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | None = None
-                    ) -> dict:
-    """One process, `.grad` accumulation, torch clip + AdamW.
+def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | None = None,
+                    fp64: bool = True) -> dict:
+    """One process, `.grad` accumulation, torch clip + AdamW; float64 unless fp64=False.
 
-    Micro-batches of one sample, like the DP ranks': a [2, s] matmul does not round like two
-    [1, s] ones, and Adam turns that noise into ~1e-5 weight differences within 10 steps.
-    The only difference left is the order in which per-sample gradients are summed.
+    Micro-batches of one sample, like the DP ranks', so the only difference left is the order
+    in which per-sample gradients are summed (in fp32 a [2, s] matmul does not round like two
+    [1, s] ones, and Adam turns that into ~1e-5 weight differences within 10 steps).
     """
-    cfg = make_config(micro=1, global_batch=global_batch, lr=lr)
+    cfg = make_config(micro=1, global_batch=global_batch, lr=lr, fp64=fp64)
     pstate = single_process_state()
     model = build_model(cfg, pstate)[0]
     params = list(model.parameters())
@@ -140,12 +144,7 @@ def full_params(ranks: list[dict], tp: int) -> dict[str, Tensor]:
             for n in first[0]["params"]}
 
 
-def rel_err(a: Tensor, b: Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def assert_same_params(got: dict[str, Tensor], ref: dict[str, Tensor], tol: float) -> None:
-    assert got.keys() == ref.keys()
-    for name in ref:
-        err = rel_err(got[name], ref[name])
-        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+def assert_same_params(got: dict[str, Tensor], ref: dict[str, Tensor], tol: float = EXACT
+                       ) -> float:
+    """Every weight within `tol` (float64 runs: tests/numerics.EXACT); returns the worst."""
+    return assert_all_close(got, ref, tol)

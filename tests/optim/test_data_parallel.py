@@ -13,12 +13,12 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import build_model
 from tests.distributed import run_ranks
+from tests.numerics import rel_err
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
     full_params,
     make_config,
-    rel_err,
     run_steps,
     train_ours,
     train_reference,

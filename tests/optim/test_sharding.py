@@ -12,12 +12,12 @@ import pytest
 
 from tests.checkpoint.common import relayout
 from tests.distributed import run_ranks
+from tests.numerics import rel_err
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
     full_params,
     make_config,
-    rel_err,
     train_ours,
     train_reference,
 )

@@ -20,13 +20,13 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count, reduce_loss
 from tests.distributed import run_ranks
+from tests.numerics import rel_err
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
     full_params,
     make_config,
     model_parameters,
-    rel_err,
     step_batches,
     train_reference,
 )
