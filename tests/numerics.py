@@ -34,8 +34,8 @@ FLOOR_FACTOR = 4.0
 def rel_err(got: Tensor | float | Sequence[float], ref: Tensor | float | Sequence[float]
             ) -> float:
     """||got - ref|| / ||ref||, computed in float64 (0 when both are zero)."""
-    a = torch.as_tensor(got).detach().to(torch.float64)
-    b = torch.as_tensor(ref).detach().to(torch.float64)
+    a, b = (x.detach().to(torch.float64) if isinstance(x, Tensor)
+            else torch.tensor(x, dtype=torch.float64) for x in (got, ref))
     if a.shape != b.shape:
         raise AssertionError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     diff = (a - b).norm().item()
