@@ -270,6 +270,8 @@ class StepRunner:
         self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
         self.on_grads_ready = on_grads_ready  # starts a chunk's DP reduction (overlap)
         self._schedules: dict[tuple[int, bool], list] = {}
+        # a stage without the head returns a zero loss of the head's dtype (all-reduced with it)
+        self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         self.comm = None
         self.timer = ComputeTimer(pstate.device)  # this rank's training fwd/bwd, for stragglers
         if pstate.pp_size > 1:
@@ -298,7 +300,8 @@ class StepRunner:
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        return (torch.stack(losses).sum() if losses
+                else torch.zeros((), dtype=self.loss_dtype, device=device))
 
 
 def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_tokens: Tensor
