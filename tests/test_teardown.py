@@ -51,7 +51,8 @@ def _group_refcounts(pstate: ParallelState, flags: list[str]) -> tuple[list[int]
 
 
 @pytest.mark.parametrize("extra,world,tp,pp", [
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 2, 1),
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 2, 1,
+                 marks=pytest.mark.quick),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
       "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 4, 2, 2),
 ], ids=["tp2-sp", "tp2-pp2-zero1-overlap"])
