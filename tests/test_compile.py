@@ -25,6 +25,7 @@ from megatron_lite.training import train
 from tests.distributed import run_ranks
 from tests.numerics import assert_close
 from tests.test_pretrain import layout_state, single_process_run
+from tests.test_regression import inductor_cache_per_capability
 
 FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
          "4", "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "97",
@@ -60,8 +61,10 @@ def _train_compiled(world: ParallelState, names: list[str]
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> list[dict]:
-    return run_ranks(_train_compiled, 2, tmp_path_factory.mktemp("compile"), timeout=280,
-                     names=sorted(LAYOUTS))
+    with pytest.MonkeyPatch.context() as mp:
+        inductor_cache_per_capability(mp)  # the ranks inherit it
+        return run_ranks(_train_compiled, 2, tmp_path_factory.mktemp("compile"), timeout=280,
+                         names=sorted(LAYOUTS))
 
 
 @pytest.mark.slow

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import getpass
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,10 +83,21 @@ def test_loss_curve_matches_asset() -> None:
     assert sum(losses[-10:]) / 10 < sum(losses[:3]) / 3 - 0.5
 
 
+def inductor_cache_per_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ATEN_CPU_CAPABILITY, Inductor's on-disk cache of its own: its key misses the
+    capability, so C++ generated for AVX-512 (at::vec) is reloaded and fails to build under
+    `default` (CppCompileError: 'at::vec' has not been declared)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(
+            Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_{capability}"))
+
+
 def test_compiled_loss_curve_matches_asset(monkeypatch) -> None:
     """--compile (Inductor's fused kernels) stays inside the same tolerance as eager."""
     # compile in-process: starting a worker pool costs more than it saves for one tiny model
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    inductor_cache_per_capability(monkeypatch)
     _check(tiny_losses(["--compile"]), _stored(), "the compiled curve")
 
 
