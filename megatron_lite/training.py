@@ -265,6 +265,8 @@ class StepRunner:
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                  on_grads_ready: Callable[[int], None] | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        # the head's loss dtype, so that stages without it all-reduce a zero of the same dtype
+        self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         self.kind = pipeline_schedule(cfg.parallel)
         # zero-bubble timelines are built for the layers' F, B and W FLOP ratios
         self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
@@ -298,7 +300,8 @@ class StepRunner:
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        return (torch.stack(losses).sum() if losses
+                else torch.zeros((), device=device, dtype=self.loss_dtype))
 
 
 def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_tokens: Tensor

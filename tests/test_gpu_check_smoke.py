@@ -19,6 +19,7 @@ import torch
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
+from tests.numerics import EXACT
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -87,9 +88,14 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
     assert not result["host_tensor_refused"]
     assert {name: run["status"] for name, run in result["runs"].items()} == \
         {"tp2_sp": "ok", "pp2": "ok", "cp2": "ok", "zero3": "ok"}
+    # float64 on the CPU: every layout's five losses equal one process's to EXACT (1e-10)
+    assert "--fp64" in result["flags"]
     text = (tmp_path / "multirank.txt").read_text()
+    assert "cpu device, float64," in text.splitlines()[0]
     for name in ("tp2_sp", "pp2", "cp2", "zero3"):
         assert f"{name}: ok: 5/5 losses" in text
+        assert f"(tolerance {EXACT:g})" in result["runs"][name]["reason"]
+        print(name, result["runs"][name]["reason"])
 
 
 def test_probe_results_name_the_op_a_rank_died_in(tmp_path) -> None:
