@@ -6,6 +6,7 @@ under a fake process group, in this one process; nothing here needs several proc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pretrain
 from megatron_lite import training
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import JSONL_KEYS, run_rank
@@ -59,15 +61,17 @@ def _cfg(extra: list[str]):
     return parse_config([*TINY, "--dry-run", *extra])
 
 
-def _all_ranks(world: int, extra: list[str]) -> dict:
+@functools.cache
+def _all_ranks(layout: str) -> dict:
+    """Every rank of a LAYOUTS entry, dry-run once per module (read-only to the tests)."""
+    world, extra = LAYOUTS[layout]
     cfg = _cfg(extra)
     return {r: run_rank(cfg, world, r) for r in range(world)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_rank_of_a_layout_matches(layout: str) -> None:
-    world, extra = LAYOUTS[layout]
-    results = _all_ranks(world, extra)
+    results = _all_ranks(layout)
     assert match({r: res.ops for r, res in results.items()}) is None
     for res in results.values():
         assert res.collectives > 0 and res.comm_bytes > 0
@@ -98,7 +102,7 @@ def test_a_perturbed_schedule_on_one_rank_is_named() -> None:
     """Rank 5 runs a step with more micro-batches than its peers: its pipeline transfers
     and its TP collectives no longer line up, and the matcher says where."""
     world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
-    results = {r: res.ops for r, res in _all_ranks(world, extra).items()}
+    results = {r: res.ops for r, res in _all_ranks("tp2-pp2-v2-dp2-zero1-overlaps").items()}
     other = [*extra[:extra.index("--global-batch-size")], "--global-batch-size", "16", "--bf16"]
     results[5] = run_rank(_cfg(other), world, 5).ops
     problem = match(results)
@@ -175,6 +179,7 @@ def _rank(extra: list[str], world: int, rank: int):
 
 
 def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[dict]]:
+    """The script's dry run as a real process: bash execs `$PYTHON pretrain.py ...`."""
     out = tmp_path / f"{script}.jsonl"
     env = {**os.environ, "DRY_RUN": ranks, "PYTHON": sys.executable,
            "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path)}
@@ -182,6 +187,27 @@ def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _script_dry_run_in_process(script: str, ranks: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture) -> tuple[str, list[dict]]:
+    """The same, with the interpreter's start-up and first-use imports saved: $PYTHON is a
+    stub that records the command line bash execs (and where), which then runs here through
+    `pretrain.main`, the function `python pretrain.py` calls."""
+    out, argv_file, stub = (tmp_path / f"{script}.jsonl", tmp_path / "argv",
+                            tmp_path / "python")
+    stub.write_text(f'#!/bin/bash\npwd > {argv_file}\nprintf "%s\\n" "$@" >> {argv_file}\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "DRY_RUN": ranks, "PYTHON": str(stub),
+           "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cwd, program, *argv = argv_file.read_text().splitlines()
+    assert Path(cwd) == ROOT and program == "pretrain.py", (cwd, program)
+    capsys.readouterr()
+    assert pretrain.main(argv) == 0
+    return capsys.readouterr().out, [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def _assert_near_planner(records: list[dict]) -> None:
@@ -192,20 +218,26 @@ def _assert_near_planner(records: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path) -> None:
+def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path, capsys) -> None:
     """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023."""
-    stdout, records = _script_dry_run("pretrain_llama_70b.sh", "0 7 1023", tmp_path)
+    stdout, records = _script_dry_run_in_process("pretrain_llama_70b.sh", "0 7 1023", tmp_path,
+                                                 capsys)
     assert "world size 1024 = pp 8 x dp 16 x tp 8" in stdout
     assert [r["rank"] for r in records] == [0, 7, 1023]
     _assert_near_planner(records)
 
 
-@pytest.mark.parametrize(("script", "ranks", "layout"), [
-    ("pretrain_llama_1b.sh", "0 15", "world size 16 = pp 1 x dp 16 x tp 1"),
-    ("pretrain_llama_8b.sh", "0 63", "world size 64 = pp 1 x dp 32 x tp 2")])
-def test_1b_and_8b_scripts_match_the_planner(script, ranks, layout, tmp_path) -> None:
-    stdout, records = _script_dry_run(script, ranks, tmp_path)
+@pytest.mark.parametrize(("script", "ranks", "layout", "process"), [
+    ("pretrain_llama_1b.sh", "0 15", "world size 16 = pp 1 x dp 16 x tp 1", True),
+    ("pretrain_llama_8b.sh", "0 63", "world size 64 = pp 1 x dp 32 x tp 2", False)])
+def test_1b_and_8b_scripts_match_the_planner(script, ranks, layout, process, tmp_path,
+                                             capsys) -> None:
+    """The 1B script runs its real `python pretrain.py` process; the 8B (and 70B) command
+    lines run in this process."""
+    stdout, records = (_script_dry_run(script, ranks, tmp_path) if process
+                       else _script_dry_run_in_process(script, ranks, tmp_path, capsys))
     assert layout in stdout
+    assert [r["rank"] for r in records] == [int(r) for r in ranks.split()]
     _assert_near_planner(records)
 
 
@@ -220,25 +252,23 @@ def test_70b_sequence_parallel_at_most_halves_activations() -> None:
     assert abs(without.activation_bytes / without.planner_activation_bytes - 1) < 0.10
 
 
-def test_cli_matches_all_ranks_and_writes_jsonl(tmp_path) -> None:
+def test_cli_matches_all_ranks_and_writes_jsonl(tmp_path, capsys) -> None:
+    """`pretrain.py --dry-run ... --dry-run-ranks all` through pretrain.main, in process."""
     world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
     out = tmp_path / "dry.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", str(world), *extra,
-         "--dry-run-ranks", "all", "--log-jsonl", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "collectives matched" in proc.stdout
+    rc = pretrain.main([*TINY, "--dry-run", "--world-size", str(world), *extra,
+                        "--dry-run-ranks", "all", "--log-jsonl", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
+    assert "collectives matched" in stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["rank"] for r in records] == list(range(world))
     assert all(tuple(r) == JSONL_KEYS for r in records)
 
 
-def test_cli_refuses_a_rank_outside_the_world() -> None:
-    proc = subprocess.run(
-        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", "4",
-         "--dry-run-ranks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--dry-run-ranks 4" in proc.stderr
+def test_cli_refuses_a_rank_outside_the_world(capsys) -> None:
+    rc = pretrain.main([*TINY, "--dry-run", "--world-size", "4", "--dry-run-ranks", "4"])
+    assert rc == 2 and "--dry-run-ranks 4" in capsys.readouterr().err
 
 
 def test_a_large_rank_grid_is_summarized_unless_asked() -> None:
