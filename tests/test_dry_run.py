@@ -130,6 +130,7 @@ def test_matcher_names_missing_receive_shape_mismatch_and_deadlock() -> None:
     assert "deadlock" in match(locked)
 
 
+@pytest.mark.quick
 def test_a_host_tensor_in_a_collective_is_refused(monkeypatch) -> None:
     """The bug class NCCL finds at start-up: a count built on the host and all-reduced."""
     def host_count(batches, pstate):

@@ -32,14 +32,19 @@ def _load(relpath: str):
     return module
 
 
-def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "bench/gpu_train.py", "--model", "tiny", "--device", "cpu",
-         "--compile-backend", "eager", "--steps", "4", "--warmup", "2", "--out", str(tmp_path)],
-        cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path, monkeypatch, capfd) -> None:
+    """The parent (bench/gpu_train.py's main) runs here, its two sides as its own child
+    processes, as on a GPU."""
+    for key, value in CPU_ENV.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    bench = _load("bench/gpu_train.py")
+    rc = bench.main(["--model", "tiny", "--device", "cpu", "--compile-backend", "eager",
+                     "--steps", "4", "--warmup", "2", "--out", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
     row = json.loads((tmp_path / "gpu_train_tiny.json").read_text())
-    cfg = parse_config(_load("bench/gpu_train.py").MODELS["tiny"])
+    cfg = parse_config(bench.MODELS["tiny"])
     assert row["flops_per_token"] == training_flops_per_token(
         ModelShape.from_config(cfg.model), 64)
     ours, plain = row["ours"], row["plain"]
@@ -127,6 +132,7 @@ def test_gpu_check_script_parses_and_stops_without_cuda(tmp_path) -> None:
         proc.stdout + proc.stderr
 
 
+@pytest.mark.quick
 def test_gpu_train_report_names_what_failed() -> None:
     """An OOM on either side still reports the other side, the error and the memory numbers."""
     bench = _load("bench/gpu_train.py")

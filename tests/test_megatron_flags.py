@@ -83,6 +83,7 @@ def _matching_values(rule: str, nargs: str) -> list[str]:
     return [] if nargs == "0" else ["anything"]
 
 
+@pytest.mark.quick
 def test_every_table_flag_is_implemented_accepted_or_refused_by_name() -> None:
     """No Megatron flag reaches "unrecognized arguments": ours are our own flags, fixed ones
     parse and are taken with a matching value, refused ones stop naming the flag."""

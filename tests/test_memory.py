@@ -87,6 +87,7 @@ def test_planner_matches_measured_state_and_activation_bytes(measured, layout: s
         assert 0.75 <= ratio <= 1.25, (layout, rank, ratio)
 
 
+@pytest.mark.quick
 def test_dry_run_needs_no_process_group() -> None:
     cfg = parse_config([*MODEL, "--tensor-model-parallel-size", "8",
                         "--pipeline-model-parallel-size", "4", "--num-layers", "8",
