@@ -72,6 +72,7 @@ def _in_process(argv: list[str], monkeypatch: pytest.MonkeyPatch,
     module = argv[1] if argv[0] == "-m" else None
     args = argv[2:] if module else argv[1:]
     monkeypatch.setattr(sys, "argv", [module or argv[0], *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts prepend the repository root
     monkeypatch.chdir(ROOT)
     capfd.readouterr()
     try:
