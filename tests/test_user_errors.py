@@ -75,6 +75,7 @@ def _in_process(argv: list[str], monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(sys, "path", list(sys.path))  # scripts prepend the repository root
     monkeypatch.chdir(ROOT)
     capfd.readouterr()
+    grad = torch.is_grad_enabled()  # scripts/generate.py turns autograd off for its process
     try:
         with warnings.catch_warnings():  # "found in sys.modules": it was imported already
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -85,6 +86,8 @@ def _in_process(argv: list[str], monkeypatch: pytest.MonkeyPatch,
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        torch.set_grad_enabled(grad)
     out, err = capfd.readouterr()
     assert not torch.distributed.is_initialized()  # the entrypoint tore down what it set up
     return subprocess.CompletedProcess(argv, code, out, err)
