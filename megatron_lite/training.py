@@ -265,13 +265,13 @@ class StepRunner:
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                  on_grads_ready: Callable[[int], None] | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        # the head's loss dtype, so that stages without it all-reduce a zero of the same dtype
+        self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         self.kind = pipeline_schedule(cfg.parallel)
         # zero-bubble timelines are built for the layers' F, B and W FLOP ratios
         self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
         self.on_grads_ready = on_grads_ready  # starts a chunk's DP reduction (overlap)
         self._schedules: dict[tuple[int, bool], list] = {}
-        # a stage without the head returns a zero loss of the head's dtype (all-reduced with it)
-        self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         self.comm = None
         self.timer = ComputeTimer(pstate.device)  # this rank's training fwd/bwd, for stragglers
         if pstate.pp_size > 1:

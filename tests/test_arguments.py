@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron_lite.arguments import all_flags, build_parser, parse_config
 
 SNAPSHOT = Path(__file__).parent / "assets" / "cli_flags.json"
 
 
+@pytest.mark.quick
 def test_flag_snapshot() -> None:
     """Regenerate with: python -c "import json; from megatron_lite.arguments import all_flags;
     print(json.dumps(all_flags(), indent=1))" > tests/assets/cli_flags.json"""

@@ -50,6 +50,7 @@ def test_valid_layouts_pass() -> None:
                            "--global-batch-size", "8"]), 4)
 
 
+@pytest.mark.quick
 def test_pretrain_rejects_before_process_groups(monkeypatch, capsys) -> None:
     """A torchrun-launched rank with a bad layout exits 2 without touching torch.distributed."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3",

@@ -6,6 +6,8 @@ under a fake process group, in this one process; nothing here needs several proc
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -15,14 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import pretrain
 from megatron_lite import training
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import JSONL_KEYS, run_rank
+from megatron_lite.kernels import resolve_use_triton
 from megatron_lite.memory import LiveBytes, dry_run_report
 from megatron_lite.optim import zero1
 from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, DeviceDisciplineError, match
+from megatron_lite.planner import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -59,15 +64,17 @@ def _cfg(extra: list[str]):
     return parse_config([*TINY, "--dry-run", *extra])
 
 
-def _all_ranks(world: int, extra: list[str]) -> dict:
+@functools.cache
+def _all_ranks(layout: str) -> dict:
+    """Every rank of a LAYOUTS entry, dry-run once per module (read-only to the tests)."""
+    world, extra = LAYOUTS[layout]
     cfg = _cfg(extra)
     return {r: run_rank(cfg, world, r) for r in range(world)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_rank_of_a_layout_matches(layout: str) -> None:
-    world, extra = LAYOUTS[layout]
-    results = _all_ranks(world, extra)
+    results = _all_ranks(layout)
     assert match({r: res.ops for r, res in results.items()}) is None
     for res in results.values():
         assert res.collectives > 0 and res.comm_bytes > 0
@@ -98,7 +105,7 @@ def test_a_perturbed_schedule_on_one_rank_is_named() -> None:
     """Rank 5 runs a step with more micro-batches than its peers: its pipeline transfers
     and its TP collectives no longer line up, and the matcher says where."""
     world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
-    results = {r: res.ops for r, res in _all_ranks(world, extra).items()}
+    results = {r: res.ops for r, res in _all_ranks("tp2-pp2-v2-dp2-zero1-overlaps").items()}
     other = [*extra[:extra.index("--global-batch-size")], "--global-batch-size", "16", "--bf16"]
     results[5] = run_rank(_cfg(other), world, 5).ops
     problem = match(results)
@@ -123,6 +130,7 @@ def test_matcher_names_missing_receive_shape_mismatch_and_deadlock() -> None:
     assert "deadlock" in match(locked)
 
 
+@pytest.mark.quick
 def test_a_host_tensor_in_a_collective_is_refused(monkeypatch) -> None:
     """The bug class NCCL finds at start-up: a count built on the host and all-reduced."""
     def host_count(batches, pstate):
@@ -175,6 +183,7 @@ def _rank(extra: list[str], world: int, rank: int):
 
 
 def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[dict]]:
+    """The script's dry run as a real process: bash execs `$PYTHON pretrain.py ...`."""
     out = tmp_path / f"{script}.jsonl"
     env = {**os.environ, "DRY_RUN": ranks, "PYTHON": sys.executable,
            "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path)}
@@ -182,6 +191,29 @@ def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _script_dry_run_in_process(script: str, ranks: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture, **env_vars: str
+                               ) -> tuple[str, list[dict], list[str]]:
+    """The same, with the interpreter's start-up and first-use imports saved: $PYTHON is a
+    stub that records the command line bash execs (and where), which then runs here through
+    `pretrain.main`, the function `python pretrain.py` calls. Also returns that command line."""
+    out, argv_file, stub = (tmp_path / f"{script}.jsonl", tmp_path / "argv",
+                            tmp_path / "python")
+    stub.write_text(f'#!/bin/bash\npwd > {argv_file}\nprintf "%s\\n" "$@" >> {argv_file}\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "DRY_RUN": ranks, "PYTHON": str(stub),
+           "EXTRA_ARGS": f"--log-jsonl {out}", "RUN_DIR": str(tmp_path), **env_vars}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cwd, program, *argv = argv_file.read_text().splitlines()
+    assert Path(cwd) == ROOT and program == "pretrain.py", (cwd, program)
+    capsys.readouterr()
+    assert pretrain.main(argv) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return capsys.readouterr().out, records, argv
 
 
 def _assert_near_planner(records: list[dict]) -> None:
@@ -192,20 +224,44 @@ def _assert_near_planner(records: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path) -> None:
-    """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023."""
-    stdout, records = _script_dry_run("pretrain_llama_70b.sh", "0 7 1023", tmp_path)
+def test_70b_script_on_1024_states_and_activations_match_the_planner(tmp_path, capsys) -> None:
+    """scripts/pretrain_llama_70b.sh's own flags: first-stage ranks 0 and 7, last-stage 1023.
+
+    With the script's GBS knob at 256 instead of 1,024: 16 micro-batches per pipeline instead
+    of 64, a quarter of the step. The states do not depend on it, and the peak activations
+    neither: the interleaved schedule's warm-up (2(p-1) + (v-1)p = 46 chunk forwards on stage
+    0) is already shorter than the step's 80, so the same micro-batches are in flight at the
+    peak, as the planner's estimate for the script's own 1,024 says (asserted the same)."""
+    stdout, records, argv = _script_dry_run_in_process("pretrain_llama_70b.sh", "0 7 1023",
+                                                       tmp_path, capsys, GBS="256")
+    at = argv.index("--global-batch-size") + 1
+    assert argv[at] == "256"
+    cfgs = [parse_config([*argv[:at], gbs, *argv[at + 1:]]) for gbs in ("256", "1024")]
+    for r in records:  # the planner as run_rank asks it, at this run's GBS and the script's
+        here, script_gbs = (estimate_memory(cfg, 1024, stage=r["pp_rank"], fused_kernels=(
+            resolve_use_triton(cfg.model.triton_kernels, torch.device("meta")))) for cfg in cfgs)
+        assert r["planner_activation_bytes"] == int(here.activation_bytes), r
+        # in flight and per micro-batch the same; the total only by what grows with the
+        # micro-batch count (1.1 MB of 14 GB on stage 0)
+        assert dataclasses.replace(here, activation_bytes=0) == dataclasses.replace(
+            script_gbs, activation_bytes=0), r
+        assert here.activation_bytes == pytest.approx(script_gbs.activation_bytes, rel=1e-3)
     assert "world size 1024 = pp 8 x dp 16 x tp 8" in stdout
     assert [r["rank"] for r in records] == [0, 7, 1023]
     _assert_near_planner(records)
 
 
-@pytest.mark.parametrize(("script", "ranks", "layout"), [
-    ("pretrain_llama_1b.sh", "0 15", "world size 16 = pp 1 x dp 16 x tp 1"),
-    ("pretrain_llama_8b.sh", "0 63", "world size 64 = pp 1 x dp 32 x tp 2")])
-def test_1b_and_8b_scripts_match_the_planner(script, ranks, layout, tmp_path) -> None:
-    stdout, records = _script_dry_run(script, ranks, tmp_path)
+@pytest.mark.parametrize(("script", "ranks", "layout", "process"), [
+    ("pretrain_llama_1b.sh", "0 15", "world size 16 = pp 1 x dp 16 x tp 1", True),
+    ("pretrain_llama_8b.sh", "0 63", "world size 64 = pp 1 x dp 32 x tp 2", False)])
+def test_1b_and_8b_scripts_match_the_planner(script, ranks, layout, process, tmp_path,
+                                             capsys) -> None:
+    """The 1B script runs its real `python pretrain.py` process; the 8B (and 70B) command
+    lines run in this process."""
+    stdout, records = (_script_dry_run(script, ranks, tmp_path) if process
+                       else _script_dry_run_in_process(script, ranks, tmp_path, capsys)[:2])
     assert layout in stdout
+    assert [r["rank"] for r in records] == [int(r) for r in ranks.split()]
     _assert_near_planner(records)
 
 
@@ -220,25 +276,23 @@ def test_70b_sequence_parallel_at_most_halves_activations() -> None:
     assert abs(without.activation_bytes / without.planner_activation_bytes - 1) < 0.10
 
 
-def test_cli_matches_all_ranks_and_writes_jsonl(tmp_path) -> None:
+def test_cli_matches_all_ranks_and_writes_jsonl(tmp_path, capsys) -> None:
+    """`pretrain.py --dry-run ... --dry-run-ranks all` through pretrain.main, in process."""
     world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
     out = tmp_path / "dry.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", str(world), *extra,
-         "--dry-run-ranks", "all", "--log-jsonl", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "collectives matched" in proc.stdout
+    rc = pretrain.main([*TINY, "--dry-run", "--world-size", str(world), *extra,
+                        "--dry-run-ranks", "all", "--log-jsonl", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
+    assert "collectives matched" in stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["rank"] for r in records] == list(range(world))
     assert all(tuple(r) == JSONL_KEYS for r in records)
 
 
-def test_cli_refuses_a_rank_outside_the_world() -> None:
-    proc = subprocess.run(
-        [sys.executable, "pretrain.py", *TINY, "--dry-run", "--world-size", "4",
-         "--dry-run-ranks", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--dry-run-ranks 4" in proc.stderr
+def test_cli_refuses_a_rank_outside_the_world(capsys) -> None:
+    rc = pretrain.main([*TINY, "--dry-run", "--world-size", "4", "--dry-run-ranks", "4"])
+    assert rc == 2 and "--dry-run-ranks 4" in capsys.readouterr().err
 
 
 def test_a_large_rank_grid_is_summarized_unless_asked() -> None:

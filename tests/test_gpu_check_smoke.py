@@ -19,6 +19,7 @@ import torch
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
+from tests.numerics import EXACT
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -31,14 +32,19 @@ def _load(relpath: str):
     return module
 
 
-def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "bench/gpu_train.py", "--model", "tiny", "--device", "cpu",
-         "--compile-backend", "eager", "--steps", "4", "--warmup", "2", "--out", str(tmp_path)],
-        cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path, monkeypatch, capfd) -> None:
+    """The parent (bench/gpu_train.py's main) runs here, its two sides as its own child
+    processes, as on a GPU."""
+    for key, value in CPU_ENV.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    bench = _load("bench/gpu_train.py")
+    rc = bench.main(["--model", "tiny", "--device", "cpu", "--compile-backend", "eager",
+                     "--steps", "4", "--warmup", "2", "--out", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
     row = json.loads((tmp_path / "gpu_train_tiny.json").read_text())
-    cfg = parse_config(_load("bench/gpu_train.py").MODELS["tiny"])
+    cfg = parse_config(bench.MODELS["tiny"])
     assert row["flops_per_token"] == training_flops_per_token(
         ModelShape.from_config(cfg.model), 64)
     ours, plain = row["ours"], row["plain"]
@@ -87,9 +93,14 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
     assert not result["host_tensor_refused"]
     assert {name: run["status"] for name, run in result["runs"].items()} == \
         {"tp2_sp": "ok", "pp2": "ok", "cp2": "ok", "zero3": "ok"}
+    # float64 on the CPU: every layout's five losses equal one process's to EXACT (1e-10)
+    assert "--fp64" in result["flags"]
     text = (tmp_path / "multirank.txt").read_text()
+    assert "cpu device, float64," in text.splitlines()[0]
     for name in ("tp2_sp", "pp2", "cp2", "zero3"):
         assert f"{name}: ok: 5/5 losses" in text
+        assert f"(tolerance {EXACT:g})" in result["runs"][name]["reason"]
+        print(name, result["runs"][name]["reason"])
 
 
 def test_probe_results_name_the_op_a_rank_died_in(tmp_path) -> None:
@@ -121,6 +132,7 @@ def test_gpu_check_script_parses_and_stops_without_cuda(tmp_path) -> None:
         proc.stdout + proc.stderr
 
 
+@pytest.mark.quick
 def test_gpu_train_report_names_what_failed() -> None:
     """An OOM on either side still reports the other side, the error and the memory numbers."""
     bench = _load("bench/gpu_train.py")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # component -> megatron_lite components it may import (itself is always allowed)
@@ -57,6 +59,7 @@ def _component(path: Path) -> str:
     return rel.parts[0].removesuffix(".py")
 
 
+@pytest.mark.quick
 def test_megatron_lite_imports_flow_one_way() -> None:
     problems = []
     for path in sorted((ROOT / "megatron_lite").rglob("*.py")):

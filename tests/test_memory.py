@@ -15,7 +15,7 @@ from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import run_rank
 from megatron_lite.memory import dry_run_report, measure_saved_bytes
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.planner import estimate_memory, sharding_formula, stage_params
 from megatron_lite.training import build_model
 from tests.distributed import run_ranks
@@ -49,21 +49,45 @@ def _measure(pstate: ParallelState, flags: list[str]) -> dict:
                     est.activation_bytes_per_microbatch)}
 
 
+def _measure_each(pstate: ParallelState, flag_sets: list[list[str]]) -> list[dict]:
+    """`_measure` for several layouts of the same process grid, one spawn for them all."""
+    return [_measure(pstate, flags) for flags in flag_sets]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, list[dict]]:
+    """Per layout, per rank: `_measure`. Layouts of the same (world, tp, pp) share one set of
+    spawned ranks (the two DP=2 ones); one process alone needs no spawn."""
+    tmp = tmp_path_factory.mktemp("memory")
+    grids: dict[tuple[int, int, int], list[str]] = {}
+    for name, (_, world, tp, pp) in LAYOUTS.items():
+        grids.setdefault((world, tp, pp), []).append(name)
+    out: dict[str, list[dict]] = {}
+    for (world, tp, pp), names in grids.items():
+        flag_sets = [MODEL + LAYOUTS[name][0] for name in names]
+        if world == 1:
+            per_rank = [_measure_each(single_process_state(), flag_sets)]
+        else:
+            per_rank = run_ranks(_measure_each, world, tmp, tp=tp, pp=pp, flag_sets=flag_sets)
+        for i, name in enumerate(names):
+            out[name] = [rank_results[i] for rank_results in per_rank]
+    return out
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_planner_matches_measured_state_and_activation_bytes(tmp_path, layout: str) -> None:
-    extra, world, tp, pp = LAYOUTS[layout]
-    for rank, m in enumerate(run_ranks(_measure, world, tmp_path, tp=tp, pp=pp,
-                                       flags=MODEL + extra)):
+def test_planner_matches_measured_state_and_activation_bytes(measured, layout: str) -> None:
+    for rank, m in enumerate(measured[layout]):
         est_param, est_grad, est_opt, est_act = m["est"]
-        for what, measured, predicted in (("parameters", m["param"], est_param),
-                                          ("gradients", m["grad"], est_grad),
-                                          ("optimizer", m["optimizer"], est_opt)):
-            assert predicted == pytest.approx(measured, rel=0.02), (layout, rank, what)
+        for what, measured_bytes, predicted in (("parameters", m["param"], est_param),
+                                                ("gradients", m["grad"], est_grad),
+                                                ("optimizer", m["optimizer"], est_opt)):
+            assert predicted == pytest.approx(measured_bytes, rel=0.02), (layout, rank, what)
         ratio = est_act / m["saved"]
         print(f"{layout} rank {rank}: activation estimate / measured = {ratio:.3f}")
         assert 0.75 <= ratio <= 1.25, (layout, rank, ratio)
 
 
+@pytest.mark.quick
 def test_dry_run_needs_no_process_group() -> None:
     cfg = parse_config([*MODEL, "--tensor-model-parallel-size", "8",
                         "--pipeline-model-parallel-size", "4", "--num-layers", "8",

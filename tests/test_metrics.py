@@ -183,6 +183,7 @@ def _single_state(cfg: Config) -> ParallelState:
     return parallel_state.initialize(cfg, env)
 
 
+@pytest.mark.quick
 def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
     """No --peak-tflops: the peak is measured with a bf16 matmul, as a real CPU run does."""
     jsonl = tmp_path / "m.jsonl"

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from megatron_lite.planner import PRESETS, Cluster, Layout, Recompute, evaluate, pretrain_flags
 
 
+@pytest.mark.quick
 def test_zero_bubble_schedules_shrink_the_bubble_at_equal_layout() -> None:
     model, gbs = PRESETS["70B"][1], PRESETS["70B"][2]
     base = Layout(tp=4, pp=4, dp=64, chunks=1, micro_batch=1, sharding="optim",

@@ -276,6 +276,7 @@ def test_search_considers_every_sharding_strategy():
     assert parse_config(flags).parallel.data_parallel_sharding_strategy in fitting
 
 
+@pytest.mark.quick
 def test_70b_on_1024_h100_tp8_pp8_dp16():
     model = PRESETS["70B"][1]
     lay = Layout(tp=8, pp=8, dp=16, chunks=1, micro_batch=1, sharding="optim",

@@ -32,6 +32,7 @@ def _cfg(cp: int, seq: int = 32768) -> Config:
                   train=TrainConfig(micro_batch_size=1, global_batch_size=16, bf16=True))
 
 
+@pytest.mark.quick
 def test_activations_divide_by_cp_and_zero1_shards_over_dp_x_cp() -> None:
     one = estimate_memory(_cfg(1), 64)
     for cp in (2, 4, 8):

@@ -17,6 +17,7 @@ from megatron_lite.training import run
 TINY = ["--mock-data", "--eval-iters", "2", "--eval-interval", "10", "--peak-tflops", "1"]
 
 
+@pytest.mark.quick
 def test_tensorboard_holds_the_jsonl_losses(tmp_path) -> None:
     tb, log = tmp_path / "tb", tmp_path / "log.jsonl"
     run(parse_config([*TINY, "--train-iters", "20", "--tensorboard-dir", str(tb),

@@ -5,16 +5,21 @@ ranks an error shared by all is printed once (rank 0), a rank's own finding by t
 from __future__ import annotations
 
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import pretrain
 from megatron_lite import errors
+from megatron_lite.checkpoint import CheckpointError
 from megatron_lite.config import ConfigError
 from megatron_lite.data.format import ShardWriter, shard_name, write_manifest
 from tokenizer import TokenizerError
@@ -52,6 +57,54 @@ def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**_clean_env(), "OMP_NUM_THREADS": "1",
                                             "CUDA_VISIBLE_DEVICES": "", **env})
+
+
+def _in_process(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                capfd: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """`python ARGV` run inside this process (a subprocess costs seconds of torch import):
+    `-m module` and `script.py` are executed as `__main__` by runpy, exactly as the
+    interpreter would, with `sys.argv` set, the environment of `_run` (no launcher or debug
+    variables, CUDA hidden) and the output captured at the file descriptors."""
+    for key in set(os.environ) - set(_clean_env()):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CUDA_VISIBLE_DEVICES=""
+    module = argv[1] if argv[0] == "-m" else None
+    args = argv[2:] if module else argv[1:]
+    monkeypatch.setattr(sys, "argv", [module or argv[0], *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts prepend the repository root
+    monkeypatch.chdir(ROOT)
+    capfd.readouterr()
+    grad = torch.is_grad_enabled()  # scripts/generate.py turns autograd off for its process
+    try:
+        with warnings.catch_warnings():  # "found in sys.modules": it was imported already
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        torch.set_grad_enabled(grad)
+    out, err = capfd.readouterr()
+    assert not torch.distributed.is_initialized()  # the entrypoint tore down what it set up
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _pretrain_in_process(flags: list[str], monkeypatch: pytest.MonkeyPatch,
+                         capfd: pytest.CaptureFixture) -> subprocess.CompletedProcess:
+    """`pretrain.main(flags)`: what `python pretrain.py FLAGS` exits with, minus the process
+    (its `__main__` block also enables faulthandler, which must not point at a capture file;
+    `test_pretrain_process_exits_2_with_one_line` runs the real process)."""
+    for key in set(os.environ) - set(_clean_env()):
+        monkeypatch.delenv(key)
+    capfd.readouterr()
+    code = pretrain.main(flags)
+    out, err = capfd.readouterr()
+    assert not torch.distributed.is_initialized()
+    return subprocess.CompletedProcess(["pretrain.py", *flags], code, out, err)
 
 
 def _clean_env() -> dict[str, str]:
@@ -93,10 +146,21 @@ PRETRAIN_MISTAKES = {
 
 
 @pytest.mark.parametrize("mistake", PRETRAIN_MISTAKES)
-def test_pretrain_mistake_is_one_line(inputs, mistake) -> None:
+def test_pretrain_mistake_is_one_line(inputs, mistake, monkeypatch, capfd) -> None:
     flags, expected = PRETRAIN_MISTAKES[mistake]
-    proc = _run(["pretrain.py", "--train-iters", "1", *(f.format(d=inputs) for f in flags)])
+    proc = _pretrain_in_process(["--train-iters", "1", *(f.format(d=inputs) for f in flags)],
+                                monkeypatch, capfd)
     _assert_one_clean_line(proc, expected)
+
+
+@pytest.mark.quick
+def test_pretrain_process_exits_2_with_one_line() -> None:
+    """The real `python pretrain.py`: its exit status is main's 2, and stderr holds only the
+    one `error:` line (the in-process cases above cannot see the interpreter's own output)."""
+    flags, expected = PRETRAIN_MISTAKES["layout does not divide"]
+    proc = _run(["pretrain.py", "--train-iters", "1", *flags])
+    _assert_one_clean_line(proc, expected)
+    assert proc.stderr.strip().splitlines()[0] == _error_lines(proc)[0], proc.stderr
 
 
 # Every other entrypoint, one mistake each.
@@ -118,19 +182,37 @@ ENTRYPOINT_MISTAKES = {
 }
 
 
+IN_PROCESS = {"export", "generate", "bench_collectives"}
+"""The entrypoints that import torch run in this process (see `_in_process`); the others
+start in a fraction of a second and run as real processes."""
+
+
 @pytest.mark.parametrize("entrypoint", ENTRYPOINT_MISTAKES)
-def test_every_entrypoint_reports_one_line(inputs, entrypoint) -> None:
+def test_every_entrypoint_reports_one_line(inputs, entrypoint, monkeypatch, capfd) -> None:
     argv, expected = ENTRYPOINT_MISTAKES[entrypoint]
-    proc = _run([a.format(d=inputs) for a in argv])
+    argv = [a.format(d=inputs) for a in argv]
+    proc = _in_process(argv, monkeypatch, capfd) if entrypoint in IN_PROCESS else _run(argv)
     _assert_one_clean_line(proc, expected.format(d=inputs))
 
 
-@pytest.mark.parametrize("how", ["--debug", errors.DEBUG_ENV])
-def test_debug_shows_the_traceback(inputs, how) -> None:
-    flags = ["pretrain.py", "--mock-data", "--load", str(inputs / "typo")]
-    proc = _run([*flags, "--debug"]) if how == "--debug" else _run(flags, **{how: "1"})
+def test_debug_flag_shows_the_traceback(inputs) -> None:
+    """A real process: the user error escapes main, so the interpreter prints its traceback
+    and exits 1."""
+    proc = _run(["pretrain.py", "--mock-data", "--load", str(inputs / "typo"), "--debug"])
     assert proc.returncode == 1 and not _error_lines(proc), proc.stderr[-3000:]
     assert "Traceback" in proc.stderr and "CheckpointError: --load" in proc.stderr
+
+
+def test_debug_env_lets_the_error_escape(inputs, monkeypatch, capfd) -> None:
+    """MEGATRON_LITE_DEBUG=1 does what --debug does (above: escaping main is the traceback and
+    exit 1): the CheckpointError leaves main instead of an `error:` line."""
+    for key in set(os.environ) - set(_clean_env()):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv(errors.DEBUG_ENV, "1")
+    with pytest.raises(CheckpointError, match=r"--load .*typo: no checkpoint there"):
+        pretrain.main(["--mock-data", "--load", str(inputs / "typo")])
+    assert not _error_lines(subprocess.CompletedProcess([], 1, *capfd.readouterr()))
+    assert not torch.distributed.is_initialized()
 
 
 def _free_port() -> int:
@@ -139,15 +221,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(flags: list[str]) -> list[subprocess.CompletedProcess]:
+def _start_two_ranks(flags: list[str]) -> list[subprocess.Popen]:
     """pretrain.py as ranks 0 and 1 of a two-process job (RANK / WORLD_SIZE set as torchrun
     would), each with its own output, so that what each rank printed can be told apart."""
     common = {**_clean_env(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
               "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    procs = [subprocess.Popen([sys.executable, "pretrain.py", *flags], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-             for rank in range(2)]
+    return [subprocess.Popen([sys.executable, "pretrain.py", *flags], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in range(2)]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     outs = [proc.communicate(timeout=180) for proc in procs]
     return [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
             for proc, (out, err) in zip(procs, outs)]
@@ -155,11 +240,14 @@ def _two_ranks(flags: list[str]) -> list[subprocess.CompletedProcess]:
 
 def test_on_two_ranks_a_shared_error_is_printed_once_and_a_found_one_by_each_rank(
         inputs) -> None:
-    rank0, rank1 = _two_ranks(["--mock-data", "--tensor-model-parallel-size", "3"])
+    """Both two-rank jobs start at once (their own ports): their torch imports overlap."""
+    shared = _start_two_ranks(["--mock-data", "--tensor-model-parallel-size", "3"])
+    found = _start_two_ranks(["--mock-data", "--load", str(inputs / "typo")])
+    rank0, rank1 = _finish(shared)
     _assert_one_clean_line(rank0, "world size 2 is not divisible")
     assert _error_lines(rank0) == ["error: invalid configuration:"]  # no rank: all found it
     assert rank1.returncode == 2 and not rank1.stderr.strip(), rank1.stderr[-3000:]
-    for rank, proc in enumerate(_two_ranks(["--mock-data", "--load", str(inputs / "typo")])):
+    for rank, proc in enumerate(_finish(found)):
         _assert_one_clean_line(proc, f"error: rank {rank}: --load {inputs / 'typo'}: no checkpoint")
 
 
