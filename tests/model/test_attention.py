@@ -228,6 +228,7 @@ def test_rejects_mismatched_shapes() -> None:
         attention(q, k, v, token_index=torch.arange(16))
 
 
+@pytest.mark.quick
 def test_sequence_first_views_as_the_model_passes_them() -> None:
     """The model hands [b, h, s, d] views of [s, b, h, d] tensors (not contiguous)."""
     gen = torch.Generator().manual_seed(5)

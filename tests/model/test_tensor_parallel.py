@@ -125,8 +125,8 @@ def references() -> dict[bool, dict]:
             for untie in (False, True)}
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("case", [c for c in CASES if not CASES[c][3]])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.quick) if c == "tp4-sp" else c
+                                  for c in CASES if not CASES[c][3]])
 def test_tp_matches_single_process(layouts: dict, references: dict, case: str) -> None:
     tp, sp, untie, _ = CASES[case]
     ranks = layouts[case]
