@@ -1,5 +1,6 @@
 """B/W split in the model (one process): a chunk built with `split_backward` gives plain
-autograd's input and weight gradients, with the weight part only in the W step."""
+autograd's input and weight gradients (float64, within EXACT: the same products, summed the
+same way, observed 0), with the weight part only in the W step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
+from tests.numerics import assert_all_close, assert_close
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=48, seq_length=8, vocab_size=61, make_vocab_size_divisible_by=4)
@@ -17,7 +19,8 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
 def _chunks(pre: bool, post: bool, **opts) -> tuple[LlamaChunk, LlamaChunk]:
     cfg, pstate = ModelConfig(**MODEL), single_process_state()
     return tuple(LlamaChunk(cfg, pstate, range(2), pre_process=pre, post_process=post,
-                            opts=BuildOptions(seed=3, split_backward=split, **opts))
+                            opts=BuildOptions(seed=3, split_backward=split,
+                                              dtype=torch.float64, **opts))
                  for split in (False, True))
 
 
@@ -26,7 +29,7 @@ def _inputs(pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g)
     if pre:
         return torch.randint(0, MODEL["vocab_size"], (2, 8), generator=g), labels
-    return torch.randn(8, 2, 32, generator=g).requires_grad_(), labels
+    return torch.randn(8, 2, 32, generator=g, dtype=torch.float64).requires_grad_(), labels
 
 
 @pytest.mark.parametrize(("pre", "post"), [(True, True), (False, True), (True, False)])
@@ -43,7 +46,8 @@ def test_b_then_w_equals_one_backward(pre: bool, post: bool, recompute: str | No
         xi = x.detach().clone().requires_grad_(x.requires_grad)
         out = chunk(xi, labels if post else None)
         seed = (torch.ones_like(out) if post
-                else torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+                else torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                              dtype=out.dtype))
         if chunk is split:
             with split.weight_grads.recording(0):
                 out.backward(seed)
@@ -59,10 +63,9 @@ def test_b_then_w_equals_one_backward(pre: bool, post: bool, recompute: str | No
         grads.append(({n: p.grad for n, p in chunk.named_parameters()}, xi.grad))
     (ref, ref_x), (got, got_x) = grads
     assert sorted(ref) == sorted(got)
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_all_close(got, ref)
     if not pre:
-        torch.testing.assert_close(got_x, ref_x, rtol=1e-5, atol=1e-7)
+        assert_close(got_x, ref_x, what="input gradient")
     # one gradient arrival per weight and micro-batch (a tied embedding and head: still one)
     assert set(arrivals.values()) == {1} and len(arrivals) == len(ref)
 

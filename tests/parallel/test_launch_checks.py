@@ -53,6 +53,7 @@ def test_tp_across_nodes_rule():
         check_tp_within_node(_env(world=12, per_node=4), 3)
 
 
+@pytest.mark.quick
 def test_tp_across_nodes_refused_before_rendezvous(no_rendezvous):
     cfg = parse_config([*TINY, "--tensor-model-parallel-size", "8"])
     with pytest.raises(LaunchError, match="--allow-tp-across-nodes"):
@@ -104,14 +105,14 @@ def test_rendezvous_timeout_is_explained(monkeypatch):
     for name in ("TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     cfg = parse_config([*TINY, "--distributed-backend", "gloo",
-                        "--distributed-timeout-minutes", "0.03"])
+                        "--distributed-timeout-minutes", "0.01"])
     port = _free_port()
     env = _env(rank=1, world=2, per_node=2, port=port)
     with pytest.raises(LaunchError) as info:
         parallel_state.initialize(cfg, env)
     text = str(info.value)
     for part in ("rank 1 of world size 2", f"127.0.0.1:{port}", "launched by slurm",
-                 "SLURM_JOB_NODELIST", "rank 0 started", "--distributed-timeout-minutes 0.03"):
+                 "SLURM_JOB_NODELIST", "rank 0 started", "--distributed-timeout-minutes 0.01"):
         assert part in text, text
     assert getattr(info.value, "found_on_rank", None) == 1  # each stuck rank reports itself
 
@@ -119,15 +120,17 @@ def test_rendezvous_timeout_is_explained(monkeypatch):
 # ---------------------------------------------------------------- through the srun stub
 
 
-def _srun(flags: list[str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
-    """`srun --nodes=2 --ntasks-per-node=2 --kill-on-bad-exit python pretrain.py TINY flags`
+def _srun(flags: list[str], tmp_path: Path, per_node: int = 2, **extra: str
+          ) -> subprocess.CompletedProcess:
+    """`srun --nodes=2 --ntasks-per-node=N --kill-on-bad-exit python pretrain.py TINY flags`
     on fake Slurm (as real jobs do: the ranks left waiting for a refused rank 0 end too)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(PATH=f"{STUBS}:{env['PATH']}", FAKE_SLURM_HOSTS="127.0.0.1,127.0.0.2",
                SLURM_JOB_ID="424242", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
-    return subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=2", "--kill-on-bad-exit",
+    return subprocess.run(["srun", "--nodes=2", f"--ntasks-per-node={per_node}",
+                           "--kill-on-bad-exit",
                            sys.executable,
                            "pretrain.py", *TINY, *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -141,11 +144,11 @@ def test_srun_refuses_tp_across_nodes_and_a_busy_port(tmp_path):
     assert "ranks 0-3" in errors[0] and "2 ranks per node" in errors[0]
     assert "Traceback" not in proc.stderr
 
-    with socket.socket() as holder:  # rank 0 refuses; srun ends the others
+    with socket.socket() as holder:  # rank 0 refuses; srun ends the other node's rank
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
         port = holder.getsockname()[1]
-        proc = _srun([], tmp_path, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
+        proc = _srun([], tmp_path, per_node=1, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1 and f"127.0.0.1:{port} is already in use" in errors[0], errors
