@@ -98,6 +98,7 @@ def test_resume_mid_rampup_is_bit_exact(tmp_path) -> None:
     assert len(first) == 4 and first + resumed == full  # step 5 starts mid-ramp (batch 4)
 
 
+@pytest.mark.quick
 def test_decoupled_lr_matches_a_second_adamw_group() -> None:
     """Embedding and output weights at --decoupled-lr, the rest at --lr: torch.optim.AdamW
     with those parameter groups lands on the same weights (float64, within EXACT)."""

@@ -24,8 +24,9 @@ from tests.optim.common import (
 )
 
 
-@pytest.mark.parametrize("parallel", [{}, {"use_distributed_optimizer": True,
-                                           "overlap_grad_reduce": True, "ddp_bucket_size": 500}])
+@pytest.mark.parametrize("parallel", [{}, pytest.param(
+    {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 500},
+    marks=pytest.mark.quick)])
 def test_matches_torch_adamw_with_clipping(parallel: dict) -> None:
     ref = train_reference(steps=10)
     assert min(ref["norms"]) > OPTIM.clip_grad, "clipping must be active at every step"

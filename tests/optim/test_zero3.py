@@ -248,6 +248,7 @@ def test_tp2_dp2_sequence_parallel(dp4) -> None:
             assert_same_params(full, ref["params"])
 
 
+@pytest.mark.quick
 def test_dry_run_on_meta() -> None:
     """The meta-device rank dry run: shards only between steps, and on the DP group the
     step's collectives are per unit and micro-batch two bf16 gathers and one fp32 scatter."""
