@@ -48,8 +48,9 @@ STRATEGIES = {
 """ZeRO-3's own checks (gradients, traffic, memory, recompute) are in test_zero3.py."""
 
 
-def _train(pstate, variants: dict[str, dict], common: dict) -> dict[str, dict]:
-    return {name: train_ours(pstate, make_config(**common, **flags), STEPS)
+def _train(pstate, variants: dict[str, dict], common: dict, steps: int = STEPS
+           ) -> dict[str, dict]:
+    return {name: train_ours(pstate, make_config(**common, **flags), steps)
             for name, flags in variants.items()}
 
 
@@ -72,13 +73,17 @@ TP2 = {name: {**STRATEGIES[name], "sequence_parallel": True}
 PP2 = {"optim_grads": {**STRATEGIES["optim_grads_buckets"], "ddp_bucket_size": 2000}}
 
 
+SHORT = 4
+"""Steps of the TP=2 / PP=2 runs (a wrong layout shows at the first step at EXACT)."""
+
+
 def _four_ranks(pstate) -> dict:
     """One spawn of 4 ranks: DP=4, then TP=2 x DP=2 and PP=2 x DP=2 on the same ranks."""
     return {"dp4": _train(pstate, {k: STRATEGIES[k]
                                    for k in ("optim", "optim_grads", "optim_grads_params")},
                           {"global_batch": 4 * MICRO_BATCHES}),
-            "tp2": _train(relayout(pstate, 2, 1), TP2, {"tp": 2}),
-            "pp2": _train(relayout(pstate, 1, 2), PP2, {"pp": 2})}
+            "tp2": _train(relayout(pstate, 2, 1), TP2, {"tp": 2}, SHORT),
+            "pp2": _train(relayout(pstate, 1, 2), PP2, {"pp": 2}, SHORT)}
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +152,7 @@ def test_tp2_dp2_sequence_parallel(four) -> None:
     """ZeRO-2 on a TP=2 model with SP norms (summed over TP on the owned shard) equals plain
     DP on the same layout, and one process (float64, EXACT)."""
     ranks = [r["tp2"] for r in four]
-    reference = train_reference(STEPS)
+    reference = train_reference(SHORT)
     plain = full_params([r["no_shard"] for r in ranks[0:2]], tp=2)
     for name in TP2:
         for d in (0, 2):
@@ -160,7 +165,7 @@ def test_pp2_dp2_optim_grads(four) -> None:
     """1F1B over two stages with tied embeddings (their own bucket, summed over the
     embedding group before its reduce-scatter) under ZeRO-2."""
     ranks = [r["pp2"] for r in four]
-    reference = train_reference(STEPS)
+    reference = train_reference(SHORT)
     for dp_rank in (0, 1):
         stages = [ranks[dp_rank]["optim_grads"], ranks[2 + dp_rank]["optim_grads"]]
         assert_same_params({**stages[1]["params"], **stages[0]["params"]},
