@@ -117,7 +117,8 @@ def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | No
 
     Micro-batches of one sample, like the DP ranks', so the only difference left is the order
     in which per-sample gradients are summed (in fp32 a [2, s] matmul does not round like two
-    [1, s] ones, and Adam turns that into ~1e-5 weight differences within 10 steps).
+    [1, s] ones, and Adam turns that into ~1e-5 weight differences within 10 steps; in float64
+    ~1e-15).
     """
     cfg = make_config(micro=1, global_batch=global_batch, lr=lr, fp64=fp64)
     pstate = single_process_state()

@@ -94,10 +94,11 @@ def _worst(got: dict, ref: dict) -> float:
 
 
 def test_bf16_gradient_reduction_stays_close(dp2_suite) -> None:
-    """fp32 weights, gradients all-reduced in bf16. Two measured floors from the same spawn,
-    against fp32 ZeRO-1 with fp32 reduction: the fp32 one process (summation order only:
-    bf16 reduction must be far above it, i.e. really rounded) and one process whose summed
-    gradient is rounded to bf16 once per step (the reduction may round a few times more)."""
+    """fp32 weights, gradients accumulated and all-reduced in bf16, against fp32 ZeRO-1 with
+    an fp32 buffer. Two floors measured on one process: fp32 (summation order only, 8e-7:
+    the bf16 run must be far above it, i.e. really rounded) and fp32 with the running
+    gradient sum rounded to bf16 after every micro-batch, as a bf16 buffer does (6e-2: the
+    bf16 run, 3e-2, must stay within 4x of it)."""
     ours = dp2_suite[0]["bf16_grads"]
     exact = ours["zero1_fp32"]["params"]
     order_floor = _worst(train_reference(STEPS, fp64=False)["params"], exact)
