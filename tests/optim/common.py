@@ -56,11 +56,12 @@ def step_batches(step: int, dp_rank: int, dp_size: int, micro: int,
             for i in range(0, per_rank, micro)]
 
 
-def train_ours(pstate: ParallelState, cfg: Config, steps: int) -> dict:
-    """`steps` steps through `Optimizer`; params (local shards), norms, traffic, memory."""
+def train_ours(pstate: ParallelState, cfg: Config, steps: int, reverse: bool = False) -> dict:
+    """`steps` steps through `Optimizer`; params (local shards), norms, traffic, memory.
+    `reverse` feeds each rank's micro-batches in reverse order (dtype tests' floors)."""
     chunks = build_model(cfg, pstate)
     opt = Optimizer(cfg, chunks, pstate)
-    out = run_steps(chunks, opt, pstate, cfg, range(steps))
+    out = run_steps(chunks, opt, pstate, cfg, range(steps), reverse=reverse)
     out["memory"] = opt.memory()
     out["buckets"] = sum(len(b.layout.buckets) for b in opt.buffers)
     out["padding"] = sum(b.layout.padding for b in opt.buffers)
@@ -68,12 +69,14 @@ def train_ours(pstate: ParallelState, cfg: Config, steps: int) -> dict:
 
 
 def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
-              steps: range) -> dict:
+              steps: range, reverse: bool = False) -> dict:
     norms, calls, sent, losses = [], [], [], []
     runner = StepRunner(cfg, pstate, chunks)
     for step in steps:
         batches = step_batches(step, pstate.dp_rank, pstate.dp_size, cfg.train.micro_batch_size,
                                cfg.train.global_batch_size)
+        if reverse:
+            batches.reverse()
         opt.traffic.reset()
         opt.zero_grad()
         losses.append(runner(batches, global_token_count(batches, pstate)).item())
@@ -107,12 +110,15 @@ def model_parameters(chunks: list) -> dict[str, Tensor]:
 
 
 def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | None = None,
-                    fp64: bool = True) -> dict:
+                    fp64: bool = True, round_grads: torch.dtype | None = None) -> dict:
     """One process, `.grad` accumulation, torch clip + AdamW; float64 unless fp64=False.
+    `round_grads` rounds the running gradient sum to that dtype after every micro-batch, as a
+    gradient buffer of that dtype would (a dtype test's floor).
 
     Micro-batches of one sample, like the DP ranks', so the only difference left is the order
     in which per-sample gradients are summed (in fp32 a [2, s] matmul does not round like two
-    [1, s] ones, and Adam turns that into ~1e-5 weight differences within 10 steps).
+    [1, s] ones, and Adam turns that into ~1e-5 weight differences within 10 steps; in float64
+    ~1e-15).
     """
     cfg = make_config(micro=1, global_batch=global_batch, lr=lr, fp64=fp64)
     pstate = single_process_state()
@@ -124,6 +130,12 @@ def train_reference(steps: int, global_batch: int = GLOBAL_BATCH, lr: float | No
                                "weight_decay": 0.0}],
                              lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                              weight_decay=o.weight_decay)
+    if round_grads is not None:
+        def round_sum(q: Tensor) -> None:
+            q.grad.copy_(q.grad.to(round_grads))
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(round_sum)
     norms, losses, grads = [], [], []
     runner = StepRunner(cfg, pstate, [model])
     for step in range(steps):

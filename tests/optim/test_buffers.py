@@ -103,6 +103,7 @@ def test_bucket_closes_at_size_and_group() -> None:
     assert [b.params for b in layout.buckets] == [(0, 1), (2,), (3,)]
 
 
+@pytest.mark.quick
 def test_aligned_layout_by_hand() -> None:
     # Backward order: param 2 first. 100 elements -> the next start is 128; the bucket of
     # params 2 and 1 (>= 150 elements) ends at 256 = lcm(4, 128) * 2; param 0 starts a new one.

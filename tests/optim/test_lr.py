@@ -11,6 +11,7 @@ from megatron_lite.config import OptimConfig
 from megatron_lite.optim.lr import lr_at
 
 
+@pytest.mark.quick
 def test_warmup_then_cosine_to_min() -> None:
     cfg = OptimConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, lr_decay_iters=110)
     assert lr_at(0, cfg, 110) == pytest.approx(1e-4)

@@ -1,4 +1,8 @@
-"""Single-process behaviour of the optimizer: AdamW math, NaN handling, bad call sequences."""
+"""Single-process behaviour of the optimizer: AdamW math, NaN handling, bad call sequences.
+
+The AdamW comparison is an equivalence test: float64 on both sides, weights and norms within
+tests.numerics.EXACT of torch.optim.AdamW + clip_grad_norm_ after 10 clipped steps.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count
+from tests.numerics import assert_close
 from tests.optim.common import (
     OPTIM,
     assert_same_params,
@@ -19,14 +24,15 @@ from tests.optim.common import (
 )
 
 
-@pytest.mark.parametrize("parallel", [{}, {"use_distributed_optimizer": True,
-                                           "overlap_grad_reduce": True, "ddp_bucket_size": 500}])
+@pytest.mark.parametrize("parallel", [{}, pytest.param(
+    {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 500},
+    marks=pytest.mark.quick)])
 def test_matches_torch_adamw_with_clipping(parallel: dict) -> None:
     ref = train_reference(steps=10)
     assert min(ref["norms"]) > OPTIM.clip_grad, "clipping must be active at every step"
     ours = train_ours(single_process_state(), make_config(micro=1, **parallel), steps=10)
-    assert_same_params(ours["params"], ref["params"], tol=1e-5)
-    assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    assert_same_params(ours["params"], ref["params"])
+    assert_close(ours["norms"], ref["norms"], what="grad norms")
 
 
 def test_nan_gradient_skips_step_and_reports() -> None:
