@@ -266,6 +266,7 @@ class StepRunner:
                  on_grads_ready: Callable[[int], None] | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
         self.kind = pipeline_schedule(cfg.parallel)
+        self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         # zero-bubble timelines are built for the layers' F, B and W FLOP ratios
         self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
         self.on_grads_ready = on_grads_ready  # starts a chunk's DP reduction (overlap)
@@ -298,7 +299,10 @@ class StepRunner:
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=device)
+        # Off the head: a zero of the head's loss dtype (float64 under --fp64), so that the
+        # world all-reduce of reduce_loss sees one dtype on every rank.
+        zero = torch.zeros((), device=device, dtype=self.loss_dtype)
+        return torch.stack(losses).sum() if losses else zero
 
 
 def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_tokens: Tensor
