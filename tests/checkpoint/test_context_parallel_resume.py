@@ -17,20 +17,21 @@ CP2 = ["--context-parallel-size", "2"]
 ZERO1 = ["--use-distributed-optimizer"]
 
 
-def _cp2(tmp_path, flags: list[str]) -> list[float]:
-    cfg = parse_config([*FLAGS, *CP2, *flags])
-    return run_ranks(run_train, 2, tmp_path, cfg=cfg, flags=[*CP2, *flags], timeout=300)[0]
+def _cp2_runs(pstate, first: str, second: str) -> tuple[list[float], list[float]]:
+    """Both CP=2 runs in one spawn: save at HALF into `first`; resume from `second`."""
+    head = run_train(pstate, [*CP2, *ZERO1, "--save", first, "--exit-interval", str(HALF)])
+    back = run_train(pstate, [*CP2, *ZERO1, "--load", second])
+    return head, back
 
 
 def test_cp2_to_cp1_and_back(tmp_path) -> None:
     whole = run_train(single_process_state(), ZERO1)  # ITERS iterations, no checkpoint
-    first = tmp_path / "from_cp2"
-    head = _cp2(tmp_path, [*ZERO1, "--save", str(first), "--exit-interval", str(HALF)])
-    tail = run_train(single_process_state(), [*ZERO1, "--load", str(first)])
-    second = tmp_path / "from_cp1"
+    first, second = tmp_path / "from_cp2", tmp_path / "from_cp1"
     run_train(single_process_state(), [*ZERO1, "--save", str(second), "--exit-interval",
                                        str(HALF)])
-    back = _cp2(tmp_path, [*ZERO1, "--load", str(second)])
+    head, back = run_ranks(_cp2_runs, 2, tmp_path, cfg=parse_config([*FLAGS, *CP2, *ZERO1]),
+                           first=str(first), second=str(second), timeout=300)[0]
+    tail = run_train(single_process_state(), [*ZERO1, "--load", str(first)])
     assert len(head) == HALF and len(tail) == len(back) == ITERS - HALF
     assert_close([*head, *tail], whole, EXACT, "CP=2 then CP=1 losses")
     assert_close(back, whole[HALF:], EXACT, "CP=1 then CP=2 losses")

@@ -118,8 +118,7 @@ def _it(i: int) -> str:
     return f"iter_{i:07d}"
 
 
-@pytest.mark.parametrize("layout", [pytest.param("single", marks=pytest.mark.quick),
-                                    *TWO_RANKS])
+@pytest.mark.parametrize("layout", ["single", *TWO_RANKS])
 def test_resume_is_bit_identical(runs, layout: str) -> None:
     """Interrupted at iteration HALF and resumed = uninterrupted, bit for bit (losses and every
     saved tensor at the end), in fp32 (`FP32`) or float64."""

@@ -74,6 +74,7 @@ def test_zbv_checkpoint_records_the_v_and_resumes_bit_identical(runs) -> None:
     assert_same_state(root / "pp2-zbv" / "a" / _it(ITERS), root / "pp2-zbv" / "b" / _it(ITERS))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("source,target", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_reshard_between_zbv_and_1f1b(runs, source: str, target: str) -> None:
     """The full weights and optimizer state come back bit for bit in the other schedule's
