@@ -5,7 +5,7 @@ Per schedule X: `a` = ITERS iterations uninterrupted; `b` = HALF iterations
 (--exit-interval), then resumed to ITERS. A reshard X -> Y loads X's `b`@HALF into Y, saves it
 at once (no step), then continues to ITERS in Y. Float64 throughout: the resume is bit for
 bit, the reshard's continued losses and final state follow X's to EXACT (measured: losses
-0, state <= 3e-16; ZBV and 1F1B sum the tied embedding's two gradients in another order).
+0, state 3.4e-16; ZBV and 1F1B sum the tied embedding's two gradients in another order).
 """
 
 from __future__ import annotations
