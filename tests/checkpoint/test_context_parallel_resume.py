@@ -1,7 +1,7 @@
 """Checkpoints across CP sizes: CP replicas hold the same parameters, so a checkpoint saved at
 CP=2 (optimizer sharded over DP x CP) resumes at CP=1 and the other way round, continuing with
 the same samples: the resumed losses equal an uninterrupted run's. Float64 on every side, so
-they match to EXACT (measured worst 2e-16: CP's ring attention sums in another order)."""
+they match to EXACT (only the ring attention's summation order differs)."""
 
 from __future__ import annotations
 

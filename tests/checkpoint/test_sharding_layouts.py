@@ -7,7 +7,7 @@ TP=2 x DP=2 (ZeRO-3 as a source: tests/optim/test_zero3_end_to_end.py). Every lo
 at once (no step) and must hold the source's full weights and optimizer state bit for bit (in
 float64: ZeRO-3's weights are its float64 masters); training then follows the source's
 continued run, losses and final state to EXACT (TP changes the summation order: measured
-worst 2e-16 on losses, 3e-15 on the state), bit for bit where TP is the same.
+worst 0 on losses, 7.5e-16 on the state), bit for bit where TP is the same.
 """
 
 from __future__ import annotations
