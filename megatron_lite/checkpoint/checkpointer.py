@@ -478,7 +478,7 @@ class Checkpointer:
                 state["step"] = reader.file(ckpt_files.optim_file(0, 0, 0)).meta["state"]["step"]
         else:  # model-only (e.g. imported from Hugging Face): fresh Adam moments
             def from_weights(name: str) -> dict[str, Tensor]:
-                w = reader.full_weight(name).float()
+                w = reader.full_weight(name)  # fill_optimizer_state casts to the masters'
                 return {"master": w, "exp_avg": torch.zeros_like(w),
                         "exp_avg_sq": torch.zeros_like(w)}
 

@@ -33,7 +33,8 @@ from megatron_lite.layers.init import shard_full, unshard
 from megatron_lite.parallel.state import ParallelState
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-"""The optimizer tensors kept per parameter element (fp32 master weight, Adam moments)."""
+"""The optimizer tensors kept per parameter element (master weight, Adam moments: fp32, or
+float64 under --fp64; they are rebuilt in the dtype they were saved in)."""
 
 
 def global_name(layer_ids: Sequence[int], local: str, tied: bool) -> str:
@@ -90,7 +91,9 @@ class CheckpointReader:
         self.weights_in_optimizer = bool(layout.get("weights_in_optimizer"))
         """Saved under ZeRO-3: no weights in the model files, each is its fp32 master cast
         to the run's parameter dtype (exactly what the training step wrote into it)."""
-        self.param_dtype = torch.bfloat16 if self.meta["config"]["train"]["bf16"] else torch.float32
+        train_cfg = self.meta["config"]["train"]
+        self.param_dtype = (torch.float64 if train_cfg.get("fp64") else
+                            torch.bfloat16 if train_cfg["bf16"] else torch.float32)
         self.tied = not self.model_cfg["untie_embeddings_and_output_weights"]
         self._files: dict[str, TensorFile] = {}
         self._optim: dict[tuple[int, int], dict[str, dict[str, Tensor]]] = {}
@@ -139,7 +142,7 @@ class CheckpointReader:
         return self._full(name, [self.local_weight(name, tp_rank) for tp_rank in range(slices)])
 
     def full_optimizer(self, name: str) -> dict[str, Tensor]:
-        """Unsharded fp32 master weight and Adam moments of one weight."""
+        """Unsharded master weight and Adam moments of one weight, in their saved dtype."""
         if not self.has_optimizer:
             raise CheckpointError(f"{self.dir} holds no optimizer state (saved model-only)")
         stage, split = self._stage(name)
@@ -157,13 +160,15 @@ class CheckpointReader:
         dp_files = self.dp if first["sharded"] else 1
         out: dict[str, dict[str, Tensor]] = {}
         for b, buf in enumerate(first["buffers"]):
-            flat = {k: torch.zeros(buf["numel"], dtype=torch.float32) for k in KINDS}
+            flat: dict[str, Tensor] = {}
             for d in range(dp_files):
                 f = self.file(optim_file(tp_rank, stage, d))
                 state = f.meta["state"]
                 owned = state["buffers"][b]["owned"]
                 for k in KINDS:
                     data = f.get(state["tensors"][f"{b}.{k}"]["__tensor__"])
+                    if k not in flat:  # the saved dtype (float64 under --fp64), never cast
+                        flat[k] = torch.zeros(buf["numel"], dtype=data.dtype)
                     offset = 0
                     for start, end in owned:
                         flat[k][start:end] = data[offset:offset + end - start]
@@ -191,12 +196,14 @@ def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: Pa
               for c, chunk in enumerate(chunks) for local, p in chunk.named_parameters()}
     tensors = {}
     for b, buf in enumerate(template["buffers"]):
-        flat = {k: torch.zeros(buf["numel"], dtype=torch.float32) for k in KINDS}
+        live = template["tensors"].get(f"{b}.master")
+        dtype = live.dtype if live is not None else torch.float32  # float64 under --fp64
+        flat = {k: torch.zeros(buf["numel"], dtype=dtype) for k in KINDS}
         for opt_name, start, end, _shape in buf["params"]:
             name, param = params[opt_name]
             full = source(name)
             for k in KINDS:
-                flat[k][start:end] = local_slice(full[k].float(), param, pstate).reshape(-1)
+                flat[k][start:end] = local_slice(full[k].to(dtype), param, pstate).reshape(-1)
         for k in KINDS:
             tensors[f"{b}.{k}"] = torch.cat([flat[k][s:e] for s, e in buf["owned"]])
     return {**template, "tensors": tensors}

@@ -48,6 +48,7 @@ def test_model_change_lists_each_field(ckpt) -> None:
     assert "--ffn-hidden-size" not in msg  # unchanged fields are not listed
 
 
+@pytest.mark.quick
 def test_missing_and_truncated_shards_are_named(ckpt) -> None:
     model = ckpt / "iter_0000002" / F.model_file(0, 0)
     optim = ckpt / "iter_0000002" / F.optim_file(0, 0, 0)

@@ -3,12 +3,19 @@
 Spawning dominates the cost on a small CPU box, so every multi-rank run happens in one
 module fixture: a 2-rank spawn trains TP=2, PP=2 v=2 and DP=2 ZeRO-1 one after the other
 (`relayout`), a 4-rank spawn trains TP=2 x PP=2 and PP=4, and the single-process runs happen
-in this process. Each resume's interrupted run (saved at iteration 3) is also the source of
-a reshard, and its resumed run is the "continued without reshard" reference.
+in this process. Each resume's interrupted run (saved at iteration HALF) is also the source
+of a reshard, and its resumed run is the "continued without reshard" reference.
 
-Per layout X: `a` = 6 iterations uninterrupted; `b` = 3 iterations (--exit-interval 3), then
-resumed to 6. A reshard X -> Y loads X's `b`@3 into Y, saves it at once (no step), then
-continues to 6 in Y.
+Per layout X: `a` = ITERS iterations uninterrupted; `b` = HALF iterations (--exit-interval),
+then resumed to ITERS. A reshard X -> Y loads X's `b`@HALF into Y, saves it at once (no
+step), then continues to ITERS in Y.
+
+Dtypes: the reshard sources and targets run float64 (`FLAGS`): a reshard must hold the
+source's state bit for bit, and training continued in Y must follow X's to EXACT (only the
+summation order differs; the same kind of reshard in test_sharding_layouts measures losses 0,
+final weights and Adam state <= 7.5e-16). `single` and `tp2` resume in
+fp32 (`FP32_FLAGS`), the dtype test of the default fp32 path (bit for bit); tp2's fp32 run
+is also the tied export's source.
 """
 
 from __future__ import annotations
@@ -22,32 +29,44 @@ from safetensors.torch import load_file
 
 from megatron_lite.export import single_process_state
 from tests.checkpoint.common import (
+    FLAGS,
+    FP32_FLAGS,
+    HALF,
+    HALF_SAMPLES,
+    ITERS,
     LAYOUTS,
+    assert_close_state,
     assert_same_state,
     check_hf_round_trip,
     relayout,
     run_sequence,
 )
 from tests.distributed import run_ranks
+from tests.numerics import EXACT, assert_close
+
+FP32 = ("single", "tp2")
+"""Layouts whose resume runs in fp32 (the dtype test); the others run float64."""
 
 TWO_RANKS = ("tp2", "pp2-v2", "dp2-zero1")
 PAIRS = [("tp2-pp2", "single"), ("dp2-zero1", "tp2"), ("pp2-v2", "pp4")]
 
 
 def _resume(pstate, layout: str, root: Path) -> tuple[list[float], ...]:
-    """(uninterrupted, first 3, resumed 3) losses of `layout` under `root / layout`."""
+    """(uninterrupted, first HALF, resumed) losses of `layout` under `root / layout`."""
     extra, d = LAYOUTS[layout][0], root / layout
+    base = FP32_FLAGS if layout in FP32 else FLAGS
     return tuple(run_sequence(pstate, [[*extra, "--save", str(d / "a")],
-                                       [*extra, "--save", str(d / "b"), "--exit-interval", "3"],
-                                       [*extra, "--save", str(d / "b")]]))
+                                       [*extra, "--save", str(d / "b"), "--exit-interval",
+                                        str(HALF)],
+                                       [*extra, "--save", str(d / "b")]], base))
 
 
 def _reshard(pstate, source: str, target: str, root: Path) -> tuple[list[float], ...]:
-    """Load `source`'s iteration 3 into `target`, save it unchanged, continue to 6."""
+    """Load `source`'s iteration HALF into `target`, save it unchanged, continue (float64)."""
     extra, y = LAYOUTS[target][0], root / f"{source}->{target}"
     return tuple(run_sequence(pstate, [
-        [*extra, "--load", str(root / source / "b"), "--ckpt-step", "3", "--save", str(y),
-         "--train-iters", "3"],
+        [*extra, "--load", str(root / source / "b"), "--ckpt-step", str(HALF), "--save", str(y),
+         "--train-iters", str(HALF)],
         [*extra, "--save", str(y)]]))
 
 
@@ -62,11 +81,11 @@ def _two_ranks(pstate, root: str) -> dict:
 
 
 def _four_ranks(pstate, root: str) -> dict:
-    """TP=2 x PP=2 interrupted at 3 and resumed (reshard source); PP=2 v=2 -> PP=4."""
+    """TP=2 x PP=2 interrupted at HALF and resumed (reshard source); PP=2 v=2 -> PP=4."""
     root_path, extra = Path(root), LAYOUTS["tp2-pp2"][0]
     b = root_path / "tp2-pp2" / "b"
     out = {"tp2-pp2": (None, *run_sequence(pstate, [
-        [*extra, "--save", str(b), "--exit-interval", "3"], [*extra, "--save", str(b)]]))}
+        [*extra, "--save", str(b), "--exit-interval", str(HALF)], [*extra, "--save", str(b)]]))}
     out["pp2-v2->pp4"] = _reshard(relayout(pstate, 1, 4), "pp2-v2", "pp4", root_path)
     return out
 
@@ -96,37 +115,43 @@ def _same_files(a: Path, b: Path) -> None:
             assert ta[key].equal(tb[key]), (name, key)
 
 
+def _it(i: int) -> str:
+    return f"iter_{i:07d}"
+
+
 @pytest.mark.parametrize("layout", ["single", *TWO_RANKS])
 def test_resume_is_bit_identical(runs, layout: str) -> None:
-    """Interrupted at iteration 3 and resumed = uninterrupted, bit for bit (losses and every
-    saved tensor at iteration 6)."""
+    """Interrupted at iteration HALF and resumed = uninterrupted, bit for bit (losses and every
+    saved tensor at the end), in fp32 (`FP32`) or float64."""
     out, root = runs
     _, _, tp, pp = LAYOUTS[layout]
     full, first, resumed = out[layout]
     a, b = root / layout / "a", root / layout / "b"
-    assert len(full) == 6 and len(first) == 3 and len(resumed) == 3
-    assert first == full[:3]
-    assert resumed == full[3:], (resumed, full)  # exact float equality
-    assert (b / "latest").read_text().strip() == "iter_0000006"
-    _same_files(a / "iter_0000006", b / "iter_0000006")
-    meta = json.loads((b / "iter_0000003" / "metadata.json").read_text())
-    assert meta["iteration"] == 3 and meta["consumed_samples"] == 12
+    assert len(full) == ITERS and len(first) == HALF and len(resumed) == ITERS - HALF
+    assert first == full[:HALF]
+    assert resumed == full[HALF:], (resumed, full)  # exact float equality
+    assert (b / "latest").read_text().strip() == _it(ITERS)
+    _same_files(a / _it(ITERS), b / _it(ITERS))
+    meta = json.loads((b / _it(HALF) / "metadata.json").read_text())
+    assert meta["iteration"] == HALF and meta["consumed_samples"] == HALF_SAMPLES
     assert meta["layout"]["tp"] == tp and meta["layout"]["pp"] == pp
+    assert meta["config"]["train"]["fp64"] is (layout not in FP32)
 
 
 @pytest.mark.parametrize("source,target", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_reshard_round_trip(runs, source: str, target: str) -> None:
-    """X's iteration 3 loaded into Y has the same full weights and optimizer state, and
-    training continued in Y follows training continued in X."""
+    """X's iteration HALF loaded into Y has the same full weights and optimizer state (float64,
+    bit for bit), and training continued in Y follows training continued in X: losses and the
+    final weights and Adam state to EXACT."""
     out, root = runs
     loaded, continued_y = out[f"{source}->{target}"]
     continued_x = out[source][-1]
     assert loaded == []
-    assert_same_state(root / source / "b" / "iter_0000003",
-                      root / f"{source}->{target}" / "iter_0000003")
-    assert len(continued_y) == len(continued_x) == 3
-    for a, b in zip(continued_y, continued_x):
-        assert abs(a - b) <= 1e-5 * abs(b), (continued_y, continued_x)
+    y = root / f"{source}->{target}"
+    assert_same_state(root / source / "b" / _it(HALF), y / _it(HALF))
+    assert len(continued_y) == len(continued_x) == ITERS - HALF
+    assert_close(continued_y, continued_x, EXACT, "continued losses")
+    assert_close_state(y / _it(ITERS), root / source / "b" / _it(ITERS))
 
 
 def test_tp2_tied_export_matches_transformers(runs, tmp_path) -> None:
@@ -136,7 +161,7 @@ def test_tp2_tied_export_matches_transformers(runs, tmp_path) -> None:
     text = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
     train_tokenizer(["--input", str(text), "--output-prefix", str(tmp_path / "tok"),
                      "--vocab-size", "400", "--num-threads", "1"])
-    hf = check_hf_round_trip(runs[1] / "tp2" / "a", 6, tmp_path, "--tokenizer-model",
+    hf = check_hf_round_trip(runs[1] / "tp2" / "a", ITERS, tmp_path, "--tokenizer-model",
                              str(tmp_path / "tok.model"))
     config = json.loads((hf / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == 2

@@ -53,6 +53,7 @@ def test_memory_bound_does_not_grow_with_microbatches() -> None:
     assert peaks == {4: 4, 16: 4, 64: 4}
 
 
+@pytest.mark.quick
 def test_1f1b_warmup_and_steady_state_shape() -> None:
     order = compute_order(4, 1, 6)
     # Stage 1 of 4: 2 warm-up forwards, then alternate, then 2 cool-down backwards.
@@ -88,6 +89,7 @@ def test_transfers_go_to_the_neighbouring_stage_and_wrap_between_chunks() -> Non
                    for op in ops)
 
 
+@pytest.mark.quick
 def test_simulator_catches_a_broken_schedule() -> None:
     schedule = build_schedule(2, 4)
     # Stage 1 without its transfers computes before its input arrives; a dropped backward

@@ -10,9 +10,11 @@ from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import run_rank
 from megatron_lite.parallel.audit import match
 
-TINY = ["--num-layers", "16", "--hidden-size", "64", "--num-attention-heads", "4",
+# 8 layers (ZBV: two per stage at PP=4), 4 micro-batches per DP rank (= PP, the fewest that
+# fill a zero-bubble pipeline): the smallest shape with every F/B/W and p2p pattern.
+TINY = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--seq-length", "32", "--vocab-size", "250",
-        "--micro-batch-size", "1", "--global-batch-size", "16", "--bf16"]
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
           "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
           "--overlap-param-gather"]
