@@ -229,7 +229,8 @@ class _Posted:
                enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group, tag + i) for i, t in
                 enumerate(self.received)]
-        with batch_identity(lambda: [identity(n, ring_step=step) for n in names * 2]):
+        with batch_identity(lambda: [(op.tensor, identity(n, ring_step=step))
+                                     for op, n in zip(ops, names * 2)]):
             self.works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[Tensor]:

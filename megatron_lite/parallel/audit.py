@@ -76,32 +76,26 @@ _NOTHING = nullcontext()
 
 
 class _Labels(AbstractContextManager):
-    """The identities of the ops issued inside one `with`: one for all of them (`each`
-    False), or the k-th for the k-th op (a batch, whose ops are issued in list order)."""
+    """The identities of the ops issued inside one `with`: one for all of them (`by_tensor`
+    None), or per op, found by the op's tensor (a batch: whoever reorders its list, each
+    transfer keeps the identity of the buffer it moves)."""
 
-    __slots__ = ("each", "labels", "taken", "token")
+    __slots__ = ("by_tensor", "one", "token")
 
-    def __init__(self, labels: tuple[Identity, ...], each: bool) -> None:
-        self.labels, self.each, self.taken = labels, each, 0
+    def __init__(self, one: Identity | None, by_tensor: dict[int, Identity] | None) -> None:
+        self.one, self.by_tensor = one, by_tensor
         self.token: Token | None = None
 
     def __enter__(self) -> None:
         self.token = _current.set(self)
 
-    def __exit__(self, kind, *_: object) -> None:
+    def __exit__(self, *_: object) -> None:
         _current.reset(self.token)
-        if kind is None and self.each and self.taken != len(self.labels):
-            raise RuntimeError(f"batch_identity was given {len(self.labels)} identities but "
-                               f"{self.taken} ops were issued: the call site mislabels them")
 
-    def take(self) -> Identity:
-        if not self.each:
-            return self.labels[0]
-        if self.taken == len(self.labels):
-            raise RuntimeError(f"batch_identity was given {len(self.labels)} identities but "
-                               "more ops were issued: the call site mislabels them")
-        self.taken += 1
-        return self.labels[self.taken - 1]
+    def take(self, tensors: list[torch.Tensor]) -> Identity | None:
+        if self.by_tensor is None:
+            return self.one
+        return next((self.by_tensor[id(t)] for t in tensors if id(t) in self.by_tensor), None)
 
 
 def op_identity(kind: str, **fields: int) -> AbstractContextManager[None]:
@@ -109,16 +103,17 @@ def op_identity(kind: str, **fields: int) -> AbstractContextManager[None]:
     otherwise a shared no-op)."""
     if not _recording:
         return _NOTHING
-    return _Labels((identity(kind, **fields),), each=False)
+    return _Labels(identity(kind, **fields), None)
 
 
-def batch_identity(make: Callable[[], Iterable[Identity]]) -> AbstractContextManager[None]:
-    """The k-th op issued inside takes the k-th identity `make()` returns: for one
-    `batch_isend_irecv`, whose ops NCCL posts in list order. `make` runs only while an audit
-    records, so an unaudited run builds nothing."""
+def batch_identity(make: Callable[[], Iterable[tuple[torch.Tensor, Identity]]]
+                   ) -> AbstractContextManager[None]:
+    """Inside, an op moving one of the tensors `make()` lists takes that tensor's identity:
+    for one `batch_isend_irecv`, (op.tensor, identity) per P2POp. `make` runs only while an
+    audit records, so an unaudited run builds nothing."""
     if not _recording:
         return _NOTHING
-    return _Labels(tuple(make()), each=True)
+    return _Labels(None, {id(t): ident for t, ident in make()})
 
 
 def recording() -> bool:
@@ -150,8 +145,11 @@ class CommOp:
 
     def describe(self) -> str:
         where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
-        return (f"{self.op} {describe_identity(self.identity)}{where} {self.dtype} "
-                f"{[list(s) for s in self.shapes]} ({self.site})")
+        return f"{self.op} {describe_identity(self.identity)}{where} {self.payload()}"
+
+    def payload(self) -> str:
+        """What travels, for a p2p message that has already named both ends."""
+        return f"{self.dtype} {[list(s) for s in self.shapes]} ({self.site})"
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -228,7 +226,7 @@ class CommAudit(TorchDispatchMode):
         return CommOp(name, group, str(tensors[0].dtype).removeprefix("torch.") if tensors
                       else "-", tuple(tuple(t.shape) for t in tensors),
                       biggest.numel() * biggest.element_size() if biggest is not None else 0,
-                      peer, site, labels.take() if labels is not None else None)
+                      peer, site, labels.take(tensors) if labels is not None else None)
 
 
 def match(records: dict[int, list[CommOp]]) -> str | None:
@@ -284,6 +282,10 @@ def _key(op: CommOp) -> tuple:
     return op.op, op.dtype, op.shapes, op.identity
 
 
+def _what(op: CommOp) -> str:
+    return f"{describe_identity(op.identity)} {op.payload()}"
+
+
 def _match_p2p(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
     """NCCL's rule, tags ignored: the n-th send from A to B meets the n-th receive on B from
     A, and they must agree on dtype, shapes and identity."""
@@ -310,17 +312,17 @@ def _match_p2p(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
                 continue
             head = f"rank {src} -> rank {dst}: "
             if b is None:
-                text = (f"send #{pos} is {a.describe()} but rank {dst} receives nothing "
+                text = (f"send #{pos} is {_what(a)} but rank {dst} receives nothing "
                         f"more from rank {src} ({len(inc)} receives)")
             elif a is None:
-                text = (f"recv #{pos} on rank {dst} expects {b.describe()} but rank {src} "
+                text = (f"recv #{pos} on rank {dst} expects {_what(b)} but rank {src} "
                         f"sends nothing more to rank {dst} ({len(out)} sends)")
             else:
                 why = ("same shapes, different identities: NCCL would deliver it into the "
                        "wrong buffer" if (a.dtype, a.shapes) == (b.dtype, b.shapes)
                        else "dtype or shape differ")
-                text = (f"send #{pos} is {a.describe()} but recv #{pos} on rank {dst} "
-                        f"expects {b.describe()} ({why})")
+                text = (f"send #{pos} is {_what(a)} but recv #{pos} on rank {dst} "
+                        f"expects {_what(b)} ({why})")
             problems.append((pos, head + text))
             break
     return problems

@@ -126,6 +126,7 @@ class StageComm:
                 p2p_ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
         works = []
         if p2p_ops:
-            with batch_identity(lambda: [self.identity(op) for op in remote]):
+            with batch_identity(lambda: [(p.tensor, self.identity(op))
+                                         for p, op in zip(p2p_ops, remote)]):
                 works = dist.batch_isend_irecv(p2p_ops)
         return PostedBatch(works, received, sent, self.wait_clock)
