@@ -185,3 +185,35 @@ def test_batches_posted_in_reverse_on_odd_ranks_fail_dry_run_ranks_all(
     assert status == 1 and "collectives matched" not in out
     assert verdict.startswith("collectives DO NOT match: rank ")
     assert "same shapes, different identities" in verdict
+
+
+# ---- the current schedules keep NCCL's order ------------------------------------------------
+
+LAYOUTS = {
+    "1f1b-pp2": (["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+                 {"activation", "grad"}),
+    "zb-h1-pp2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                   "--global-batch-size", "4"], {"activation", "grad"}),
+    "zbv-pp2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                 "--global-batch-size", "4"], {"activation", "grad"}),
+    "cp2-ring": (["--context-parallel-size", "2", "--global-batch-size", "2"],
+                 {"ring_kv", "ring_ids", "ring_kv_backward", "ring_dkv"}),
+    "zero1-dp2": (DP2_ZERO1, {"grad_reduce", "param_gather"}),
+    "zero2-dp2": ([*DP2_ZERO1, "--data-parallel-sharding-strategy", "optim_grads"],
+                  {"grad_reduce_scatter", "param_gather"}),
+    "zero3-dp2": ([*DP2_ZERO1, "--data-parallel-sharding-strategy", "optim_grads_params"],
+                  {"grad_reduce_scatter", "unit_gather"}),
+}
+"""Layout -> the identity kinds its call sites must have labelled."""
+LABELLED = {"send", "recv", "all_gather", "reduce_scatter"}
+"""Ops every call site of these layouts labels (all-reduces are labelled only per bucket)."""
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_current_schedule_matches_with_identities(layout: str) -> None:
+    flags, kinds = LAYOUTS[layout]
+    records = _records(flags, 2)
+    assert match(records) is None
+    ops = [op for ops in records.values() for op in ops]
+    assert all(op.identity is not None for op in ops if op.op in LABELLED), layout
+    assert kinds <= {op.identity[0] for op in ops if op.identity is not None}, layout
