@@ -279,7 +279,7 @@ class StepRunner:
                                    cfg.train.micro_batch_size,
                                    cfg.model.hidden_size, pstate.tp_size,
                                    cfg.parallel.sequence_parallel)
-            self.comm = StageComm(pstate, shape, model_dtype(cfg))
+            self.comm = StageComm(pstate, shape, model_dtype(cfg), v_shape=self.kind == "zbv")
 
     def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor, *,
                  backward: bool = True) -> Tensor:

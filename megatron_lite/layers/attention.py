@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_lite.kernels._precision import math_dtype, upcast
+from megatron_lite.parallel.audit import batch_identity, identity
 
 
 @dataclass(frozen=True)
@@ -215,15 +216,22 @@ _FORWARD_TAG, _KV_TAG, _DKV_TAG = 0, 2, 3  # distinct p2p tags: gloo matches sen
 
 
 class _Posted:
-    """Tensors sent to the next ring rank and received from the previous one, in flight."""
+    """Tensors sent to the next ring rank and received from the previous one, in flight.
 
-    def __init__(self, ring: Ring, tensors: list[Tensor], tag: int) -> None:
+    `names` say what each tensor is; with the ring step they are the ops' identities under
+    an audit (NCCL matches the sends and receives of a pair in posting order, not by tag).
+    """
+
+    def __init__(self, ring: Ring, tensors: list[Tensor], tag: int, names: tuple[str, ...],
+                 step: int) -> None:
         self.received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, ring.next, ring.group, tag + i) for i, t in
                enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group, tag + i) for i, t in
                 enumerate(self.received)]
-        self.works = dist.batch_isend_irecv(ops)
+        with batch_identity(lambda: [(op.tensor, identity(n, ring_step=step))
+                                     for op, n in zip(ops, names * 2)]):
+            self.works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[Tensor]:
         for work in self.works:
@@ -251,7 +259,8 @@ class _RingAttention(torch.autograd.Function):
         local = ids.cpu() if computed else None
         kv, block_ids, plans = torch.stack([k, v]), ids, []
         for step in range(steps):
-            posted = _Posted(ring, [kv, block_ids], _FORWARD_TAG) if step + 1 < steps else None
+            posted = (_Posted(ring, [kv, block_ids], _FORWARD_TAG, ("ring_kv", "ring_ids"),
+                               step) if step + 1 < steps else None)
             plan = block_pairs(local, block_ids.cpu(), b) if computed else []
             for p in plan:
                 o, o_lse = _block_forward(_view(q, p, "q"), _view(kv[0], p, "k"),
@@ -279,7 +288,8 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, dkv_posted, dkv = torch.stack([k, v]), None, None
         for step in range(steps):
-            kv_posted = _Posted(ring, [kv], _KV_TAG) if step + 1 < steps else None
+            kv_posted = (_Posted(ring, [kv], _KV_TAG, ("ring_kv_backward",), step)
+                         if step + 1 < steps else None)
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             for p in plans[step]:
                 gq, gk, gv = _block_backward(
@@ -292,7 +302,7 @@ class _RingAttention(torch.autograd.Function):
             if dkv_posted is not None:  # the accumulator of the block in hand, one step behind
                 dkv += dkv_posted.wait()[0]
             if ring is not None:
-                dkv_posted = _Posted(ring, [dkv], _DKV_TAG)
+                dkv_posted = _Posted(ring, [dkv], _DKV_TAG, ("ring_dkv",), step)
             if kv_posted is not None:
                 kv = kv_posted.wait()[0]
         if dkv_posted is not None:

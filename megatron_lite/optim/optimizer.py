@@ -53,6 +53,7 @@ from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
 from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
 from megatron_lite.parallel import comms
+from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
 
 BucketKey = tuple[int, int]
@@ -366,8 +367,10 @@ class Optimizer:
                 handle.wait()
             own = bucket.shard(pstate.dp_size, pstate.dp_rank).relative_to(bucket.range.start)
             send[own.start:own.end].add_(out)
-        self._inflight[key] = (comms.reduce_scatter_flat(
-            out, send, pstate.dp_group, async_op=True, traffic=self.traffic), send)
+        with op_identity("grad_reduce_scatter", buffer=key[0], bucket=key[1]):
+            handle = comms.reduce_scatter_flat(out, send, pstate.dp_group, async_op=True,
+                                               traffic=self.traffic)
+        self._inflight[key] = (handle, send)
         self._scattered.add(key)
         self._retire(keep=MAX_INFLIGHT_SCATTERS)
 
@@ -389,14 +392,15 @@ class Optimizer:
         grad = buffer.bucket_grad(bucket)
         if self.grad_check is not None:
             self.grad_check(grad)
-        if self.sharded:
-            own = bucket.shard(pstate.dp_size, pstate.dp_rank)
-            self._handles[key] = comms.reduce_scatter_flat(
-                buffer.grad[own.start:own.end], grad, pstate.dp_group, async_op=True,
-                traffic=self.traffic)
-        else:
-            self._handles[key] = comms.all_reduce_flat(grad, pstate.dp_group, async_op=True,
-                                                       traffic=self.traffic)
+        with op_identity("grad_reduce", buffer=key[0], bucket=key[1]):
+            if self.sharded:
+                own = bucket.shard(pstate.dp_size, pstate.dp_rank)
+                self._handles[key] = comms.reduce_scatter_flat(
+                    buffer.grad[own.start:own.end], grad, pstate.dp_group, async_op=True,
+                    traffic=self.traffic)
+            else:
+                self._handles[key] = comms.all_reduce_flat(grad, pstate.dp_group,
+                                                           async_op=True, traffic=self.traffic)
 
     def _keys(self) -> list[BucketKey]:
         return [(b, k.index) for b, buf in enumerate(self.buffers) for k in buf.layout.buckets]
@@ -521,9 +525,10 @@ class Optimizer:
             buffer = self.buffers[key[0]]
             bucket = buffer.layout.buckets[key[1]]
             own = bucket.shard(pstate.dp_size, pstate.dp_rank)
-            self._gathers[key] = comms.all_gather_flat(
-                buffer.bucket_param(bucket), buffer.param[own.start:own.end], pstate.dp_group,
-                async_op=async_op, traffic=self.traffic)
+            with op_identity("param_gather", buffer=key[0], bucket=key[1]):
+                self._gathers[key] = comms.all_gather_flat(
+                    buffer.bucket_param(bucket), buffer.param[own.start:own.end],
+                    pstate.dp_group, async_op=async_op, traffic=self.traffic)
 
     def _wait_gathers(self, keys: list[BucketKey], *_: object) -> None:
         """Forward pre-hook (--overlap-param-gather): this module's params must be current."""

@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from megatron_lite.optim.buffers import Bucket, BufferLayout, Range
 from megatron_lite.parallel import comms
+from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
 
 BucketKey = tuple[int, int]
@@ -242,9 +243,10 @@ class FullyShardedParams:
             buffer = self.buffers[key[0]]
             full = buffer.full[key[1]]
             _allocate(full)
-            works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
-                                               self.pstate.dp_group, async_op=async_op,
-                                               traffic=self.traffic))
+            with op_identity("unit_gather", unit=u, buffer=key[0], bucket=key[1]):
+                works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
+                                                   self.pstate.dp_group, async_op=async_op,
+                                                   traffic=self.traffic))
         self._gathers[u] = works
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 

@@ -9,6 +9,14 @@ it: the check an NCCL group makes at run time, made on the CPU. It also records 
 order on the peer, and every member of a group issues the same collectives in the same order
 with the same shapes and dtypes (NCCL's rules; breaking them deadlocks or corrupts).
 
+NCCL ignores tags: the n-th send from A to B meets the n-th receive on B from A, whatever
+either side meant by it, and a `batch_isend_irecv` posts its ops in list order. Equal shapes
+are therefore no proof: an activation received into a gradient buffer of the same shape is
+silent corruption. So every op also carries an identity, what the program means by it (the
+pipeline's tensor kind, micro-batch and sending chunk; a bucket index; a ring step), set by
+its call site with `op_identity` / `batch_identity`, and `match` compares identities too.
+Outside an audit both return a shared no-op context without building anything.
+
 `match` is pure Python over the records, so it is tested without processes.
 """
 
@@ -17,6 +25,9 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +50,77 @@ class DeviceDisciplineError(RuntimeError):
     """A tensor on the wrong device was handed to a collective or p2p op."""
 
 
+Identity = tuple[str, tuple[tuple[str, int], ...]]
+"""What an op means to the program: (kind, ((field, value), ...)), e.g.
+("activation", (("mb", 3), ("chunk", 1))). Equal on both ends of a correct transfer and on
+every member of a correct collective."""
+
+
+def identity(kind: str, **fields: int) -> Identity:
+    """An identity; the fields keep their keyword order (it is part of the comparison)."""
+    return kind, tuple(fields.items())
+
+
+def describe_identity(ident: Identity | None) -> str:
+    """"(grad, mb 2, chunk 0)"; "(no identity)" for an op no call site labelled."""
+    if ident is None:
+        return "(no identity)"
+    kind, fields = ident
+    return "(" + ", ".join([kind, *(f"{k} {v}" for k, v in fields)]) + ")"
+
+
+_recording = 0
+"""How many `CommAudit`s are active: identities are built only while one is."""
+_current: ContextVar[_Labels | None] = ContextVar("megatron_lite_op_identity", default=None)
+_NOTHING = nullcontext()
+
+
+class _Labels(AbstractContextManager):
+    """The identities of the ops issued inside one `with`: one for all of them (`by_tensor`
+    None), or per op, found by the op's tensor (a batch: whoever reorders its list, each
+    transfer keeps the identity of the buffer it moves)."""
+
+    __slots__ = ("by_tensor", "one", "token")
+
+    def __init__(self, one: Identity | None, by_tensor: dict[int, Identity] | None) -> None:
+        self.one, self.by_tensor = one, by_tensor
+        self.token: Token | None = None
+
+    def __enter__(self) -> None:
+        self.token = _current.set(self)
+
+    def __exit__(self, *_: object) -> None:
+        _current.reset(self.token)
+
+    def take(self, tensors: list[torch.Tensor]) -> Identity | None:
+        if self.by_tensor is None:
+            return self.one
+        return next((self.by_tensor[id(t)] for t in tensors if id(t) in self.by_tensor), None)
+
+
+def op_identity(kind: str, **fields: int) -> AbstractContextManager[None]:
+    """Every collective or p2p op issued inside takes this identity (while an audit runs;
+    otherwise a shared no-op)."""
+    if not _recording:
+        return _NOTHING
+    return _Labels(identity(kind, **fields), None)
+
+
+def batch_identity(make: Callable[[], Iterable[tuple[torch.Tensor, Identity]]]
+                   ) -> AbstractContextManager[None]:
+    """Inside, an op moving one of the tensors `make()` lists takes that tensor's identity:
+    for one `batch_isend_irecv`, (op.tensor, identity) per P2POp. `make` runs only while an
+    audit records, so an unaudited run builds nothing."""
+    if not _recording:
+        return _NOTHING
+    return _Labels(None, {id(t): ident for t, ident in make()})
+
+
+def recording() -> bool:
+    """A `CommAudit` is active (identities are being collected)."""
+    return _recording > 0
+
+
 @dataclass(frozen=True)
 class CommOp:
     """One collective or p2p op as issued by one rank."""
@@ -58,10 +140,16 @@ class CommOp:
     site: str = ""
     """file:line (function) of the code that issued it (first frame outside torch and the
     comms helpers)."""
+    identity: Identity | None = None
+    """What the call site meant by it (`op_identity`); None where no call site said."""
 
     def describe(self) -> str:
         where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
-        return f"{self.op}{where} {self.dtype} {[list(s) for s in self.shapes]} ({self.site})"
+        return f"{self.op} {describe_identity(self.identity)}{where} {self.payload()}"
+
+    def payload(self) -> str:
+        """What travels, for a p2p message that has already named both ends."""
+        return f"{self.dtype} {[list(s) for s in self.shapes]} ({self.site})"
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -100,6 +188,16 @@ class CommAudit(TorchDispatchMode):
         self.device = torch.device(device)
         self.ops: list[CommOp] = []
 
+    def __enter__(self) -> CommAudit:
+        global _recording
+        _recording += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        global _recording
+        _recording -= 1
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "c10d" and func._schema.name.split("::")[-1] in _OP_NAMES:
@@ -124,10 +222,11 @@ class CommAudit(TorchDispatchMode):
         if name in P2P_OPS:
             peer = group[next(a for a in args if isinstance(a, int))]
         biggest = max(tensors, key=lambda t: t.numel(), default=None)
+        labels = _current.get()
         return CommOp(name, group, str(tensors[0].dtype).removeprefix("torch.") if tensors
                       else "-", tuple(tuple(t.shape) for t in tensors),
                       biggest.numel() * biggest.element_size() if biggest is not None else 0,
-                      peer, site)
+                      peer, site, labels.take(tensors) if labels is not None else None)
 
 
 def match(records: dict[int, list[CommOp]]) -> str | None:
@@ -141,8 +240,16 @@ def match(records: dict[int, list[CommOp]]) -> str | None:
     return _deadlock(records)
 
 
+def _differ(a: CommOp, b: CommOp) -> str:
+    """What differs between two ops that should be the same transfer or collective."""
+    if (a.op, a.dtype, a.shapes) != (b.op, b.dtype, b.shapes):
+        return "op, dtype or shape differ"
+    return ("same shapes, different identities: an equal-shape reordering NCCL would "
+            "deliver into the wrong buffer")
+
+
 def _match_collectives(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
-    """All members of each group issue the same sequence on it."""
+    """All members of each group issue the same sequence on it: op, dtype, shapes, identity."""
     per_group: dict[tuple[int, ...], dict[int, list[CommOp]]] = defaultdict(dict)
     for rank, ops in records.items():
         for op in ops:
@@ -161,17 +268,27 @@ def _match_collectives(records: dict[int, list[CommOp]]) -> list[tuple[int, str]
             for pos in range(max(len(mine), len(theirs))):
                 a = mine[pos] if pos < len(mine) else None
                 b = theirs[pos] if pos < len(theirs) else None
-                if a is None or b is None or (a.op, a.dtype, a.shapes) != (b.op, b.dtype,
-                                                                            b.shapes):
+                if a is None or b is None or _key(a) != _key(b):
+                    why = f" ({_differ(a, b)})" if a is not None and b is not None else ""
                     problems.append((pos, f"group {list(group)}, collective #{pos}: rank {lead} "
                                           f"issues {a.describe() if a else 'nothing'}, rank "
-                                          f"{rank} issues {b.describe() if b else 'nothing'}"))
+                                          f"{rank} issues {b.describe() if b else 'nothing'}"
+                                          f"{why}"))
                     break
     return problems
 
 
+def _key(op: CommOp) -> tuple:
+    return op.op, op.dtype, op.shapes, op.identity
+
+
+def _what(op: CommOp) -> str:
+    return f"{describe_identity(op.identity)} {op.payload()}"
+
+
 def _match_p2p(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
-    """The k-th send from A to B meets the k-th receive on B from A, same shape and dtype."""
+    """NCCL's rule, tags ignored: the n-th send from A to B meets the n-th receive on B from
+    A, and they must agree on dtype, shapes and identity."""
     sends: dict[tuple[int, int], list[CommOp]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[CommOp]] = defaultdict(list)
     for rank, ops in records.items():
@@ -190,12 +307,24 @@ def _match_p2p(records: dict[int, list[CommOp]]) -> list[tuple[int, str]]:
         for pos in range(max(len(out), len(inc))):
             a = out[pos] if pos < len(out) else None
             b = inc[pos] if pos < len(inc) else None
-            if a is None or b is None or (a.dtype, a.shapes) != (b.dtype, b.shapes):
-                sent = "sends " + a.describe() if a else "sends nothing"
-                got = "receives " + b.describe() if b else "receives nothing"
-                problems.append((pos, f"p2p {src} -> {dst}, transfer #{pos}: rank {src} {sent}"
-                                      f", rank {dst} {got}"))
-                break
+            if a is not None and b is not None and (a.dtype, a.shapes, a.identity) == (
+                    b.dtype, b.shapes, b.identity):
+                continue
+            head = f"rank {src} -> rank {dst}: "
+            if b is None:
+                text = (f"send #{pos} is {_what(a)} but rank {dst} receives nothing "
+                        f"more from rank {src} ({len(inc)} receives)")
+            elif a is None:
+                text = (f"recv #{pos} on rank {dst} expects {_what(b)} but rank {src} "
+                        f"sends nothing more to rank {dst} ({len(out)} sends)")
+            else:
+                why = ("same shapes, different identities: NCCL would deliver it into the "
+                       "wrong buffer" if (a.dtype, a.shapes) == (b.dtype, b.shapes)
+                       else "dtype or shape differ")
+                text = (f"send #{pos} is {_what(a)} but recv #{pos} on rank {dst} "
+                        f"expects {_what(b)} ({why})")
+            problems.append((pos, head + text))
+            break
     return problems
 
 

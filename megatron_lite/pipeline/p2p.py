@@ -6,7 +6,9 @@ boundary, [s, b, h] (or [s/t, b, h] under sequence parallelism), from the config
 waited before the stage moves on; a `Post` (zero-bubble schedules) is one that is waited
 later, by a `Wait`. The schedule guarantees the neighbours post matching batches.
 Activations use tag 0 and gradients tag 1: gloo matches on tags, NCCL ignores them and
-matches in posting order, which the schedule also keeps consistent.
+matches in posting order, which the schedule also keeps consistent. Under an audit (the rank
+dry run) each op is labelled with what it carries, (kind, micro-batch, the sending chunk), the
+same on both ends, so the matcher proves that order rather than trusting equal shapes.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel.audit import Identity, batch_identity, identity
 from megatron_lite.parallel.comms import WaitClock
 from megatron_lite.parallel.state import ParallelState
+from megatron_lite.pipeline.partition import stage_and_chunk, virtual_stage
 from megatron_lite.pipeline.schedule import Recv, Send
 
 _TAGS = {"activation": 0, "grad": 1}
@@ -60,8 +64,11 @@ class StageComm:
     over locally, in posting order, without p2p.
     """
 
-    def __init__(self, pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype,
+                 v_shape: bool = False) -> None:
         self.pstate, self.shape, self.dtype = pstate, tuple(shape), dtype
+        self.v_shape = v_shape
+        """Chunks placed in a V (ZBV): needed to name the chunk at the other end of a transfer."""
         self._local: list[torch.Tensor] = []
         self.wait_clock = WaitClock(pstate.device)
         """Exposed pipeline communication: time blocked in the waits of posted batches (a
@@ -69,6 +76,20 @@ class StageComm:
 
     def is_local(self, op: Send | Recv) -> bool:
         return op.peer == self.pstate.pp_rank
+
+    def identity(self, op: Send | Recv) -> Identity:
+        """(kind, micro-batch, the sending stage's chunk): what both ends call this transfer.
+
+        An activation flows from model piece v to v+1, a gradient from v+1 to v; the receiver
+        names the sender's piece from its own.
+        """
+        pp = self.pstate.pp_size
+        mine = virtual_stage(pp, self.pstate.pp_rank, op.chunk, self.v_shape)
+        sender = mine
+        if isinstance(op, Recv):
+            sender = mine - 1 if op.tensor == "activation" else mine + 1
+        return identity(op.tensor, mb=op.microbatch,
+                        chunk=stage_and_chunk(pp, sender, self.v_shape)[1])
 
     def exchange(self, ops: Sequence[Send | Recv], outgoing: Mapping[Send, torch.Tensor]
                  ) -> dict[Recv, torch.Tensor]:
@@ -78,7 +99,7 @@ class StageComm:
     def post(self, ops: Sequence[Send | Recv], outgoing: Mapping[Send, torch.Tensor]
              ) -> PostedBatch:
         """Post every op of one batch as one batched isend/irecv, without waiting."""
-        p2p_ops, received, sent = [], {}, []
+        p2p_ops, received, sent, remote = [], {}, [], []
         for op in ops:
             if self.is_local(op):
                 if isinstance(op, Send):
@@ -86,6 +107,7 @@ class StageComm:
                 else:
                     received[op] = self._local.pop(0)
                 continue
+            remote.append(op)
             peer = self.pstate.pp_ranks[op.peer]
             tag = _TAGS[op.tensor]
             if isinstance(op, Send):
@@ -102,5 +124,9 @@ class StageComm:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.pstate.device)
                 received[op] = buffer
                 p2p_ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
-        works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+        works = []
+        if p2p_ops:
+            with batch_identity(lambda: [(p.tensor, self.identity(op))
+                                         for p, op in zip(p2p_ops, remote)]):
+                works = dist.batch_isend_irecv(p2p_ops)
         return PostedBatch(works, received, sent, self.wait_clock)
