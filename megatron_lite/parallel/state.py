@@ -373,6 +373,12 @@ def planned_creations(lists_by_kind: dict[str, list[list[int]]], rank: int, worl
     return sum(bool(new) if split else own in new for _, new, own in plan)
 
 
+def _splits_world() -> bool:
+    """Whether groups come from `split_group`: the default group has a bound device (NCCL
+    initialized with `device_id`), the only case where torch can split it."""
+    return dist.group.WORLD.bound_device_id is not None
+
+
 def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_size: int,
                    timeout: timedelta) -> tuple[dict[str, dist.ProcessGroup | None], int]:
     """Create this rank's groups; return them by field name and the creations it took part in.
@@ -392,7 +398,7 @@ def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_s
       on ranks that are done with kinds < k, hence no cycle.
     """
     world = dist.group.WORLD
-    split = world.bound_device_id is not None
+    split = _splits_world()
     made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world_size)): world}
     groups: dict[str, dist.ProcessGroup | None] = {}
     count = 0
