@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -50,23 +49,42 @@ def _members_and_sums(pstate: ParallelState) -> tuple[dict, dict, int]:
     return members, sums, pstate.group_creations
 
 
-@pytest.mark.parametrize("tp,pp,cp,creations", [(2, 2, 1, 4), (2, 2, 2, 4)],
-                         ids=["tp2-pp2-dp2", "tp2-pp2-cp2"])
-def test_every_rank_gets_its_groups_and_collectives_work(tmp_path, tp: int, pp: int, cp: int,
-                                                         creations: int) -> None:
-    cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                         pipeline_model_parallel_size=pp,
-                                         context_parallel_size=cp))
-    results = run_ranks(_members_and_sums, 8, tmp_path, cfg=cfg)
-    grid = rank_grid(8, tp, pp, cp)
-    for rank, (members, sums, made) in enumerate(results):
-        state = ParallelState(**parallel_state._coordinates(  # the grid's view of this rank
-            _env(rank), grid, torch.device("cpu")), backend="gloo")
-        expected = _expected(state)
-        assert members == expected, f"rank {rank}"
-        for kind, ranks in expected.items():
-            assert sums[kind] == (sum(ranks) if ranks else rank), (rank, kind)
-        assert made == creations, f"rank {rank} took part in {made} creations"
+def _both_layouts(pstate: ParallelState, cp_cfg: Config, init_file: str) -> list[tuple]:
+    """This layout's groups, then the same ranks re-initialized as `cp_cfg` (one spawn of 8
+    processes for both: starting them is most of the test's time)."""
+    first = _members_and_sums(pstate)
+    parallel_state.destroy(pstate)
+    again = parallel_state.initialize(cp_cfg, env=_env(pstate.rank),
+                                      init_method=f"file://{init_file}")
+    return [first, _members_and_sums(again)]  # the harness destroys `again`
+
+
+def _cfg(tp: int, pp: int, cp: int) -> Config:
+    return Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                          pipeline_model_parallel_size=pp,
+                                          context_parallel_size=cp, distributed_backend="gloo",
+                                          distributed_timeout_minutes=2))
+
+
+def test_every_rank_gets_its_groups_and_collectives_work(tmp_path) -> None:
+    """8 gloo ranks as TP2 x PP2 x DP2, then as TP2 x PP2 x CP2: every group kind has the
+    rank grid's members on every rank, sums over it, and each rank made 4 creations."""
+    layouts = [(2, 2, 1), (2, 2, 2)]
+    results = run_ranks(_both_layouts, 8, tmp_path, cfg=_cfg(*layouts[0]),
+                        cp_cfg=_cfg(*layouts[1]), init_file=str(tmp_path / "second"))
+    for i, (tp, pp, cp) in enumerate(layouts):
+        grid = rank_grid(8, tp, pp, cp)
+        for rank, per_layout in enumerate(results):
+            members, sums, made = per_layout[i]
+            state = ParallelState(**parallel_state._coordinates(  # the grid's view of rank
+                _env(rank), grid, torch.device("cpu")), backend="gloo")
+            expected = _expected(state)
+            assert members == expected, (tp, pp, cp, rank)
+            for kind, ranks in expected.items():
+                assert sums[kind] == (sum(ranks) if ranks else rank), (tp, pp, cp, rank, kind)
+            assert made == 4, f"rank {rank} took part in {made} creations"
+            if cp > 1:
+                assert members["cp_group"] is not None and members["dp_group"] is None
 
 
 def _env(rank: int) -> parallel_state.LaunchEnv:
