@@ -36,7 +36,7 @@ from megatron_lite.training import StepRunner, build_model, train_step
 JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
               "optimizer_bytes", "activation_bytes", "planner_params_bytes",
               "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes")
+              "collectives", "p2p_ops", "comm_bytes", "group_creations")
 """The fields of one `--log-jsonl` record per dry-run rank, in order."""
 
 
@@ -63,6 +63,10 @@ class RankResult:
     """Device bytes allocated while the checkpoint state is assembled (should be 0)."""
     seconds: float
     ops: list[CommOp]
+    group_creations: int = 0
+    """Process-group creations this rank took part in at start-up (parallel/state.py)."""
+    nccl_group_creations: int = 0
+    """The same under NCCL with a bound device, where each is a world-wide split per kind."""
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in JSONL_KEYS}
@@ -111,9 +115,26 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             activations, est.param_bytes, est.grad_bytes, est.optimizer_bytes,
             int(est.activation_bytes), len(audit.ops) - len(p2p), len(p2p),
             sum(op.nbytes for op in audit.ops), save_growth, time.perf_counter() - start,
-            audit.ops)
+            audit.ops, pstate.group_creations,
+            parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
+                                             split=True))
     finally:
         parallel_state.destroy(pstate)
+
+
+def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
+    """The groups `initialize` builds for this layout."""
+    p = cfg.parallel
+    return parallel_state.group_lists(parallel_state.rank_grid(
+        world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+        p.context_parallel_size))
+
+
+def group_creations_line(r: RankResult) -> str:
+    """What start-up costs this rank in group creations, on the fake backend and on NCCL."""
+    return (f"dry run: rank {r.rank} took part in {r.group_creations} process-group creations "
+            f"at start-up ({r.nccl_group_creations} world splits under NCCL with device_id, "
+            "one per group kind)")
 
 
 def _ratio(measured: int, planned: int) -> str:
@@ -162,6 +183,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
     for rank in ranks:
         results.append(run_rank(cfg, world_size, rank))
         print(f"dry run: rank {rank} done in {results[-1].seconds:.1f} s", flush=True)
+        print(group_creations_line(results[-1]), flush=True)
     print(format_table(results))
     if cfg.logging.log_jsonl:
         with open(cfg.logging.log_jsonl, "w") as f:

@@ -5,7 +5,9 @@
 #   train_kernels  a short bf16 training run with the Triton kernels on and off (same loss curve,
 #                  each one's step time)
 #   multirank      two ranks sharing the GPU over cuda:gloo: TP=2 + SP, PP=2, CP=2 (ring
-#                  attention) and ZeRO-3 against one process (scripts/gpu_multirank.py)
+#                  attention) and ZeRO-3 in fp32, TP=2 + SP and CP=2 (the memory-efficient
+#                  ring kernels) in bf16, against one process (scripts/gpu_multirank.py); a
+#                  skipped layout fails the part (exit 3), a check that proves nothing is no pass
 #   train_1b       Llama-3.2-1B shape, seq 4096, bf16, kernels on, compiled: ours against plain
 #                  PyTorch (tokens/s, TFLOP/s, MFU), planner memory against the measured peak
 #   train_3b       the same at the Llama-3.2-3B shape (bench/gpu_train.py)
@@ -101,7 +103,7 @@ print(f"median step ms after 5 warm-up steps: kernels on {ms['on']:.1f}, off {ms
 sys.exit(0 if len(on) == len(off) == 20 and worst <= 2e-2 else 1)
 PY
 
-part multirank multirank 60 "$PYTHON" scripts/gpu_multirank.py --out "$OUT"
+part multirank multirank 90 "$PYTHON" scripts/gpu_multirank.py --out "$OUT"
 part train_1b train_1b 150 "$PYTHON" bench/gpu_train.py --model 1b --out "$OUT"
 part train_3b train_3b 200 "$PYTHON" bench/gpu_train.py --model 3b --out "$OUT"
 

@@ -1,6 +1,10 @@
 """Two ranks on one GPU: TP=2 with sequence parallelism, PP=2, CP=2 (ring attention) and ZeRO-3
-(--data-parallel-sharding-strategy optim_grads_params), trained through torchrun with
-`--distributed-backend cuda:gloo`, each compared loss for loss with one process of the same run.
+(--data-parallel-sharding-strategy optim_grads_params) in fp32, and TP=2 + SP and CP=2 in bf16
+(on CUDA the ring runs the memory-efficient attention kernels, whose bf16 path nothing else
+exercises), trained through torchrun with `--distributed-backend cuda:gloo`, each compared loss
+for loss with one process of the same run and dtype.
+
+    python scripts/gpu_multirank.py --out DIR --layouts cp2_bf16,pp2   # only those
 
     python scripts/gpu_multirank.py --out DIR              # on a GPU (scripts/gpu_check.sh)
     python scripts/gpu_multirank.py --out DIR --device cpu # the same flow over plain gloo
@@ -11,10 +15,14 @@ support is partial, so a probe first runs, on two ranks, every collective these 
 way they make it (through megatron_lite.parallel.comms where it has a helper) and checks the
 values; a layout that needs an op the probe saw fail is reported "skipped: <op>: <reason>"
 instead of failed. The probe also checks that a host tensor is refused, and tries the barrier
-that checkpoint saves use. On CUDA the runs are fp32, so the losses must agree to 1e-5
-relative; on the CPU they are float64 (--fp64, as the CPU equivalence tests run), so to 1e-10.
-Writes DIR/multirank.json and DIR/multirank.txt (the summary lines); exits 1 if a run
-that could run failed.
+that checkpoint saves use. fp32 losses must agree to 1e-5 relative on CUDA; on the CPU those
+layouts run float64 (--fp64, as the CPU equivalence tests run) and must agree to 1e-10;
+bf16 ones to 2e-2 (bf16 rounding of differently ordered sums; the same bound gpu_check.sh holds
+its bf16 kernel comparison to). On the CPU the default is the fp32 layouts (a bf16 attention
+core runs in fp32 there, so bf16 would prove nothing new). Writes DIR/multirank.json and
+DIR/multirank.txt: one table of every requested layout, ran / failed / skipped with the reason.
+A check that proves nothing must not pass: the exit status is 1 if a layout failed (or, on CUDA,
+a host tensor was not refused), 3 if none failed but a requested layout was skipped, else 0.
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ from megatron_lite.parallel import comms  # noqa: E402
 from megatron_lite.parallel import state as parallel_state  # noqa: E402
 
 TOLERANCE = {"cuda": 1e-5, "cpu": 1e-10}
-"""Worst relative loss difference a layout may have from one process: fp32 on CUDA, float64
-(summation order alone, ~1e-16 per operation) on the CPU."""
+"""Worst relative loss difference a non-bf16 layout may have from one process: fp32 on CUDA,
+float64 (summation order alone, ~1e-16 per operation) on the CPU."""
+BF16_TOLERANCE = 2e-2
+EXIT_FAILED, EXIT_SKIPPED = 1, 3
 # Odd vocabulary (padded at both TP sizes), GQA, 4 layers so PP=2 splits them evenly.
 FLAGS = {
     "cuda": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -57,7 +67,11 @@ COMMON = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", 
 LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
            "pp2": ["--pipeline-model-parallel-size", "2"],
            "cp2": ["--context-parallel-size", "2"],
-           "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
+           "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"],
+           "tp2_sp_bf16": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+           "cp2_bf16": ["--context-parallel-size", "2", "--bf16"]}
+DEFAULT_LAYOUTS = {"cuda": tuple(LAYOUTS),
+                   "cpu": tuple(n for n in LAYOUTS if not n.endswith("_bf16"))}
 # What each layout's training step, logging and start-up call (besides what both call).
 COMMON_OPS = ("all_reduce", "all_gather_objects", "all_gather_list")
 NEEDS = {"tp2_sp": (*COMMON_OPS, "all_reduce_max", "all_gather", "all_gather_async",
@@ -66,6 +80,29 @@ NEEDS = {"tp2_sp": (*COMMON_OPS, "all_reduce_max", "all_gather", "all_gather_asy
          "cp2": (*COMMON_OPS, "send_recv"),  # the ring attention's K/V and dK/dV
          "zero3": (*COMMON_OPS, "all_gather", "all_gather_async", "reduce_scatter",
                    "reduce_scatter_async")}
+NEEDS.update(tp2_sp_bf16=NEEDS["tp2_sp"], cp2_bf16=NEEDS["cp2"])
+
+
+def dtype_of(layout: str) -> str:
+    return "bf16" if "--bf16" in LAYOUTS[layout] else "fp32"
+
+
+def skip_reason(layout: str, ops: dict[str, dict], device: str) -> str | None:
+    """Why `layout` cannot run here (the first op it needs that the probe saw fail), or None."""
+    broken = [op for op in NEEDS[layout] if ops.get(op, {}).get("status", "ok") != "ok"]
+    if not broken:
+        return None
+    op = broken[0]
+    return (f"gloo cannot run {op} on {device} tensors here: {ops[op]['status']} "
+            f"({ops[op]['detail']})")
+
+
+def exit_code(runs: dict[str, dict], device: str, host_refused: bool) -> int:
+    """1 when a layout failed or CUDA took a host tensor, 3 when one was skipped, else 0."""
+    statuses = {r["status"] for r in runs.values()}
+    if "failed" in statuses or (device == "cuda" and not host_refused):
+        return EXIT_FAILED
+    return EXIT_SKIPPED if "skipped" in statuses or not runs else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,10 +277,16 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--iters", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--layouts", help="comma-separated, of " + ", ".join(LAYOUTS) +
+                        " (default: all on cuda, the fp32 ones on cpu)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     backend = "cuda:gloo" if args.device == "cuda" else "gloo"
+    layouts = (args.layouts.split(",") if args.layouts else list(DEFAULT_LAYOUTS[args.device]))
+    unknown = [n for n in layouts if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout {unknown[0]}: choose from {', '.join(LAYOUTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
         return run_probe(args.out, backend)
@@ -257,6 +300,10 @@ def _main(argv: list[str]) -> int:
                 "--nproc_per_node=2"]
     flags = [*FLAGS[args.device], *COMMON, "--train-iters", str(args.iters)]
 
+    def flags_for(dtype: str) -> list[str]:
+        """bf16 runs drop the CPU's --fp64 (the two are exclusive)."""
+        return [f for f in flags if f != "--fp64"] if dtype == "bf16" else flags
+
     def jsonl(name: str) -> Path:
         path = args.out / f"multirank_{name}.jsonl"
         path.unlink(missing_ok=True)  # the logger appends
@@ -265,49 +312,59 @@ def _main(argv: list[str]) -> int:
     # The one-process reference runs while the probe decides what the layouts can run.
     probe = Job("probe", [*torchrun, str(Path(__file__).resolve()), "--probe", "--out",
                           str(args.out), "--device", args.device], args.out, env)
-    single = Job("single", [sys.executable, "pretrain.py", *flags, "--log-jsonl",
-                            str(jsonl("single"))], args.out, env)
+    # One reference per dtype the requested layouts use ("single" is fp32, as before).
+    refs = {d: ("single" if d == "fp32" else f"single_{d}")
+            for d in dict.fromkeys(dtype_of(n) for n in layouts)}
+    singles = {d: Job(ref, [sys.executable, "pretrain.py", *flags_for(d),
+                            *(["--bf16"] if d == "bf16" else []), "--log-jsonl",
+                            str(jsonl(ref))], args.out, env) for d, ref in refs.items()}
     ops = read_probe(args.out, probe.wait(120))
     runs: dict[str, dict] = {}
     jobs: dict[str, Job] = {}
-    for name, extra in LAYOUTS.items():
-        broken = [op for op in NEEDS[name] if ops.get(op, {}).get("status", "ok") != "ok"]
-        if broken:
-            op = broken[0]
-            runs[name] = {"status": "skipped", "reason": f"gloo cannot run {op} on "
-                          f"{args.device} tensors here: {ops[op]['status']} "
-                          f"({ops[op]['detail']})"}
+    for name in layouts:
+        reason = skip_reason(name, ops, args.device)
+        if reason is not None:
+            runs[name] = {"status": "skipped", "reason": reason}
             continue
-        jobs[name] = Job(name, [*torchrun, "pretrain.py", *flags, *extra,
+        jobs[name] = Job(name, [*torchrun, "pretrain.py", *flags_for(dtype_of(name)),
+                                *LAYOUTS[name],
                                 "--distributed-backend", backend, "--log-jsonl",
                                 str(jsonl(name))], args.out, env)
-    single_rc = single.wait(args.timeout)
-    single_losses = read_losses(args.out / "multirank_single.jsonl")
+    single_rcs = {d: job.wait(args.timeout) for d, job in singles.items()}
+    single_losses = {d: read_losses(args.out / f"multirank_{ref}.jsonl")
+                     for d, ref in refs.items()}
     for name, job in jobs.items():
-        rc = job.wait(args.timeout)
+        rc, dtype = job.wait(args.timeout), dtype_of(name)
         losses = read_losses(args.out / f"multirank_{name}.jsonl")
         if rc:
             runs[name] = {"status": "failed", "reason": f"exit {rc} (see {job.log.name})"}
-        elif single_rc:
-            runs[name] = {"status": "failed", "reason": "the one-process run failed (exit "
-                          f"{single_rc}, see {single.log.name}); nothing to compare with"}
+        elif single_rcs[dtype]:
+            runs[name] = {"status": "failed", "reason": f"the one-process {dtype} run failed "
+                          f"(exit {single_rcs[dtype]}, see {singles[dtype].log.name}); "
+                          "nothing to compare with"}
         else:
-            agrees, text = compare(losses, single_losses, args.iters, TOLERANCE[args.device])
+            agrees, text = compare(losses, single_losses[dtype], args.iters,
+                                   BF16_TOLERANCE if dtype == "bf16"
+                                   else TOLERANCE[args.device])
             runs[name] = {"status": "ok" if agrees else "failed", "reason": text}
         runs[name].update(losses=losses, seconds=job.seconds)
+    runs = {name: runs[name] for name in layouts}  # the requested order
 
     host = ops.get("host_tensor", {"status": "not run", "detail": ""})
     refused = host["status"] == "error"
     result = {"backend": backend, "device": args.device, "iters": args.iters, "flags": flags,
-              "probe": ops, "host_tensor_refused": refused, "single_losses": single_losses,
-              "single_exit": single_rc, "runs": runs}
+              "probe": ops, "host_tensor_refused": refused,
+              "single_losses": single_losses.get("fp32", []),
+              "single_exit": single_rcs.get("fp32"), "single_bf16_losses":
+              single_losses.get("bf16", []), "single_bf16_exit": single_rcs.get("bf16"),
+              "runs": runs}
+    # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
+    result["exit"] = exit_code(runs, args.device, refused)
     lines = report_lines(result)
     (args.out / "multirank.json").write_text(json.dumps(result, indent=1))
     (args.out / "multirank.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
-    failed = any(r["status"] == "failed" for r in runs.values())
-    # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
-    return 1 if failed or (args.device == "cuda" and not refused) else 0
+    return result["exit"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,8 +385,21 @@ def report_lines(result: dict) -> list[str]:
     refusal = (f"refused, as NCCL would ({host['detail']})" if result["host_tensor_refused"]
                else f"NOT refused ({host['status']})")
     lines.append(f"  host tensor in a collective: {refusal}")
-    for name, run in result["runs"].items():
-        lines.append(f"  {name}: {run['status']}: {run['reason']}")
+    lines += table_lines(result["runs"])
+    return lines
+
+
+def table_lines(runs: dict[str, dict]) -> list[str]:
+    """One row per requested layout, `name: status: reason` (ok = ran and agreed with one
+    process; failed; skipped, with the op that made it impossible), then the counts."""
+    lines = ["  layouts (layout: ok | failed | skipped: what it showed or why not):"]
+    lines += [f"  {name}: {run['status']}: {run['reason']}" for name, run in runs.items()]
+    counts = {s: sum(r["status"] == s for r in runs.values()) for s in ("ok", "failed",
+                                                                         "skipped")}
+    verdict = ("FAILED" if counts["failed"] else "INCOMPLETE: a skipped layout proves nothing"
+               if counts["skipped"] or not runs else "all ran and agreed")
+    lines.append(f"  {len(runs)} layouts: {counts['ok']} ran ok, {counts['failed']} failed, "
+                 f"{counts['skipped']} skipped: {verdict}")
     return lines
 
 

@@ -5,9 +5,10 @@
 then data parallel, then pipeline) and returns a frozen `ParallelState` that the
 training code passes explicitly to whatever needs it. Nothing here is a module-level global.
 
-All `new_group` calls are made by every rank in the same order, as torch.distributed requires.
-A single process with no launcher gets a state without any process group (all groups None);
-the collectives in `comms.py` are no-ops for a group of one, so the same code runs everywhere.
+A rank takes part only in creating what it needs (`_create_groups` says how and why), and a
+group of one rank is never created: its field is None, which every helper in `comms.py` treats
+as a no-op group of one. A single process with no launcher gets a state without any process
+group (all groups None), so the same code runs everywhere.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class ParallelState:
     dp_cp_group: dist.ProcessGroup | None = None
     """dp x cp ranks holding the same parameters: gradients are summed and ZeRO-1 shards over
     it (Megatron's data-parallel group with context parallelism)."""
+    group_creations: int = 0
+    """Group creations this rank took part in at start-up (the dry run prints it)."""
 
     @property
     def dp_cp_size(self) -> int:
@@ -193,17 +196,6 @@ def _device_index(backend: str, local_rank: int) -> int:
     return local_rank
 
 
-def _new_groups(all_ranks: list[list[int]], my_rank: int, timeout: timedelta
-                ) -> dist.ProcessGroup | None:
-    """Create one group per rank list (collectively, same order everywhere); return mine."""
-    mine = None
-    for ranks in all_ranks:
-        group = dist.new_group(ranks, timeout=timeout)
-        if my_rank in ranks:
-            mine = group
-    return mine
-
-
 def _elastic_store(env: LaunchEnv, timeout: timedelta) -> dist.Store | None:
     """Under torchrun: its rendezvous store, with keys prefixed by the restart count.
 
@@ -322,10 +314,15 @@ def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torc
                            for stage in grid))
 
 
-def _with_groups(backend: str, timeout: timedelta, common: dict,
-                 grid: list[list[list[list[int]]]]) -> ParallelState:
-    """Create every group (same order on all ranks) once the default group exists."""
-    rank = common["rank"]
+GROUP_KINDS = ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group", "cp_group",
+               "dp_cp_group")
+"""The ParallelState group fields, in the order every rank creates them."""
+
+
+def group_lists(grid: list[list[list[list[int]]]]) -> dict[str, list[list[int]]]:
+    """Every group of every kind: kind -> rank lists (a partition of the world, or of the first
+    and last stages for `embedding_group`), each in rank order; single-rank lists included.
+    Without CP there are no CP kinds: no ring, and DP x CP is DP."""
     pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
     cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
              for t in range(tp)]
@@ -338,21 +335,96 @@ def _with_groups(backend: str, timeout: timedelta, common: dict,
         return list(out.values())
 
     pp_lists = lists(lambda x: (x[1], x[2], x[3]))
-    emb_lists = [sorted({r[0], r[-1]}) for r in pp_lists]
-    groups = dict(
-        tp_group=_new_groups(lists(lambda x: (x[0], x[1], x[2])), rank, timeout),
-        dp_group=_new_groups(lists(lambda x: (x[0], x[2], x[3])), rank, timeout),
-        pp_group=_new_groups(pp_lists, rank, timeout),
-        mp_group=_new_groups(lists(lambda x: (x[1], x[2])), rank, timeout),
-        embedding_group=_new_groups(emb_lists, rank, timeout),
-    )
-    # Without CP there is no ring (a group of one is a no-op, None) and DP x CP is DP: no
-    # extra groups, which a 1,024-rank dry run would otherwise create by the thousand.
-    groups["cp_group"] = (_new_groups(lists(lambda x: (x[0], x[1], x[3])), rank, timeout)
-                          if cp > 1 else None)
-    groups["dp_cp_group"] = (_new_groups(lists(lambda x: (x[0], x[3])), rank, timeout)
-                             if cp > 1 else groups["dp_group"])
-    return ParallelState(backend=backend, world_group=dist.group.WORLD, **groups, **common)
+    out = dict(tp_group=lists(lambda x: (x[0], x[1], x[2])),
+               dp_group=lists(lambda x: (x[0], x[2], x[3])), pp_group=pp_lists,
+               mp_group=lists(lambda x: (x[1], x[2])),
+               embedding_group=[sorted({r[0], r[-1]}) for r in pp_lists])
+    if cp > 1:
+        out.update(cp_group=lists(lambda x: (x[0], x[1], x[3])),
+                   dp_cp_group=lists(lambda x: (x[0], x[3])))
+    return out
+
+
+def _plan(lists_by_kind: dict[str, list[list[int]]], rank: int, world_size: int
+          ) -> list[tuple[str, list[tuple[int, ...]], tuple[int, ...]]]:
+    """Per kind: (field, the groups it newly needs, this rank's own group in this kind).
+
+    The new groups are those of two or more ranks not met before: a group equal to the world is
+    the default group, and a rank list met twice (tp and mp when pp = 1) is created once. The
+    list is the same on every rank (a `split_group` needs that); the own group is () for a
+    single-rank group (its field stays None).
+    """
+    seen: set[tuple[int, ...]] = {tuple(range(world_size))}
+    out = []
+    for kind, lists in lists_by_kind.items():
+        new = [tuple(r) for r in lists if len(r) > 1 and tuple(r) not in seen]
+        seen.update(new)
+        own = next((tuple(r) for r in lists if rank in r), ())
+        out.append((kind, new, own if len(own) > 1 else ()))
+    return out
+
+
+def planned_creations(lists_by_kind: dict[str, list[list[int]]], rank: int, world_size: int,
+                      split: bool) -> int:
+    """Group creations `rank` takes part in: with `split` (NCCL with a bound device) one world
+    `split_group` per kind that needs a new group, member or not; otherwise one local
+    `new_group` per new group that holds the rank."""
+    plan = _plan(lists_by_kind, rank, world_size)
+    return sum(bool(new) if split else own in new for _, new, own in plan)
+
+
+def _splits_world() -> bool:
+    """Whether groups come from `split_group`: the default group has a bound device (NCCL
+    initialized with `device_id`), the only case where torch can split it."""
+    return dist.group.WORLD.bound_device_id is not None
+
+
+def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_size: int,
+                   timeout: timedelta) -> tuple[dict[str, dist.ProcessGroup | None], int]:
+    """Create this rank's groups; return them by field name and the creations it took part in.
+
+    Why two paths (read from torch 2.13's distributed_c10d.py, measured on gloo and meta:fake):
+    - NCCL with `device_id` (our nccl runs): every `new_group` becomes an `ncclCommSplit` of
+      the world communicator, which all world ranks must enter, members or not (non-members
+      call `perform_nocolor_split`). `use_local_synchronization=True` returns early on
+      non-members, so the members would wait in the split forever. `split_group` instead
+      cuts the world into all groups of one kind in one call: one world-wide split per kind
+      (at most 7; 5 for 70B on 1,024 GPUs) instead of one per group (464 before).
+    - gloo, cuda:gloo and the dry run's meta:fake (no bound device): `split_group` refuses
+      ("No device associated with the default pg"), while `new_group(ranks,
+      use_local_synchronization=True)` lets non-members skip the call and synchronizes only
+      the members, through a store prefix named after the ranks. Every rank creates its
+      groups in the same kind order, so members always meet: a creation of kind k waits only
+      on ranks that are done with kinds < k, hence no cycle.
+    """
+    world = dist.group.WORLD
+    split = _splits_world()
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world_size)): world}
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    count = 0
+    for kind, new, own in _plan(lists_by_kind, rank, world_size):
+        if split and new:
+            group = dist.split_group(split_ranks=[list(r) for r in new], timeout=timeout)
+            count += 1
+            if own in new:
+                made[own] = group
+        elif own in new:
+            made[own] = dist.new_group(list(own), timeout=timeout,
+                                       use_local_synchronization=True)
+            count += 1
+        groups[kind] = made[own] if own else None
+    return groups, count
+
+
+def _with_groups(backend: str, timeout: timedelta, common: dict,
+                 grid: list[list[list[list[int]]]]) -> ParallelState:
+    """Create this rank's groups once the default group exists (see `_create_groups`)."""
+    groups, count = _create_groups(group_lists(grid), common["rank"], common["world_size"],
+                                   timeout)
+    groups.setdefault("cp_group", None)
+    groups.setdefault("dp_cp_group", groups["dp_group"])
+    return ParallelState(backend=backend, world_group=dist.group.WORLD, group_creations=count,
+                         **groups, **common)
 
 
 def destroy(state: ParallelState) -> None:
