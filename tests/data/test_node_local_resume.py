@@ -70,6 +70,7 @@ def test_taken_over_streams_give_the_same_global_batches(old: int, new: int) -> 
                                      "stream_dp": old}
 
 
+@pytest.mark.quick
 def test_growing_dp_reassigns_shards_and_says_so() -> None:
     loader = MicroBatchLoader(_Stream(7), micro_batch_size=MB, global_batch_size=GBS,
                               dp_rank=1, dp_size=4, node_local=True,

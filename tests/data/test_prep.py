@@ -39,6 +39,7 @@ def bare_shard(prefix: Path, docs: int = 30, top: int = VOCAB, seed: int = 0) ->
     w.finalize()
 
 
+@pytest.mark.quick
 def test_a_shard_is_scanned_once_then_trusted(tmp_path, capsys):
     bare_shard(tmp_path / "s")
     verdicts = ShardVerdicts(tmp_path / "cache", rank=3)

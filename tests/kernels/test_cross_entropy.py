@@ -94,6 +94,7 @@ def test_inplace_refuses_logits_another_op_still_needs(device, gen):
         loss.sum().backward()
 
 
+@pytest.mark.quick
 def test_no_grad_leaves_logits_untouched(device, gen):
     logits = torch.randn(4, 33, generator=gen).to(device)
     before = logits.clone()

@@ -59,6 +59,7 @@ def test_reference_matches_definition(gen):
     assert rms_norm_reference(x32, w32, 1e-5).dtype == torch.float32
 
 
+@pytest.mark.quick
 def test_strided_rows(device, gen):
     """Rows of a wider buffer (row stride != hidden) are read in place, not assumed packed."""
     base = leaf((6, 64), torch.float32, device, gen)

@@ -40,6 +40,7 @@ def test_position_offset(device, gen):
     _check(3, 2, 2, 2, 8, torch.float32, device, gen, offset=7, base=500.0)
 
 
+@pytest.mark.quick
 def test_strided_qk_from_fused_projection(device, gen):
     """q and k as views of one fused qkv output (head stride != d) are read in place."""
     s, b, n_q, n_kv, d = 3, 2, 4, 2, 8

@@ -30,6 +30,7 @@ def test_swiglu(shape, dtype, device, gen):
     _check(shape, dtype, device, gen)
 
 
+@pytest.mark.quick
 def test_halves_of_fused_projection(device, gen):
     """gate/up as the two halves of one [.., 2f] matmul output are used without a copy."""
     fused = leaf((2, 5, 2 * 24), torch.float32, device, gen)
