@@ -36,7 +36,11 @@ def within_reference_floor(got: torch.Tensor, ref: torch.Tensor, truth: torch.Te
     floor = floor_of(ref, truth)
     err = rel_err(got, truth)
     assert err == err, f"{what}: NaN in the kernel's output"
-    within_floor(err, floor, what, minimum=max(minimum, torch.finfo(got.dtype).eps))
+    # A floor measured over n values is a noisy estimate when n is small (one value: whatever
+    # its single rounding happened to be), so the one-ulp minimum widens to FLOOR_FACTOR ulps
+    # for a single value and shrinks back as 1/sqrt(n).
+    ulps = max(1.0, FLOOR_FACTOR / max(truth.numel(), 1) ** 0.5)
+    within_floor(err, floor, what, minimum=max(minimum, ulps * torch.finfo(got.dtype).eps))
     return err, floor
 
 
