@@ -41,6 +41,7 @@ def _cfg(*data_path, **data):
     return cfg
 
 
+@pytest.mark.quick
 def test_loaders_with_eod_mask(tmp_path):
     cfg = _cfg(_corpus(tmp_path / "c"), eod_mask_loss=True)
     assert resolve_tokenizer(cfg).eod_id == EOD and cfg.model.vocab_size == 500

@@ -33,6 +33,7 @@ def make_corpus(path, docs_per_shard, num_shards=1, seed=0, offset=0):
     return docs
 
 
+@pytest.mark.quick
 def test_samples_match_reference_concatenation(tmp_path):
     docs = make_corpus(tmp_path / "c", 60, num_shards=2)
     seq = 16

@@ -37,6 +37,7 @@ def test_matches_token_by_token_rule(reset_position_ids: bool) -> None:
         assert positions[r].tolist() == pos
 
 
+@pytest.mark.quick
 def test_small_example() -> None:
     tokens = torch.tensor([[5, 6, EOD, 7, EOD, EOD, 8, 9]])
     documents, positions = document_layout(tokens, EOD, reset_position_ids=True)

@@ -46,6 +46,7 @@ def _records(path: Path) -> dict[int, dict]:
             if "loss" in r}
 
 
+@pytest.mark.quick
 def test_epoch_and_tokens_seen_survive_a_resume(tmp_path: Path) -> None:
     data = _corpus(tmp_path / "c", 2)
     whole = _cfg(data, str(tmp_path), save="whole")

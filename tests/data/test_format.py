@@ -24,6 +24,7 @@ def shard(tmp_path):
     return tmp_path / "s", docs
 
 
+@pytest.mark.quick
 def test_round_trip(shard):
     prefix, docs = shard
     r = fmt.IndexedShard(prefix)

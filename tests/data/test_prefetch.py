@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_lite.data.loader import MicroBatchLoader
@@ -17,6 +18,7 @@ def _same(a: list[dict], b: list[dict]) -> bool:
     return all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
 
+@pytest.mark.quick
 def test_prefetch_matches_synchronous_including_jumps() -> None:
     sync, ahead = _loader(0), _loader(2)
     for _ in range(4):

@@ -39,6 +39,7 @@ def bare_shard(prefix: Path, docs: int = 30, top: int = VOCAB, seed: int = 0) ->
     w.finalize()
 
 
+@pytest.mark.quick
 def test_a_shard_is_scanned_once_then_trusted(tmp_path, capsys):
     bare_shard(tmp_path / "s")
     verdicts = ShardVerdicts(tmp_path / "cache", rank=3)
@@ -132,13 +133,13 @@ def _scenarios(pstate, root: str) -> dict[str, tuple[str, str | None]]:
     runs["bad ids"] = _prepare(pstate, ["--data-path", f"{root}/bad"])
     runs["unwritable"] = _prepare(pstate, ["--data-path", f"{root}/a",
                                            "--data-cache-path", f"{root}/file/cache"])
-    if pstate.rank == 0:  # a preparer stuck longer than the barrier's timeout: last, since
-        time.sleep(8)  # the others' unfinished barrier would meet the next collective
+    if pstate.rank == 0:  # a preparer stuck 3 s past the barrier's 1.5 s timeout: last, since
+        time.sleep(4.5)  # the others' unfinished barrier would meet the next collective
         runs["stuck"] = ("", None)
     else:
         runs["stuck"] = _prepare(pstate, ["--data-path", f"{root}/a", "--data-cache-path",
                                           str(root_path / "cache2"),
-                                          "--distributed-timeout-minutes", "0.05"])
+                                          "--distributed-timeout-minutes", "0.025"])
     return runs
 
 

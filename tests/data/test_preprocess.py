@@ -119,6 +119,7 @@ def test_small_ranges_change_nothing(tmp_path, tok_model, capsys):
     assert re.search(r"^error: .*in\.jsonl:42: ", capsys.readouterr().err, re.M)
 
 
+@pytest.mark.quick
 def test_text_files_gz_and_blank_lines(tmp_path, tok_model):
     d = tmp_path / "dir"
     (d / "sub").mkdir(parents=True)

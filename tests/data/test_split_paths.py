@@ -39,6 +39,7 @@ def flags(tmp_path, *extra: str) -> list[str]:
             str(tmp_path / "log.jsonl"), *extra]
 
 
+@pytest.mark.quick
 def test_validation_and_test_sets_come_from_their_own_corpora(tmp_path) -> None:
     a, b = corpus(tmp_path / "a", 3, 250), corpus(tmp_path / "b", 300, 400)
     cfg = parse_config(flags(tmp_path, "--train-data-path", a, "--valid-data-path", b,

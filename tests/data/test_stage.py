@@ -32,6 +32,7 @@ def test_dp_ranks_on_node():
     assert [dp_ranks_on_node(4, n, 2, 2, 2)[0] for n in range(4)] == [[0], [1], [0], [1]]
 
 
+@pytest.mark.quick
 def test_stage_node_shards_and_resume(corpus, tmp_path, capsys):
     local = tmp_path / "local"
     args = ["--manifest", str(corpus), "--local-dir", str(local), "--nodes", "2",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from megatron_lite.config import Config, ModelConfig, ParallelConfig
 from megatron_lite.data.format import ShardWriter, shard_name, write_manifest
@@ -44,6 +45,7 @@ def _train(pstate, data_path, sharding):
     return result.losses, result.eval_losses
 
 
+@pytest.mark.quick
 def test_single_process(tmp_path):
     from megatron_lite.parallel import state as parallel_state
     from megatron_lite.parallel.launch import LaunchEnv

@@ -25,6 +25,7 @@ def _bench():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels load compiled; "
                     "run bench/kernels.py itself there")
+@pytest.mark.quick
 def test_every_benchmark_step_runs_forward_and_backward():
     bench = _bench()
     specs, ce_elements = bench.cases(6, torch.float32, "cpu", TINY)

@@ -12,6 +12,7 @@ import torch
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 
 
+@pytest.mark.quick
 def test_auto_follows_the_device():
     assert resolve_use_triton("auto", torch.device("cpu")) is False
     assert resolve_use_triton("auto", torch.device("cuda", 0)) is True

@@ -1,20 +1,24 @@
-"""Pure pieces, no processes: the fault syntax, the spike rule, Young/Daly, the exit flag."""
+"""Pure pieces, no processes: the fault syntax, the spike rule, Young/Daly, the exit flag, the
+hang watchdog's thread."""
 
 from __future__ import annotations
 
 import math
 import signal
 import statistics
+import threading
 import time
 
 import pytest
 
 from megatron_lite.config import ConfigError, ReliabilityConfig
+from megatron_lite.reliability import watchdog
 from megatron_lite.reliability.faults import FAULT_ENV, Fault, FaultInjector, parse_faults
 from megatron_lite.reliability.signals import ExitMonitor
 from megatron_lite.reliability.spikes import MIN_HISTORY, SpikeDetector, young_daly_interval_s
 
 
+@pytest.mark.quick
 def test_fault_syntax() -> None:
     assert parse_faults("rank1:iter13:exit, rank0:iter4-6:spike:attempt1") == [
         Fault(1, 13, 13, "exit"), Fault(0, 4, 6, "spike", 1)]
@@ -33,6 +37,7 @@ def test_faults_fire_once_on_their_rank_and_attempt() -> None:
     assert [f.kind for f in restarted.faults] == ["exit"]
 
 
+@pytest.mark.quick
 def test_spike_rule_against_statistics() -> None:
     det = SpikeDetector(threshold=3.0)
     losses = [5.0 - 0.1 * i + 0.05 * (-1) ** i for i in range(MIN_HISTORY)]
@@ -60,6 +65,7 @@ def test_young_daly_matches_worked_numbers() -> None:
     assert young_daly_interval_s(100, 40) == 40  # save slower than failures: every M
 
 
+@pytest.mark.quick
 def test_exit_monitor_signal_and_time() -> None:
     mon = ExitMonitor(exit_duration_mins=None)
     mon.install()
@@ -80,6 +86,7 @@ def test_config_checks() -> None:
             ReliabilityConfig(**kwargs)
 
 
+@pytest.mark.quick
 def test_recovery_limit_checks() -> None:
     for kwargs, match in (({"max_skipped_iterations_in_a_row": -1},
                            "--max-skipped-iterations-in-a-row must be >= 0"),
@@ -115,3 +122,35 @@ def test_slow_data_fault_sleeps_in_the_fetch() -> None:
     assert time.perf_counter() - start < SLOW_DATA_S / 2
     inj.delay_data(2)
     assert time.perf_counter() - start >= SLOW_DATA_S
+
+
+@pytest.mark.quick
+def test_watchdog_fires_only_on_a_stalled_phase(monkeypatch, capfd) -> None:
+    """Heartbeats more often than the timeout keep it quiet for several timeouts; a phase that
+    stalls past it exits with HANG_EXIT_CODE after printing rank, iteration, phase and the
+    stuck thread's stack (os._exit is replaced by a recorder, so this process lives on)."""
+    exits: list[int] = []
+    fired = threading.Event()
+    wd = watchdog.Watchdog(timeout_s=0.3, rank=5, poll_s=0.02)
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        fired.set()
+        wd._stop.set()  # ends the watchdog's loop, as the real exit would end the process
+
+    monkeypatch.setattr(watchdog.os, "_exit", fake_exit)
+    wd.start()
+    try:
+        for i in range(40):  # 0.8 s of steps, each well under the timeout
+            wd.phase("forward-backward", iteration=i)
+            time.sleep(0.02)
+        assert not fired.is_set(), capfd.readouterr().err
+        wd.phase("checkpoint save", iteration=41)
+        assert fired.wait(10), "a phase stalled for 10 s and the watchdog did not fire"
+    finally:
+        wd.stop()
+    err = capfd.readouterr().err
+    assert exits == [watchdog.HANG_EXIT_CODE]
+    assert "hang watchdog: rank 5 on host" in err and "iteration 41: phase 'checkpoint save'" \
+        in err, err
+    assert "[rank 5]   File " in err and "in test_watchdog_fires_only_on_a_stalled_phase" in err

@@ -53,7 +53,9 @@ def test_sbatch_script_trains_under_fake_slurm(script, tmp_path):
     assert "SLURM_JOB_NODELIST=127.0.0.[1-2]" in info and "git: " in info
 
 
-@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.quick)
+                                    if s == "pretrain_llama_1b.sh" else s
+                                    for s in SBATCH_SCRIPTS])
 def test_full_size_commands(script, tmp_path):
     """Full-size flags all exist in pretrain.py; staging runs one task per node before training."""
     record = tmp_path / "srun.jsonl"

@@ -54,6 +54,7 @@ def test_plot_run_overlays_two_real_runs(tmp_path) -> None:
     assert out.stat().st_size > 20_000
 
 
+@pytest.mark.quick
 def test_the_latest_record_of_a_repeated_iteration_wins() -> None:
     """A resumed run appends the iterations after its checkpoint again."""
     records = [{"iteration": 1, "loss": 5.0}, {"iteration": 2, "loss": 4.0},

@@ -55,6 +55,7 @@ def test_round_trip(corpus, tmp_path, model_type, vocab):
     assert tok.decode(batch) == SAMPLES
 
 
+@pytest.mark.quick
 def test_bpe_learns_indentation(corpus, tmp_path):
     """Runs of spaces become pieces (not one token per space): whitespace-only pieces allowed."""
     train_main(["--input", str(corpus), "--output-prefix", str(tmp_path / "t"),
