@@ -259,6 +259,13 @@ def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(sizes, size, group=group)
+    if payload.is_meta:
+        # A dry run: the longest payload is a value meta cannot read back. Every rank sends
+        # the same one-byte stand-in (the ops still match as a real run's would) and reads
+        # its own object as every member's.
+        gathered = torch.empty(n, dtype=torch.uint8, device=device)
+        dist.all_gather_into_tensor(gathered, payload[:1], group=group)
+        return [obj] * n
     longest = int(sizes.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:payload.numel()] = payload
