@@ -4,10 +4,12 @@ Without --dry-run-ranks: the planner's view (rank grid, partition, bytes per sta
 tensors. With --dry-run-ranks R...: for each listed rank, in this one process, that rank's real
 objects are built on the meta device under a fake process group of --world-size ranks (model
 chunks, gradient buffers, optimizer with its ZeRO-1 shards, mock batches of the real shapes)
-and one real training step runs through them: the schedule, the engine, gradient
-finalization, clipping, the optimizer step, the parameter gather, then the checkpoint-state
-assembly. The same code as a real run; meta tensors carry shapes and no values, so a 70B rank
-costs seconds and no memory.
+and one whole iteration of the real training loop runs through them, with the user's flags:
+start-up report and epoch plan, the step (schedule, engine, gradient finalization, clipping,
+optimizer step, parameter gather) with the guard's checks and decision, the log line's
+reductions, an evaluation, a checkpoint save into a scratch directory (meta writes nothing).
+The same code as a real run; meta tensors carry shapes and no values, so a 70B rank costs
+seconds and no memory. Each record's `phases` says which of those parts ran.
 
 What it shows per rank: the bytes of the real allocations (parameters, gradients, optimizer
 state, peak activations of the step) beside the planner's, every collective and p2p op
