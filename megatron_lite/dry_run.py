@@ -4,10 +4,12 @@ Without --dry-run-ranks: the planner's view (rank grid, partition, bytes per sta
 tensors. With --dry-run-ranks R...: for each listed rank, in this one process, that rank's real
 objects are built on the meta device under a fake process group of --world-size ranks (model
 chunks, gradient buffers, optimizer with its ZeRO-1 shards, mock batches of the real shapes)
-and one real training step runs through them: the schedule, the engine, gradient
-finalization, clipping, the optimizer step, the parameter gather, then the checkpoint-state
-assembly. The same code as a real run; meta tensors carry shapes and no values, so a 70B rank
-costs seconds and no memory.
+and one whole iteration of the real training loop runs through them, with the user's flags:
+start-up report and epoch plan, the step (schedule, engine, gradient finalization, clipping,
+optimizer step, parameter gather) with the guard's checks and decision, the log line's
+reductions, an evaluation, a checkpoint save into a scratch directory (meta writes nothing).
+The same code as a real run; meta tensors carry shapes and no values, so a 70B rank costs
+seconds and no memory. Each record's `phases` says which of those parts ran.
 
 What it shows per rank: the bytes of the real allocations (parameters, gradients, optimizer
 state, peak activations of the step) beside the planner's, every collective and p2p op
@@ -17,26 +19,48 @@ state, peak activations of the step) beside the planner's, every collective and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
+import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import Tensor
 
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, dry_run_rank_list, validate
-from megatron_lite.data.builder import build_data_loaders
+from megatron_lite.data.builder import build_loaders
+from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.data.mock import MockDataset
 from megatron_lite.kernels import resolve_use_triton
 from megatron_lite.memory import LiveBytes, dry_run_report, fmt_bytes
+from megatron_lite.metrics import MetricsLogger
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
 from megatron_lite.planner import estimate_memory
-from megatron_lite.training import StepRunner, build_model, train_step
+from megatron_lite.profiling import StepHooks
+from megatron_lite.reliability import Guard
+from megatron_lite.training import (
+    StartupTimes,
+    StepRunner,
+    Trainer,
+    build_model,
+    data_coordinator,
+    log_memory,
+    log_startup,
+    plan_epochs,
+    train_loop,
+)
 
 JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
               "optimizer_bytes", "activation_bytes", "planner_params_bytes",
               "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes", "group_creations")
+              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases")
 """The fields of one `--log-jsonl` record per dry-run rank, in order."""
 
 
@@ -67,57 +91,170 @@ class RankResult:
     """Process-group creations this rank took part in at start-up (parallel/state.py)."""
     nccl_group_creations: int = 0
     """The same under NCCL with a bound device, where each is a world-wide split per kind."""
+    phases: list[str] = field(default_factory=list)
+    """The parts of the iteration that ran (`PHASES`): what this dry run proved."""
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in JSONL_KEYS}
 
 
+PHASES = ("startup", "epoch_plan", "train_step", "guard", "log", "eval", "checkpoint",
+          "documents")
+"""What a rank's dry run can prove ran, in the order it runs them; a record's `phases` lists
+those that did (`documents`: the step's batches carried document ids and/or positions)."""
+
+EOD_EVERY = 5
+"""Mock samples in a dry run with documents end one at about every 1/EOD_EVERY of the
+sequence (at shifting places, so documents cross micro-batch and CP-chunk boundaries)."""
+
+
 def _mock_config(cfg: Config) -> Config:
     """The run's config reading mock batches on the calling thread (a dry run reads no data;
-    mock samples have no documents, which change attention's work but not its memory)."""
+    document ids come from `_with_documents`, the builder refuses mock data with them)."""
     return dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, mock_data=True, num_workers=0, reset_position_ids=False,
         reset_attention_mask=False))
 
 
+def _iteration_config(cfg: Config, save_dir: str) -> Config:
+    """The user's config for one dry-run iteration: every flag as given, except what would
+    touch the outside world (JSONL, wandb, TensorBoard, profiler, checkpoints go to
+    `save_dir`, a scratch directory; nothing is loaded) and the loop's length (one iteration,
+    which logs, evaluates (at most one batch) and saves, as the last iteration of a run does).
+    """
+    run = copy.copy(cfg)
+    run.data = _mock_config(cfg).data
+    run.train = copy.copy(cfg.train)  # no replace: --train-samples would be re-derived
+    run.train.train_iters = 1
+    run.train.eval_iters = min(cfg.train.eval_iters, 1)
+    run.train.manual_gc = False  # gc.disable() would outlive the dry run in this process
+    run.logging = dataclasses.replace(cfg.logging, log_jsonl=None, wandb_project=None,
+                                      tensorboard_dir=None, profile=False)
+    run.checkpoint = dataclasses.replace(cfg.checkpoint, save=save_dir, load=None)
+    return run
+
+
+class _DocumentsMock:
+    """A mock dataset whose samples hold end-of-document tokens at synthetic places, so that
+    --reset-attention-mask / --reset-position-ids run the document path on meta."""
+
+    def __init__(self, base: MockDataset, eod_id: int) -> None:
+        self.base, self.eod_id = base, eod_id
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        sample = self.base[index].copy()
+        step = max(2, len(sample) // EOD_EVERY)
+        sample[index % step::step] = self.eod_id
+        return sample
+
+
+def _with_documents(cfg: Config, loader: MicroBatchLoader | None) -> None:
+    """Give a mock loader the user's document flags and samples with EOD tokens."""
+    d = cfg.data
+    if loader is None or not (d.reset_attention_mask or d.reset_position_ids):
+        return
+    eod = cfg.model.vocab_size - 1
+    loader.dataset = loader.streams[0] = _DocumentsMock(loader.dataset, eod)
+    loader.eod_id = eod
+    loader.layout = dataclasses.replace(loader.layout, reset_position_ids=d.reset_position_ids,
+                                        reset_attention_mask=d.reset_attention_mask)
+
+
+class _Phases:
+    """Told by the loop as each part ends: which ran, and each one's peak device bytes beyond
+    what was live when it began."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live, self.ran, self.peaks = live, [], {}
+        self._start = live.reset_peak()
+
+    def __call__(self, name: str) -> None:
+        self.peaks[name] = max(self.peaks.get(name, 0), self.live.peak - self._start)
+        if name not in self.ran:
+            self.ran.append(name)
+        self._start = self.live.reset_peak()
+
+
+class _MeasuredCheckpointer(Checkpointer):
+    """The real checkpointer, measuring the device bytes its state assembly allocates."""
+
+    live: LiveBytes
+    growth = 0
+
+    def snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
+        outer = self.live.peak
+        start = self.live.reset_peak()
+        items = super().snapshot()
+        self.growth = max(self.growth, self.live.peak - start)
+        self.live.peak = max(outer, self.live.peak)
+        return items
+
+
 def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
-    """Build rank `rank` of a `world_size` job on meta and run one training step."""
+    """Build rank `rank` of a `world_size` job on meta and run one whole iteration of the
+    training loop: start-up report and epoch plan, the step with the guard's checks and
+    decision, the log line's reductions, an evaluation, a checkpoint save (into a scratch
+    directory; meta tensors write nothing)."""
     start = time.perf_counter()
     validate(cfg, world_size)
     pstate = parallel_state.initialize_fake(cfg, world_size, rank)
     try:
         audit, live = CommAudit(pstate.device), LiveBytes(pstate.device)
-        with audit, live:
-            chunks = build_model(cfg, pstate)
-            optimizer = Optimizer(cfg, chunks, pstate)
-            try:
-                loader, _ = build_data_loaders(_mock_config(cfg), pstate.dp_rank, pstate.dp_size,
-                                               cp_rank=pstate.cp_rank)
-                runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
-                params = live.bytes_of(optimizer.param_tensors())
-                grads = live.bytes_of(optimizer.grad_tensors())
-                states = live.bytes_of([t for s in optimizer.shards
-                                        for t in (s.master, s.exp_avg, s.exp_avg_sq)])
-                before = live.reset_peak()
-                train_step(runner, optimizer, loader, pstate, cfg.optim.lr)
-                activations = live.peak - before
-                before = live.reset_peak()
-                Checkpointer(cfg, pstate, chunks, optimizer, loader).snapshot()
-                save_growth = live.peak - before
-            finally:
-                optimizer.close()
+        with tempfile.TemporaryDirectory(prefix="dry-run-save-") as scratch, audit, live, \
+                ExitStack() as cleanup:
+            run = _iteration_config(cfg, scratch)
+            chunks = build_model(run, pstate)
+            optimizer = Optimizer(run, chunks, pstate)
+            cleanup.callback(optimizer.close)
+            params = live.bytes_of(optimizer.param_tensors())
+            grads = live.bytes_of(optimizer.grad_tensors())
+            states = live.bytes_of([t for s in optimizer.shards
+                                    for t in (s.master, s.exp_avg, s.exp_avg_sq)])
+            phases = _Phases(live)
+            loaders = build_loaders(run, pstate.dp_rank, pstate.dp_size,
+                                    coordinator=data_coordinator(run, pstate),
+                                    cp_rank=pstate.cp_rank)
+            for loader in (loaders.train, loaders.valid):
+                _with_documents(cfg, loader)
+            guard = Guard(run, pstate)
+            checkpointer = _MeasuredCheckpointer(run, pstate, chunks, optimizer, loaders.train,
+                                                 extra_state={"reliability": guard})
+            checkpointer.live = live
+            peak = (cfg.logging.peak_tflops or math.nan, "dry run: no device to measure")
+            log_startup(cfg, pstate, chunks, peak, "dry run")
+            log_memory(cfg, pstate, chunks, optimizer)
+            logger = MetricsLogger(run, pstate, peak_tflops=peak[0])
+            cleanup.callback(logger.close)
+            phases("startup")
+            logger.samples_per_epoch = plan_epochs(cfg, pstate, loaders.train)
+            phases("epoch_plan")
+            checkpointer.on_save = logger.log_checkpoint
+            guard.on_event = logger.log_event
+            guard.attach(optimizer, checkpointer, loaders.train)
+            runner = StepRunner(run, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+            trainer = Trainer(run, pstate, runner, optimizer, loaders.train, loaders.valid,
+                              logger, checkpointer, guard, StepHooks(run, rank, pstate.device),
+                              StartupTimes(), on_phase=phases)
+            train_loop(trainer)
+            layout = loaders.train.layout
+            if "train_step" in phases.ran and (layout.reset_attention_mask
+                                               or layout.reset_position_ids):
+                phases.ran.append("documents")
         est = estimate_memory(cfg, world_size, stage=pstate.pp_rank,
                               fused_kernels=resolve_use_triton(cfg.model.triton_kernels,
                                                                pstate.device))
         p2p = [op for op in audit.ops if op.op in ("send", "recv")]
         return RankResult(
             rank, pstate.pp_rank, pstate.tp_rank, pstate.dp_rank, params, grads, states,
-            activations, est.param_bytes, est.grad_bytes, est.optimizer_bytes,
-            int(est.activation_bytes), len(audit.ops) - len(p2p), len(p2p),
-            sum(op.nbytes for op in audit.ops), save_growth, time.perf_counter() - start,
-            audit.ops, pstate.group_creations,
+            phases.peaks.get("train_step", 0), est.param_bytes, est.grad_bytes,
+            est.optimizer_bytes, int(est.activation_bytes), len(audit.ops) - len(p2p),
+            len(p2p), sum(op.nbytes for op in audit.ops), checkpointer.growth,
+            time.perf_counter() - start, audit.ops, pstate.group_creations,
             parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
-                                             split=True))
+                                             split=True), phases.ran)
     finally:
         parallel_state.destroy(pstate)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, LoggingConfig
 from megatron_lite.parallel import comms
+from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
 
@@ -145,7 +146,10 @@ def _gather_floats(values: list[float], pstate: ParallelState) -> list[list[floa
         return [values]
     local = torch.tensor(values, dtype=torch.float64, device=pstate.device)
     out = [torch.empty_like(local) for _ in range(pstate.world_size)]
-    dist.all_gather(out, local, group=pstate.world_group)
+    with op_identity("rank_values"):
+        dist.all_gather(out, local, group=pstate.world_group)
+    if local.is_meta:  # a dry run: no values come back; each rank reads its own as everyone's
+        return [list(values) for _ in out]
     return [row.tolist() for row in out]
 
 

@@ -107,6 +107,9 @@ class Trainer:
     """Profiler window, manual GC, cache emptying (each a no-op unless asked for)."""
     startup: StartupTimes | None = None
     """Start-up phase times, reported after the first step (None: not reported)."""
+    on_phase: Callable[[str], None] | None = None
+    """Told each part of an iteration once it has run ("train_step", "guard", "log", "eval",
+    "checkpoint"): the dry run lists what it proved and measures each part's bytes."""
 
 
 def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
@@ -178,6 +181,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         else:
             step = train_step(trainer.runner, trainer.optimizer, loader, trainer.pstate, lr,
                               guard, decoupled_lr)
+            _phase_done(trainer, "train_step")
         skipped += step.skipped
         window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
                        loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
@@ -188,6 +192,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
             _log_window(trainer, iteration, lr, window, skipped)
             window.clear()
+            _phase_done(trainer, "log")
         if _evaluation_due(cfg, iteration) and trainer.valid_loader is not None:
             guard.phase("evaluation")
             result.eval_losses.append(evaluate(cfg, trainer.runner, trainer.valid_loader,
@@ -195,9 +200,12 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             trainer.logger.log_eval(iteration, result.eval_losses[-1])
             trainer.hooks.after_evaluation()
             _pop_comm_wait(trainer)  # evaluation's pipeline waits are not the next step's
+            _phase_done(trainer, "eval")
         trainer.hooks.after_step(iteration)
         result.iteration = iteration
         decision = guard.after_step(step)
+        if not plan.skip_data:  # the step ran the guard's checks and its all-reduce
+            _phase_done(trainer, "guard")
         if decision.rollback:
             iteration = result.iteration = _roll_back(trainer.checkpointer, guard, iteration,
                                                       loader)
@@ -207,11 +215,18 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             break
     guard.phase("checkpoint")
     trainer.checkpointer.finish(result.iteration)
+    if trainer.checkpointer.save_dir is not None:  # the last iteration is saved by now
+        _phase_done(trainer, "checkpoint")
     if guard.decision.exit_reason:
         guard.log_exit(result.iteration, guard.decision.exit_reason)
     if guard.decision.stop_reason:  # too many skipped steps: saved above, now fail loudly
         raise guard.log_stop(result.iteration)
     return result
+
+
+def _phase_done(trainer: Trainer, name: str) -> None:
+    if trainer.on_phase is not None:
+        trainer.on_phase(name)
 
 
 @dataclass(frozen=True)
@@ -507,9 +522,11 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
     return chunks
 
 
-def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int:
-    """Parameters of the whole model (each counted once across TP and PP)."""
-    return int(comms.host_scalar(reduced_parameter_count(chunks, pstate)))
+def parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> int | float:
+    """Parameters of the whole model (each counted once across TP and PP); NaN on the meta
+    device (a dry run: the reduction runs, its value is not there)."""
+    value = comms.host_scalar(reduced_parameter_count(chunks, pstate))
+    return int(value) if math.isfinite(value) else value
 
 
 def reduced_parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> Tensor:

@@ -126,8 +126,11 @@ class _SaveJob:
     """One rank's part of one save: host copies of its tensors, written by `run()`."""
 
     def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]],
-                 on_file_written: Callable[[], None] | None = None) -> None:
+                 on_file_written: Callable[[], None] | None = None, write: bool = True) -> None:
         self.tmp, self.items, self.on_file_written = tmp, items, on_file_written
+        self.write = write
+        """False on the meta device (a dry run): no bytes to write; each file is counted with
+        the tensor bytes it would hold and no checksum."""
         self.written: dict[str, tuple[int, str]] = {}
         """File name -> (bytes, sha256)."""
         self.error: str | None = None
@@ -136,6 +139,10 @@ class _SaveJob:
     def run(self) -> None:
         try:
             for name, tensors, meta in self.items:
+                if not self.write:
+                    self.written[name] = (sum(t.numel() * t.element_size()
+                                              for t in tensors.values()), "")
+                    continue
                 self.written[name] = ckpt_files.write_tensors(self.tmp / name, tensors, meta)
                 if self.on_file_written is not None:
                     self.on_file_written()
@@ -200,7 +207,7 @@ class Checkpointer:
     def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
         scalar = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"
                               else torch.float32, device=self.pstate.device)
-        return comms.all_reduce_(scalar, self.pstate.world_group, op=op).item()
+        return comms.host_scalar(comms.all_reduce_(scalar, self.pstate.world_group, op=op))
 
     def _gather(self, obj: object) -> list:
         return comms.all_gather_objects(obj, self.pstate.world_group, self.pstate.device)
@@ -275,7 +282,8 @@ class Checkpointer:
             ckpt_files.clear_stale(self.save_dir)
             tmp.mkdir()
         self._barrier()
-        job = _SaveJob(tmp, self.snapshot(), self.on_file_written)
+        job = _SaveJob(tmp, self.snapshot(), self.on_file_written,
+                       write=self.pstate.device.type != "meta")
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start
         self._pending = (job, iteration, meta, start, blocking)

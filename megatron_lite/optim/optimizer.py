@@ -505,15 +505,16 @@ class Optimizer:
         return comms.host_scalar(global_norm(pieces, self.pstate, sharded_over_dp=self.sharded,
                                              dtype=self.math_dtype))
 
-    def num_zeros_in_grad(self) -> int:
+    def num_zeros_in_grad(self) -> int | float:
         """Reduced gradient elements that are exactly zero, each element once (after `step`,
-        before the next `zero_grad`; --log-num-zeros-in-grad; collective)."""
+        before the next `zero_grad`; --log-num-zeros-in-grad; collective); NaN on meta."""
         count = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
         for s in self.shards:
             for r in s.norm_ranges:
                 count += (s.grad_at(r) == 0).sum()
         group = self.pstate.world_group if self.sharded else self.pstate.mp_group
-        return int(comms.host_scalar(comms.all_reduce_(count, group)))
+        value = comms.host_scalar(comms.all_reduce_(count, group))
+        return int(value) if math.isfinite(value) else value
 
     def _start_param_sync(self, async_op: bool) -> None:
         """ZeRO-1: all-gather each bucket's updated slices, first-used (last) bucket first

@@ -202,7 +202,13 @@ class CommAudit(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d" and func._schema.name.split("::")[-1] in _OP_NAMES:
             self.ops.append(self._inspect(func, args))
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            problem = _device_problem(e, self.device)
+            if problem is None:
+                raise
+            raise DeviceDisciplineError(f"{func}: {problem}. Issued from {_call_site()}") from e
 
     def _inspect(self, func, args: tuple) -> CommOp:
         name = _OP_NAMES[func._schema.name.split("::")[-1]]
@@ -227,6 +233,26 @@ class CommAudit(TorchDispatchMode):
                       else "-", tuple(tuple(t.shape) for t in tensors),
                       biggest.numel() * biggest.element_size() if biggest is not None else 0,
                       peer, site, labels.take(tensors) if labels is not None else None)
+
+
+def _device_problem(error: BaseException, device: torch.device) -> str | None:
+    """What a failed op says about device discipline, in words (None: something else).
+
+    Under an audit an op that mixes a host tensor into the run's device, or reads a meta
+    tensor back to the host, fails in torch with a message that names neither the site nor
+    the fix; both become a `DeviceDisciplineError` that names them.
+    """
+    if isinstance(error, DeviceDisciplineError):
+        return None
+    text = str(error)
+    if "is not on the expected device" in text or "Expected all tensors to be on the same" \
+            in text:
+        return (f"a host tensor meets this run's {device} tensors ({text}); on a GPU that is a "
+                "device mismatch or a hidden copy: create it with device=pstate.device")
+    if "cannot be called on meta tensors" in text or "Cannot copy out of meta tensor" in text:
+        return (f"reads a {device} tensor back to the host ({text}); a dry run has no values: "
+                "give it a dry-run path (comms.host_scalar) or keep it on the device")
+    return None
 
 
 def match(records: dict[int, list[CommOp]]) -> str | None:

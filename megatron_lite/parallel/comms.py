@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_lite.parallel.audit import op_identity
+
 Group = dist.ProcessGroup | None
 
 
@@ -258,12 +260,22 @@ def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, size, group=group)
+    with op_identity("object_sizes"):
+        dist.all_gather_into_tensor(sizes, size, group=group)
+    if payload.is_meta:
+        # A dry run: the longest payload is a value meta cannot read back. Every rank sends
+        # the same one-byte stand-in (the ops still match as a real run's would) and reads
+        # its own object as every member's.
+        gathered = torch.empty(n, dtype=torch.uint8, device=device)
+        with op_identity("object_bytes"):
+            dist.all_gather_into_tensor(gathered, payload[:1], group=group)
+        return [obj] * n
     longest = int(sizes.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:payload.numel()] = payload
     gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    with op_identity("object_bytes"):
+        dist.all_gather_into_tensor(gathered, padded, group=group)
     host = gathered.cpu().view(n, longest)
     return [pickle.loads(host[r, :int(k)].numpy().tobytes()) for r, k in enumerate(sizes.tolist())]
 

@@ -257,7 +257,9 @@ class Guard:
         self.phase("gradient reduction and loss all-reduce")
         local = self.faults.corrupt_loss(self._iteration, local)
         if self.rel.check_for_nan_in_loss_and_grad:
-            self._loss_bad = not bool(torch.isfinite(local).all())
+            finite = torch.isfinite(local).all()
+            # meta (a dry run): no value to check; the flag still travels in `decide`
+            self._loss_bad = not finite.is_meta and not bool(finite)
         return local
 
     def check_grads(self, grad: Tensor) -> None:
@@ -274,13 +276,16 @@ class Guard:
         """Agree with every rank on exits and NaN/Inf, then apply the spike rule."""
         iteration = self._iteration
         self.phase("reliability all-reduce")
-        grad_bad = bool(self._grad_bad) if self._grad_bad is not None else False
+        grad_bad = (self._grad_bad is not None and not self._grad_bad.is_meta
+                    and bool(self._grad_bad))
         flags = torch.tensor([float(self.exits.received is not None),
                               float(self.pstate.rank == 0 and self.exits.out_of_time()),
                               float(self._loss_bad), float(grad_bad)],
                              dtype=torch.float32, device=self.pstate.device)
-        signals, timed_out, loss_bad, grads_bad = comms.all_reduce_(
-            flags, self.pstate.world_group).tolist()
+        comms.all_reduce_(flags, self.pstate.world_group)
+        # meta (a dry run): the reduction ran, its flags have no value: nothing was raised
+        signals, timed_out, loss_bad, grads_bad = ([0.0] * 4 if flags.is_meta
+                                                   else flags.tolist())
         decision = Decision()
         if signals:
             decision.exit_reason = (f"exit signal received by {int(signals)} of "
