@@ -327,7 +327,9 @@ def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) 
 
 
 def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    # tensors only: the attention plan is host data (Python) and stays there
+    return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
+            for k, v in batch.items()}
 
 
 def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
