@@ -22,6 +22,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, dry_run_rank_list, validate
 from megatron_lite.data.builder import build_data_loaders
@@ -30,13 +32,15 @@ from megatron_lite.memory import LiveBytes, dry_run_report, fmt_bytes
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
-from megatron_lite.planner import estimate_memory
+from megatron_lite.parallel.host_syncs import HostSyncCounter
+from megatron_lite.planner import Cluster, Layout, _recompute_from, estimate_memory, evaluate
 from megatron_lite.training import StepRunner, build_model, train_step
 
 JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
               "optimizer_bytes", "activation_bytes", "planner_params_bytes",
               "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes", "group_creations")
+              "collectives", "p2p_ops", "comm_bytes", "group_creations", "host_syncs_per_step",
+              "host_step_s")
 """The fields of one `--log-jsonl` record per dry-run rank, in order."""
 
 
@@ -67,6 +71,11 @@ class RankResult:
     """Process-group creations this rank took part in at start-up (parallel/state.py)."""
     nccl_group_creations: int = 0
     """The same under NCCL with a bound device, where each is a world-wide split per kind."""
+    host_syncs_per_step: int = 0
+    """Device->host syncs of the training step (`host_syncs.HostSyncCounter`)."""
+    host_step_s: float = 0.0
+    """Host seconds of a second step with every recording mode off: the Python floor."""
+    host_syncs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in JSONL_KEYS}
@@ -99,11 +108,13 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
                 states = live.bytes_of([t for s in optimizer.shards
                                         for t in (s.master, s.exp_avg, s.exp_avg_sq)])
                 before = live.reset_peak()
-                train_step(runner, optimizer, loader, pstate, cfg.optim.lr)
+                with HostSyncCounter() as syncs:
+                    train_step(runner, optimizer, loader, pstate, cfg.optim.lr)
                 activations = live.peak - before
                 before = live.reset_peak()
                 Checkpointer(cfg, pstate, chunks, optimizer, loader).snapshot()
                 save_growth = live.peak - before
+                host_step_s = _host_step_seconds(runner, optimizer, loader, pstate, cfg)
             finally:
                 optimizer.close()
         est = estimate_memory(cfg, world_size, stage=pstate.pp_rank,
@@ -117,9 +128,48 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             sum(op.nbytes for op in audit.ops), save_growth, time.perf_counter() - start,
             audit.ops, pstate.group_creations,
             parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
-                                             split=True))
+                                             split=True),
+            syncs.total, host_step_s, dict(syncs.by_kind))
     finally:
         parallel_state.destroy(pstate)
+
+
+def _host_step_seconds(runner: StepRunner, optimizer: Optimizer, loader, pstate,
+                       cfg: Config) -> float:
+    """One more training step with the recording modes off: what the host alone takes to
+    issue a step (on meta no kernel runs, so this is the Python floor of a GPU step). Only
+    a sync counter stays on: it is what lets a host read of a meta tensor return at all."""
+    with _disable_current_modes(), HostSyncCounter():
+        start = time.perf_counter()
+        train_step(runner, optimizer, loader, pstate, cfg.optim.lr)
+        return time.perf_counter() - start
+
+
+def planner_step_s(cfg: Config, world_size: int) -> float | None:
+    """The planner's step time for this layout (default cluster), None when it has none."""
+    p, t = cfg.parallel, cfg.train
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    dp = world_size // (tp * pp * cp)
+    try:
+        chunks = (cfg.model.num_layers // pp // p.num_layers_per_virtual_pipeline_stage
+                  if p.num_layers_per_virtual_pipeline_stage else 1)
+        schedule = p.pipeline_schedule if p.pipeline_schedule in ("zb-h1", "zbv") else None
+        layout = Layout(tp, pp, dp, chunks, t.micro_batch_size,
+                        p.data_parallel_sharding_strategy, _recompute_from(cfg),
+                        p.sequence_parallel, schedule, cp)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        return evaluate(cfg.model, layout, Cluster(gpus=world_size), gbs, 1.0).step_s
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def host_syncs_line(r: RankResult, planner_s: float | None) -> str:
+    """Syncs per step (by kind) and the host's floor beside the planner's step time."""
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.host_syncs_by_kind.items())) or "none"
+    planned = f"{planner_s:.3g} s" if planner_s is not None else "-"
+    return (f"dry run: rank {r.rank} step: {r.host_syncs_per_step} device->host syncs ({kinds}); "
+            f"host {r.host_step_s:.3g} s per step with recording off, planner step {planned}")
 
 
 def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
@@ -184,6 +234,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
         results.append(run_rank(cfg, world_size, rank))
         print(f"dry run: rank {rank} done in {results[-1].seconds:.1f} s", flush=True)
         print(group_creations_line(results[-1]), flush=True)
+        print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
     print(format_table(results))
     if cfg.logging.log_jsonl:
         with open(cfg.logging.log_jsonl, "w") as f:

@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from megatron_lite.data.documents import document_layout
-from megatron_lite.layers.attention import attention_plan
 
 
 class TokenDataset(Protocol):
@@ -78,8 +77,8 @@ def context_parallel_index(seq_length: int, cp_size: int, cp_rank: int) -> Tenso
 def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: bool,
              layout: SequenceLayout = SequenceLayout()) -> dict[str, Tensor]:
     """Stack samples of seq+1 tokens into inputs, next-token labels and a loss mask (plus
-    "positions", "documents" and, under CP, this rank's chunks and their "token_index"; with
-    CP or documents, "attention_plan", the host-side `AttentionPlan` of every ring step)."""
+    "positions", "documents" and, under CP, this rank's chunks and their "token_index", plus
+    "sequence_documents", the whole sequence's document ids, to plan attention with)."""
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -96,17 +95,15 @@ def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: b
             batch["documents"] = documents
         if layout.reset_position_ids:
             batch["positions"] = positions
-    if layout.cp_size > 1 or layout.reset_attention_mask:
-        # Made here, on the host and on the whole sequence's documents, once per micro-batch:
-        # attention then needs no device->host copies and no ids travelling the CP ring.
-        batch["attention_plan"] = attention_plan(
-            tokens.shape[1], layout.cp_size, layout.cp_rank, tokens.shape[0],
-            batch.get("documents"))
     if layout.cp_size > 1:
         index = context_parallel_index(tokens.shape[1], layout.cp_size, layout.cp_rank)
-        batch = {k: v[:, index].contiguous() if isinstance(v, Tensor) else v
-                 for k, v in batch.items()}
+        whole = batch.get("documents")
+        batch = {k: v[:, index].contiguous() for k, v in batch.items()}
         batch["token_index"] = index
+        if whole is not None:
+            # The whole sequence's document ids stay on the host: attention's plan of every
+            # ring step is made from them (training.py), so no ids travel the CP ring.
+            batch["sequence_documents"] = whole
     return batch
 
 

@@ -47,7 +47,7 @@ travel the ring and nothing is copied back to the host (0 syncs per layer). With
 and without documents a plan is derived from the zigzag alone (also 0 syncs); only a caller
 that passes documents on a device without a plan pays today's way: ids travel with K/V and
 each block is copied to the host to plan (C + 1 syncs per layer; on meta they are counted as
-such by `host_syncs.count_host_syncs`).
+such by `parallel.host_syncs.HostSyncCounter`).
 
 GQA. K/V are never repeated to the query head count on the kernels a run uses: the CPU kernel
 and the CUDA flash kernel (bf16/fp16: the training dtypes) take hkv < hq heads natively (flash
@@ -75,8 +75,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_lite import host_syncs
 from megatron_lite.kernels._precision import math_dtype, upcast
+from megatron_lite.parallel import host_syncs
 from megatron_lite.parallel.audit import batch_identity, identity
 
 

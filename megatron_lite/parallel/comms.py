@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_lite import host_syncs
+from megatron_lite.parallel import host_syncs
 
 Group = dist.ProcessGroup | None
 
