@@ -68,7 +68,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -238,9 +237,9 @@ def attention_plan(seq_length: int, cp_size: int, cp_rank: int, batch: int,
     return AttentionPlan(batch, seq_length // cp_size, steps)
 
 
-@lru_cache(maxsize=64)
 def _derived_plan(seq_length: int, cp_size: int, cp_rank: int, batch: int) -> AttentionPlan:
-    """Without documents the plan depends only on the shapes and the zigzag: made once."""
+    """Without documents the plan depends only on the shapes and the zigzag (a few small
+    host calls; not cached, so that a patched `block_pairs` is always the one planning)."""
     ids = [_rank_ids(zigzag_token_index(seq_length, cp_size, r), None) for r in range(cp_size)]
     steps = tuple(tuple(block_pairs(ids[cp_rank], ids[(cp_rank - j) % cp_size], batch))
                   for j in range(cp_size))
