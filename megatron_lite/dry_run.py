@@ -25,11 +25,13 @@ import json
 import math
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config, dry_run_rank_list, validate
@@ -42,7 +44,8 @@ from megatron_lite.metrics import MetricsLogger
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
-from megatron_lite.planner import estimate_memory
+from megatron_lite.parallel.host_syncs import HostSyncCounter
+from megatron_lite.planner import Cluster, Layout, _recompute_from, estimate_memory, evaluate
 from megatron_lite.profiling import StepHooks
 from megatron_lite.reliability import Guard
 from megatron_lite.training import (
@@ -55,12 +58,14 @@ from megatron_lite.training import (
     log_startup,
     plan_epochs,
     train_loop,
+    train_step,
 )
 
 JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
               "optimizer_bytes", "activation_bytes", "planner_params_bytes",
               "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases")
+              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
+              "host_syncs_per_step", "host_step_s")
 """The fields of one `--log-jsonl` record per dry-run rank, in order."""
 
 
@@ -93,6 +98,11 @@ class RankResult:
     """The same under NCCL with a bound device, where each is a world-wide split per kind."""
     phases: list[str] = field(default_factory=list)
     """The parts of the iteration that ran (`PHASES`): what this dry run proved."""
+    host_syncs_per_step: int = 0
+    """Device->host syncs of the training step (`host_syncs.HostSyncCounter`)."""
+    host_step_s: float = 0.0
+    """Host seconds of a second step with every recording mode off: the Python floor."""
+    host_syncs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in JSONL_KEYS}
@@ -170,8 +180,17 @@ class _Phases:
     def __init__(self, live: LiveBytes) -> None:
         self.live, self.ran, self.peaks = live, [], {}
         self._start = live.reset_peak()
+        self.syncs: HostSyncCounter | None = None
+        self._syncs_before: Counter[str] = Counter()
+        self.step_syncs: Counter[str] = Counter()
+        """Device->host syncs by kind of the (first) training step alone."""
 
     def __call__(self, name: str) -> None:
+        if self.syncs is not None:
+            now = Counter(self.syncs.by_kind)
+            if name == "train_step" and "train_step" not in self.ran:
+                self.step_syncs = now - self._syncs_before
+            self._syncs_before = now
         self.peaks[name] = max(self.peaks.get(name, 0), self.live.peak - self._start)
         if name not in self.ran:
             self.ran.append(name)
@@ -203,8 +222,10 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
     pstate = parallel_state.initialize_fake(cfg, world_size, rank)
     try:
         audit, live = CommAudit(pstate.device), LiveBytes(pstate.device)
-        with tempfile.TemporaryDirectory(prefix="dry-run-save-") as scratch, audit, live, \
-                ExitStack() as cleanup:
+        # Syncs are counted (comms.host_scalar's reads, the ones a meta run skips); any other
+        # read-back of a meta tensor fails and the audit names its line.
+        with tempfile.TemporaryDirectory(prefix="dry-run-save-") as scratch, \
+                HostSyncCounter(stand_in=False) as syncs, audit, live, ExitStack() as cleanup:
             run = _iteration_config(cfg, scratch)
             chunks = build_model(run, pstate)
             optimizer = Optimizer(run, chunks, pstate)
@@ -238,7 +259,9 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             trainer = Trainer(run, pstate, runner, optimizer, loaders.train, loaders.valid,
                               logger, checkpointer, guard, StepHooks(run, rank, pstate.device),
                               StartupTimes(), on_phase=phases)
+            phases.syncs = syncs
             train_loop(trainer)
+            host_step_s = _host_step_seconds(runner, optimizer, loaders.train, pstate, run)
             layout = loaders.train.layout
             if "train_step" in phases.ran and (layout.reset_attention_mask
                                                or layout.reset_position_ids):
@@ -254,9 +277,48 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             len(p2p), sum(op.nbytes for op in audit.ops), checkpointer.growth,
             time.perf_counter() - start, audit.ops, pstate.group_creations,
             parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
-                                             split=True), phases.ran)
+                                             split=True), phases.ran,
+            phases.step_syncs.total(), host_step_s, dict(phases.step_syncs))
     finally:
         parallel_state.destroy(pstate)
+
+
+def _host_step_seconds(runner: StepRunner, optimizer: Optimizer, loader, pstate,
+                       cfg: Config) -> float:
+    """One more training step with the recording modes off: what the host alone takes to
+    issue a step (on meta no kernel runs, so this is the Python floor of a GPU step). Only
+    a sync counter stays on: it is what lets a host read of a meta tensor return at all."""
+    with _disable_current_modes(), HostSyncCounter():
+        start = time.perf_counter()
+        train_step(runner, optimizer, loader, pstate, cfg.optim.lr)
+        return time.perf_counter() - start
+
+
+def planner_step_s(cfg: Config, world_size: int) -> float | None:
+    """The planner's step time for this layout (default cluster), None when it has none."""
+    p, t = cfg.parallel, cfg.train
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    dp = world_size // (tp * pp * cp)
+    try:
+        chunks = (cfg.model.num_layers // pp // p.num_layers_per_virtual_pipeline_stage
+                  if p.num_layers_per_virtual_pipeline_stage else 1)
+        schedule = p.pipeline_schedule if p.pipeline_schedule in ("zb-h1", "zbv") else None
+        layout = Layout(tp, pp, dp, chunks, t.micro_batch_size,
+                        p.data_parallel_sharding_strategy, _recompute_from(cfg),
+                        p.sequence_parallel, schedule, cp)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        return evaluate(cfg.model, layout, Cluster(gpus=world_size), gbs, 1.0).step_s
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def host_syncs_line(r: RankResult, planner_s: float | None) -> str:
+    """Syncs per step (by kind) and the host's floor beside the planner's step time."""
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.host_syncs_by_kind.items())) or "none"
+    planned = f"{planner_s:.3g} s" if planner_s is not None else "-"
+    return (f"dry run: rank {r.rank} step: {r.host_syncs_per_step} device->host syncs ({kinds}); "
+            f"host {r.host_step_s:.3g} s per step with recording off, planner step {planned}")
 
 
 def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
@@ -321,6 +383,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
         results.append(run_rank(cfg, world_size, rank))
         print(f"dry run: rank {rank} done in {results[-1].seconds:.1f} s", flush=True)
         print(group_creations_line(results[-1]), flush=True)
+        print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
     print(format_table(results))
     if cfg.logging.log_jsonl:
         with open(cfg.logging.log_jsonl, "w") as f:

@@ -36,6 +36,7 @@ from megatron_lite.data.builder import (
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
+from megatron_lite.layers.attention import attention_plan
 from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
@@ -310,7 +311,7 @@ class StepRunner:
         if backward:
             self.timer.start()
         losses = engine.forward_backward(
-            self.chunks, self._schedules[key], [_to_device(b, device) for b in batches],
+            self.chunks, self._schedules[key], [_to_device(b, self.pstate) for b in batches],
             self.comm, partial(token_mean_loss, num_tokens=num_tokens),
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
@@ -341,8 +342,20 @@ def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) 
     return comms.all_reduce_(count, pstate.dp_cp_group if pstate.cp_size > 1 else pstate.dp_group)
 
 
-def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _to_device(batch: dict[str, Tensor], pstate: ParallelState) -> dict:
+    """The micro-batch on the device, plus its attention plan, made here on the host from the
+    host batch once per micro-batch and shared by every layer (no device->host syncs)."""
+    batch = dict(batch)
+    whole = batch.pop("sequence_documents", None)
+    plan = None
+    if pstate.cp_size > 1 and (whole is not None or "documents" not in batch):
+        b, s = batch["tokens"].shape
+        plan = attention_plan(s * pstate.cp_size, pstate.cp_size, pstate.cp_rank, b, whole)
+    elif pstate.cp_size == 1 and "documents" in batch:
+        b, s = batch["documents"].shape
+        plan = attention_plan(s, 1, 0, b, batch["documents"])
+    moved = {k: v.to(pstate.device, non_blocking=True) for k, v in batch.items()}
+    return moved if plan is None else {**moved, "attention_plan": plan}
 
 
 def reduce_loss(local: Tensor, pstate: ParallelState) -> float:

@@ -77,7 +77,8 @@ def context_parallel_index(seq_length: int, cp_size: int, cp_rank: int) -> Tenso
 def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: bool,
              layout: SequenceLayout = SequenceLayout()) -> dict[str, Tensor]:
     """Stack samples of seq+1 tokens into inputs, next-token labels and a loss mask (plus
-    "positions", "documents" and, under CP, this rank's chunks and their "token_index")."""
+    "positions", "documents" and, under CP, this rank's chunks and their "token_index", plus
+    "sequence_documents", the whole sequence's document ids, to plan attention with)."""
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -96,8 +97,13 @@ def to_batch(samples: Sequence[np.ndarray], eod_id: int | None, eod_mask_loss: b
             batch["positions"] = positions
     if layout.cp_size > 1:
         index = context_parallel_index(tokens.shape[1], layout.cp_size, layout.cp_rank)
+        whole = batch.get("documents")
         batch = {k: v[:, index].contiguous() for k, v in batch.items()}
         batch["token_index"] = index
+        if whole is not None:
+            # The whole sequence's document ids stay on the host: attention's plan of every
+            # ring step is made from them (training.py), so no ids travel the CP ring.
+            batch["sequence_documents"] = whole
     return batch
 
 

@@ -38,8 +38,29 @@ Ring backward: K/V travel round the ring a second time with their dK/dV accumula
 behind (as in the published ring-attention implementations), so a rank holds one received block
 and one in flight, never all C; the traffic is K/V plus fp32 dK/dV per step. Keeping every
 received block instead would save the K/V resend at C-1 extra blocks of memory per layer.
-The plans (which pairs run) are kept from the forward, so token indices and documents travel
-only once.
+
+Host syncs. The plan of every ring step (`AttentionPlan`, which pairs run) is made once per
+micro-batch on the host by the loader (`attention_plan`, from the host batch's token indices and
+the *whole* sequence's document ids before the CP split) and rides in the batch to every layer
+and to recomputation; every rank derives every other rank's zigzag token indices, so no ids
+travel the ring and nothing is copied back to the host (0 syncs per layer). Without a plan
+and without documents a plan is derived from the zigzag alone (also 0 syncs); only a caller
+that passes documents on a device without a plan pays today's way: ids travel with K/V and
+each block is copied to the host to plan (C + 1 syncs per layer; on meta they are counted as
+such by `parallel.host_syncs.HostSyncCounter`).
+
+GQA. K/V are never repeated to the query head count on the kernels a run uses: the CPU kernel
+and the CUDA flash kernel (bf16/fp16: the training dtypes) take hkv < hq heads natively (flash
+sums dK/dV over each group inside its backward). Only the CUDA memory-efficient kernel (fp32,
+used for checks, not training) needs equal heads, so that path alone repeats K/V per pair.
+
+dK/dV bytes. The accumulator that travels with the backward is fp32 at the KV heads: per step
+2 x b x hkv x s/C x d x 4 bytes, twice the bf16 K/V that travel beside it. 70B at TP8 (1 KV head
+of 128 per rank), S = 128K, C = 8, b = 1: K/V 8 MiB and dK/dV 16 MiB per step, 24 MiB x 7 steps
+per layer = 168 MiB; at ~360 GB/s NVLink that is ~0.5 ms against ~17 ms of the layer's
+attention backward on an H100, hidden behind it. In bf16 the dK/dV sum over C steps would round
+C times at 2^-9 relative (8 bits of mantissa: C = 8 loses ~3 of them on the last added blocks)
+and save 8 MiB per step of traffic that is already hidden, so the fp32 accumulator stays.
 """
 
 from __future__ import annotations
@@ -54,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_lite.kernels._precision import math_dtype, upcast
+from megatron_lite.parallel import host_syncs
 from megatron_lite.parallel.audit import batch_identity, identity
 
 
@@ -180,14 +202,72 @@ def block_pairs(q_ids: Tensor, k_ids: Tensor, batch: int) -> list[Pair]:
     return _coalesce(pairs)
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Every ring step's kernel calls for one micro-batch on one CP rank, made on the host once
+    and reused by every layer (and by recomputation): step j pairs this rank's queries with
+    the K/V block of cp rank (rank - j) mod C. A ring of one has one step, the local block."""
+
+    batch: int
+    seq: int
+    """Local tokens (the sequence / C)."""
+    steps: tuple[tuple[Pair, ...], ...]
+
+
+def _rank_ids(index: Tensor, documents: Tensor | None) -> Tensor:
+    ids = index.to(torch.int64).unsqueeze(0)
+    return ids if documents is None else torch.cat([ids, documents[:, index].to(torch.int64)])
+
+
+def attention_plan(seq_length: int, cp_size: int, cp_rank: int, batch: int,
+                   documents: Tensor | None = None) -> AttentionPlan:
+    """The plan of cp rank `cp_rank`: zigzag token indices for every rank (derived, not
+    received) and, with `documents`, the *whole* sequence's document ids [batch, seq_length]
+    on the host (the loader has them before the CP split)."""
+    if documents is not None and tuple(documents.shape) != (batch, seq_length):
+        raise ValueError(f"attention_plan: documents must be [{batch}, {seq_length}], got "
+                         f"{tuple(documents.shape)}")
+    if documents is None:
+        return _derived_plan(seq_length, cp_size, cp_rank, batch)
+    documents = documents.cpu()  # a host tensor already (the loader's); no device sync
+    ids = [_rank_ids(zigzag_token_index(seq_length, cp_size, r), documents)
+           for r in range(cp_size)]
+    steps = tuple(tuple(block_pairs(ids[cp_rank], ids[(cp_rank - j) % cp_size], batch))
+                  for j in range(cp_size))
+    return AttentionPlan(batch, seq_length // cp_size, steps)
+
+
+def _derived_plan(seq_length: int, cp_size: int, cp_rank: int, batch: int) -> AttentionPlan:
+    """Without documents the plan depends only on the shapes and the zigzag (a few small
+    host calls; not cached, so that a patched `block_pairs` is always the one planning)."""
+    ids = [_rank_ids(zigzag_token_index(seq_length, cp_size, r), None) for r in range(cp_size)]
+    steps = tuple(tuple(block_pairs(ids[cp_rank], ids[(cp_rank - j) % cp_size], batch))
+                  for j in range(cp_size))
+    return AttentionPlan(batch, seq_length // cp_size, steps)
+
+
 def _expand_heads(x: Tensor, heads: int) -> Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _flash(dtype: torch.dtype) -> bool:
+    """The CUDA flash kernel (native GQA) runs the 16-bit dtypes; fp32 needs memory-efficient."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _philox(device: torch.device) -> tuple[Tensor, Tensor]:
+    # No dropout: the backward does not read the RNG state; shaped as the forward returns it.
+    return (torch.zeros(2, dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
 
 
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
     """(out, lse fp32 [b, h, sq]) of one pair."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if _flash(q.dtype):  # K/V at their own head count: flash-attention takes GQA natively
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+        return out, lse
     q, k, v = q.contiguous(), _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k.contiguous(), v.contiguous(), None, True, 0.0, causal)[:2]
@@ -200,6 +280,11 @@ def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
+    if _flash(q.dtype):
+        seed, offset = _philox(q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
+            0.0, causal, seed, offset)
     hkv, heads = k.shape[1], q.shape[1]
     ke, ve = (_expand_heads(x, heads).contiguous() for x in (k, v))
     lse = F.pad(lse, (0, -q.shape[2] % 32)).contiguous()
@@ -248,21 +333,34 @@ class _RingAttention(torch.autograd.Function):
     """Blockwise attention over the ring (a ring of one: the local block only)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ids: Tensor, ring: Ring | None
-                ) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ids: Tensor, ring: Ring | None,
+                *planned: AttentionPlan | None) -> Tensor:
+        plan = planned[0] if planned else None
+        ctx.extra_inputs = len(planned)
         steps = ring.size if ring is not None else 1
         b, hq, s, _ = q.shape
-        computed = q.device.type != "meta"
         acc = math_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full((b, hq, s), -math.inf, dtype=acc, device=q.device)
-        local = ids.cpu() if computed else None
+        # Without a host plan the ids travel with K/V and each block is planned from a host
+        # copy (the CPU, where that costs no sync; or a device caller with documents).
+        traveling = plan is None
+        computed = not traveling or q.device.type != "meta"
+        if traveling and q.device.type != "cpu":
+            host_syncs.note_meta_syncs(q.device, steps + 1)  # what the GPU pays, seen on meta
+        local = ids.cpu() if traveling and computed else None
         kv, block_ids, plans = torch.stack([k, v]), ids, []
         for step in range(steps):
-            posted = (_Posted(ring, [kv, block_ids], _FORWARD_TAG, ("ring_kv", "ring_ids"),
-                               step) if step + 1 < steps else None)
-            plan = block_pairs(local, block_ids.cpu(), b) if computed else []
-            for p in plan:
+            posted = None
+            if step + 1 < steps:
+                posted = (_Posted(ring, [kv, block_ids], _FORWARD_TAG, ("ring_kv", "ring_ids"),
+                                  step) if traveling else
+                          _Posted(ring, [kv], _FORWARD_TAG, ("ring_kv",), step))
+            if not traveling:
+                step_plan = list(plan.steps[step])
+            else:
+                step_plan = block_pairs(local, block_ids.cpu(), b) if computed else []
+            for p in step_plan:
                 o, o_lse = _block_forward(_view(q, p, "q"), _view(kv[0], p, "k"),
                                           _view(kv[1], p, "k"), p.causal)
                 acc_o, acc_l = _view(out, p, "q"), lse[p.rows[0]:p.rows[1], :, p.q[0]:p.q[1]]
@@ -270,9 +368,10 @@ class _RingAttention(torch.autograd.Function):
                 acc_o.mul_(torch.exp(acc_l - new_l).unsqueeze(-1))
                 acc_o.add_(upcast(o) * torch.exp(o_lse - new_l).unsqueeze(-1))
                 acc_l.copy_(new_l)
-            plans.append(plan)
+            plans.append(step_plan)
             if posted is not None:
-                kv, block_ids = posted.wait()
+                received = posted.wait()
+                kv, block_ids = (received[0], received[1]) if traveling else (received[0], ids)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.plans = ring, plans
@@ -307,17 +406,20 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_posted.wait()[0]
         if dkv_posted is not None:
             dkv = dkv_posted.wait()[0]  # back home: the sum over every rank's queries
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None,
+                *[None] * ctx.extra_inputs)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
-              documents: Tensor | None = None, ring: Ring | None = None) -> Tensor:
+              documents: Tensor | None = None, ring: Ring | None = None,
+              plan: AttentionPlan | None = None) -> Tensor:
     """Causal (and, with `documents`, same-document) attention by full-sequence token index.
 
     q [b, hq, s, d]; k, v [b, hkv, s, d] with hq a multiple of hkv; token_index [s] int64, each
     local token's index in the full sequence (0..s-1 without a ring); documents [b, s] int
-    document ids, non-decreasing along the full sequence, or None. Returns [b, hq, s, d] in q's
-    dtype.
+    document ids, non-decreasing along the full sequence, or None; `plan` the micro-batch's
+    host plan (`attention_plan`), which then decides the kernel calls (token_index and
+    documents are not read). Returns [b, hq, s, d] in q's dtype.
     """
     b, hq, s, _ = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or hq % k.shape[1]:
@@ -331,6 +433,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
                          f"{None if documents is None else tuple(documents.shape)}")
     if ring is not None and ring.size == 1:
         ring = None
+    steps = ring.size if ring is not None else 1
+    if plan is not None and (plan.batch, plan.seq, len(plan.steps)) != (b, s, steps):
+        raise ValueError(f"attention: the plan is for batch {plan.batch}, {plan.seq} local "
+                         f"tokens and {len(plan.steps)} ring steps, not {b}, {s} and {steps}")
     dtype = q.dtype
     if q.device.type == "cpu" and dtype == torch.bfloat16:
         # The CPU flash-attention backward is ~4x slower in bf16 than in fp32 at small head
@@ -347,7 +453,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, token_index: Tensor,
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         return out.to(dtype)
-    ids = token_index.to(torch.int64).unsqueeze(0)
-    if documents is not None:
-        ids = torch.cat([ids, documents.to(torch.int64)])
-    return _RingAttention.apply(q, k, v, ids, ring).to(dtype)
+    if plan is None and documents is None and q.device.type != "cpu":
+        plan = _derived_plan(s * steps, steps, ring.rank if ring is not None else 0, b)
+    if plan is not None:
+        ids = token_index[:0]  # not read, not sent
+    else:
+        ids = token_index.to(torch.int64).unsqueeze(0)
+        if documents is not None:
+            ids = torch.cat([ids, documents.to(torch.int64)])
+    return _RingAttention.apply(q, k, v, ids, ring, plan).to(dtype)

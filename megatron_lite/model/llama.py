@@ -30,7 +30,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
-from megatron_lite.layers.attention import Ring, attention
+from megatron_lite.layers.attention import AttentionPlan, Ring, attention
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear, WeightGradQueue
 from megatron_lite.layers.norm import RMSNorm
@@ -85,7 +85,7 @@ class Attention(nn.Module):
                      if pstate.cp_size > 1 else None)
 
     def core(self, qkv: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
-             documents: Tensor | None = None) -> Tensor:
+             documents: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:
         """RoPE + causal attention: [s, b, (heads + 2 groups) d] -> [s, b, heads d].
 
         `cos`/`sin` are already this rank's tokens' angles when their length is s (CP,
@@ -100,18 +100,19 @@ class Attention(nn.Module):
         q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (q, k, v))
         # one causal SDPA call without CP or documents (fp32 core on the CPU, flash on meta)
         index = token_index if token_index is not None else torch.arange(s, device=q.device)
-        out = attention(q, k, v, token_index=index, documents=documents, ring=self.ring)
+        out = attention(q, k, v, token_index=index, documents=documents, ring=self.ring,
+                        plan=plan)
         return out.to(qkv.dtype).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
-                documents: Tensor | None = None) -> Tensor:
+                documents: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:
         qkv = self.qkv(x)  # [s, b, (heads + 2 groups) * d]
         if self.selective_recompute and torch.is_grad_enabled():
             # Keep only qkv; rotated q/k and the attention statistics are recomputed.
-            out = checkpoint(self.core, qkv, cos, sin, token_index, documents,
+            out = checkpoint(self.core, qkv, cos, sin, token_index, documents, plan,
                              use_reentrant=False)
         else:
-            out = self.core(qkv, cos, sin, token_index, documents)
+            out = self.core(qkv, cos, sin, token_index, documents, plan)
         return self.proj(out)
 
 
@@ -152,8 +153,8 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg, pstate, layer, opts, weight_grads)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
-                documents: Tensor | None = None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, token_index, documents)
+                documents: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, token_index, documents, plan)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -222,18 +223,21 @@ class LlamaChunk(nn.Module):
 
     def forward(self, x: Tensor, labels: Tensor | None = None, *,
                 token_index: Tensor | None = None, positions: Tensor | None = None,
-                documents: Tensor | None = None) -> Tensor:
+                documents: Tensor | None = None,
+                attention_plan: AttentionPlan | None = None) -> Tensor:
         """x: token ids [b, s] (first chunk) or hidden [s(/t), b, h], s this CP rank's tokens.
 
         `token_index` [s]: the tokens' places in the whole sequence (None: 0..s-1);
         `positions` [b, s]: RoPE positions when they differ from those (restarting per
-        document); `documents` [b, s]: document ids, attention stays inside one.
+        document); `documents` [b, s]: document ids, attention stays inside one;
+        `attention_plan`: the micro-batch's host plan of the attention kernel calls (made by
+        the loader), shared by every layer.
         Returns the hidden state, or per-token losses [b, s] (fp32) on the last chunk.
         """
         if self.pre_process:
             x = self.embedding(x)
         tables = self._rope_tables(token_index, positions)
-        x = self._run_layers(x, *tables, token_index, documents)
+        x = self._run_layers(x, *tables, token_index, documents, attention_plan)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -254,12 +258,13 @@ class LlamaChunk(nn.Module):
         return self.rope_cos, self.rope_sin
 
     def _run_group(self, x: Tensor, start: int, end: int, cos: Tensor, sin: Tensor,
-                   token_index: Tensor | None, documents: Tensor | None) -> Tensor:
+                   token_index: Tensor | None, documents: Tensor | None,
+                   plan: AttentionPlan | None = None) -> Tensor:
         for layer in self.layers[start:end]:
-            x = layer(x, cos, sin, token_index, documents)
+            x = layer(x, cos, sin, token_index, documents, plan)
         return x
 
-    def _run_layers(self, x: Tensor, *sequence: Tensor | None) -> Tensor:
+    def _run_layers(self, x: Tensor, *sequence: Tensor | AttentionPlan | None) -> Tensor:
         """The layer stack, with full recomputation when configured.
 
         uniform: groups of N consecutive layers each keep only their input and rerun in

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_lite.parallel import host_syncs
 from megatron_lite.parallel.audit import op_identity
 
 Group = dist.ProcessGroup | None
@@ -213,7 +214,10 @@ def host_scalar(x: Tensor) -> float:
     A dry run (`--dry-run-ranks`) runs the real step on meta tensors, which carry shapes but
     no values; whatever the step reads back for logging then reads "no value" instead.
     """
-    return math.nan if x.is_meta else x.item()
+    if x.is_meta:
+        host_syncs.note_meta_syncs(x.device, 1, "host_scalar")
+        return math.nan
+    return x.item()
 
 
 def barrier(group: Group, device: torch.device, *, status: int = 0,

@@ -64,9 +64,10 @@ Batch = Mapping[str, Tensor]
 model), "labels" [b, s] (read by the last), the `SEQUENCE_KEYS` present (read by every
 chunk), plus whatever `loss_fn` needs (e.g. "loss_mask")."""
 
-SEQUENCE_KEYS = ("token_index", "positions", "documents")
+SEQUENCE_KEYS = ("token_index", "positions", "documents", "attention_plan")
 """Batch entries every chunk of every stage takes as keywords: where this rank's tokens sit
-in the sequence (context parallelism), their RoPE positions and document ids. They come
+in the sequence (context parallelism), their RoPE positions and document ids, and the host
+plan of the attention kernel calls (`layers.attention.AttentionPlan`, not a tensor). They come
 from the batch, not the previous stage: each stage reads its own copy of the micro-batch."""
 
 LossFn = Callable[[Tensor, Batch], Tensor]

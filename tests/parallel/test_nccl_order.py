@@ -197,7 +197,7 @@ LAYOUTS = {
     "zbv-pp2": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
                  "--global-batch-size", "4"], {"activation", "grad"}),
     "cp2-ring": (["--context-parallel-size", "2", "--global-batch-size", "2"],
-                 {"ring_kv", "ring_ids", "ring_kv_backward", "ring_dkv"}),
+                 {"ring_kv", "ring_kv_backward", "ring_dkv"}),
     "zero1-dp2": (DP2_ZERO1, {"grad_reduce", "param_gather"}),
     "zero2-dp2": ([*DP2_ZERO1, "--data-parallel-sharding-strategy", "optim_grads"],
                   {"grad_reduce_scatter", "param_gather"}),

@@ -1,0 +1,120 @@
+"""Device->host syncs per training step, counted in the meta dry run (`HostSyncCounter`): ring
+attention plans once per micro-batch on the host, so the count does not grow with layers or
+with the CP size; a planted `.cpu()` per layer is seen. GQA K/V are not repeated to the query
+head count on the flash path, and the host plan equals the plan made from travelling ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lite import dry_run
+from megatron_lite.arguments import parse_config
+from megatron_lite.layers import attention as attn
+from megatron_lite.model.llama import Attention
+from megatron_lite.parallel.audit import DeviceDisciplineError
+from megatron_lite.parallel.host_syncs import HostSyncCounter
+
+TINY = ["--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--seq-length", "32", "--vocab-size", "250", "--micro-batch-size", "1",
+        "--global-batch-size", "2"]
+
+
+def _syncs(cp: int, layers: int) -> dict[str, int]:
+    cfg = parse_config([*TINY, "--num-layers", str(layers), "--context-parallel-size", str(cp),
+                        "--reset-attention-mask"])
+    result = dry_run.run_rank(cfg, cp, 0)
+    assert result.host_step_s > 0 and "host_syncs_per_step" in result.record()
+    assert result.host_syncs_per_step == sum(result.host_syncs_by_kind.values())
+    return result.host_syncs_by_kind
+
+
+@pytest.mark.quick
+def test_syncs_per_step_do_not_grow_with_layers_or_cp() -> None:
+    counts = {(cp, layers): _syncs(cp, layers) for cp in (2, 4) for layers in (2, 4)}
+    first = counts[(2, 2)]
+    assert all(c == first for c in counts.values()), counts
+    assert sum(first.values()) <= 6, first
+
+
+def test_a_planted_cpu_per_layer_is_counted_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    clean = sum(_syncs(2, 2).values())
+    real = Attention.core
+
+    def planted(self, qkv, cos, sin, token_index=None, documents=None, plan=None):
+        token_index.cpu()  # the bug: a host copy in every layer
+        return real(self, qkv, cos, sin, token_index, documents, plan)
+
+    # Counted alone, each read of a meta tensor is answered by a stand-in and counted.
+    x = torch.zeros(3, device="meta")
+    with HostSyncCounter() as syncs:
+        x.cpu(), x.sum().item(), bool(x[0]), x.tolist()
+    assert syncs.total == 4, syncs.by_kind
+    # In the dry run a read the code does not make on purpose has no value to give: it fails,
+    # naming the line.
+    monkeypatch.setattr(Attention, "core", planted)
+    cfg = parse_config([*TINY, "--num-layers", "2", "--context-parallel-size", "2",
+                        "--reset-attention-mask"])
+    with pytest.raises(DeviceDisciplineError, match="planted"):
+        dry_run.run_rank(cfg, 2, 0)
+    assert clean <= 6
+
+
+def test_lost_plan_with_documents_is_counted() -> None:
+    """A device caller with documents and no plan pays C + 1 syncs per call (seen on meta)."""
+    q = torch.empty(1, 4, 8, 16, device="meta", requires_grad=True)
+    k = v = torch.empty(1, 2, 8, 16, device="meta", requires_grad=True)
+    docs = torch.zeros(1, 8, dtype=torch.int32, device="meta")
+    with HostSyncCounter() as syncs:
+        attention_out = attn.attention(q, k, v, token_index=torch.arange(8, device="meta"),
+                                       documents=docs)
+    assert attention_out.shape == q.shape and syncs.total == 2  # one ring step + the local ids
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[tuple[int, ...]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_gqa_flash_path_keeps_kv_at_their_head_count() -> None:
+    """bf16 on a device (meta here): K/V reach the flash kernels at hkv heads and nothing
+    builds a K/V copy at hq heads; the fp32 memory-efficient path alone repeats them."""
+    b, hq, hkv, s, d = 1, 8, 2, 16, 16
+    plan = attn.attention_plan(s, 1, 0, b, torch.tensor([[0] * 6 + [1] * 10]))
+
+    def run(dtype: torch.dtype) -> list[tuple[str, list[tuple[int, ...]]]]:
+        q = torch.empty(b, hq, s, d, device="meta", dtype=dtype, requires_grad=True)
+        k = torch.empty(b, hkv, s, d, device="meta", dtype=dtype, requires_grad=True)
+        v = torch.empty(b, hkv, s, d, device="meta", dtype=dtype, requires_grad=True)
+        with _Ops() as ops:
+            out = attn.attention(q, k, v, token_index=torch.arange(s, device="meta"),
+                                 documents=torch.zeros(b, s, device="meta"), plan=plan)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return ops.calls
+
+    calls = run(torch.bfloat16)
+    # (q, k, v, ...) forward, (dout, q, k, v, ...) backward: the key's heads
+    keys = [shapes[2 if "backward" in name else 1][1] for name, shapes in calls
+            if "flash_attention" in name]
+    assert keys == [hkv] * 2 * len(plan.steps[0])
+    assert not [name for name, _ in calls if "repeat" in name or "expand" in name]
+    fp32 = run(torch.float32)
+    assert [name for name, _ in fp32 if "repeat_interleave" in name or "expand" in name]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_host_plan_equals_the_plan_from_travelling_ids(cp: int) -> None:
+    s, b = 32, 2
+    docs = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * 16 + [1] * 16])
+    for rank in range(cp):
+        plan = attn.attention_plan(s, cp, rank, b, docs)
+        ids = [attn._rank_ids(attn.zigzag_token_index(s, cp, r), docs) for r in range(cp)]
+        want = [attn.block_pairs(ids[rank], ids[(rank - j) % cp], b) for j in range(cp)]
+        assert [list(p) for p in plan.steps] == want
+        assert plan.seq == s // cp and len(plan.steps) == cp
