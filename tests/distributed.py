@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.launch import LaunchEnv
+from megatron_lite.parallel.state import ParallelState
 
 
 class RankError(RuntimeError):
@@ -36,6 +37,7 @@ def _worker(rank: int, world_size: int, init_file: str, cfg: Config, fn: Callabl
             kwargs: dict, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("MEGATRON_LITE_TEST_RANK", str(rank))
+    os.environ["MEGATRON_LITE_TEST_RENDEZVOUS"] = init_file  # `relayout` starts its own
     env = LaunchEnv(rank=rank, local_rank=rank, world_size=world_size,
                     local_world_size=world_size, master_addr="127.0.0.1", master_port=0,
                     source="test", node_rank=0, num_nodes=1)
@@ -86,3 +88,31 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *,
             if p.is_alive():
                 p.kill()
     return [outputs[r] for r in range(world_size)]
+
+
+_relayouts = 0
+"""Layouts this rank built with `relayout` (every rank counts the same)."""
+
+
+def relayout(world: ParallelState, cfg: Config) -> ParallelState:
+    """`cfg`'s layout on the ranks `run_ranks` started, so that one spawn can run several
+    layouts one after the other: this rank's groups are torn down and `cfg`'s built through
+    `parallel_state.initialize` over a fresh file:// rendezvous, the path a new job takes.
+
+    Why not keep the world and only add the new layout's groups: torch names a group after
+    its ranks and how many groups the rank already holds, so ranks that made different numbers
+    of groups for an earlier layout (the embedding group is the first and last stages' only)
+    name the same new group differently and wait for each other forever; destroying the old
+    groups does not help either, since the new ones then reuse names whose keys the old ones
+    left in the store.
+    """
+    global _relayouts
+    _relayouts += 1
+    parallel_state.destroy(world)
+    cfg.parallel.distributed_backend = "gloo"
+    cfg.parallel.distributed_timeout_minutes = max(cfg.parallel.distributed_timeout_minutes, 5)
+    env = LaunchEnv(rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
+                    local_world_size=world.world_size, master_addr="127.0.0.1", master_port=0,
+                    source="test", node_rank=0, num_nodes=1)
+    init = f"{os.environ['MEGATRON_LITE_TEST_RENDEZVOUS']}.layout{_relayouts}"
+    return parallel_state.initialize(cfg, env=env, init_method=f"file://{init}")

@@ -19,18 +19,16 @@ import os
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.parallel import state as parallel_state
-from megatron_lite.parallel.launch import LaunchEnv
+from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import train
-from tests.distributed import run_ranks
+from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,13 +129,9 @@ LAYOUTS = {
 
 def layout_state(world: ParallelState, tp: int, pp: int) -> ParallelState:
     """A layout's groups built on an already started world, so that several layouts of one
-    world size share one spawn (every rank creates the same groups in the same order)."""
-    grid = parallel_state.rank_grid(world.world_size, tp, pp)
-    env = LaunchEnv(rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
-                    local_world_size=world.world_size, master_addr="127.0.0.1", master_port=0,
-                    source="test", node_rank=0, num_nodes=1)
-    common = parallel_state._coordinates(env, grid, world.device)
-    return parallel_state._with_groups(world.backend, timedelta(minutes=4), common, grid)
+    world size share one spawn (tests/distributed.py: `relayout`)."""
+    return relayout(world, Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                                          pipeline_model_parallel_size=pp)))
 
 
 def _train_layouts(world: ParallelState, names: list[str], log_dir: Path) -> dict[str, Run]:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from unittest import mock
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.checkpoint import CheckpointReader
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.export import load_model, main, model_logits
-from megatron_lite.parallel import state as parallel_state
-from megatron_lite.parallel.launch import LaunchEnv
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.training import train
+from tests.distributed import relayout as relayout_to
 from tests.numerics import EXACT, assert_all_close, assert_close
 
 # 4 layers (PP=4, or PP=2 x v=2), GQA, a vocab that needs padding at TP=1 and TP=2.
@@ -47,18 +44,9 @@ LAYOUTS = {
 
 
 def relayout(pstate: ParallelState, tp: int, pp: int) -> ParallelState:
-    """Another (TP, PP) layout of the same, already initialised ranks: the production group
-    construction (`parallel_state.initialize`) minus starting torch.distributed again, so one
-    spawn can train several layouts one after the other."""
-    cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                         pipeline_model_parallel_size=pp,
-                                         distributed_backend="gloo"))
-    env = LaunchEnv(rank=pstate.rank, local_rank=pstate.local_rank,
-                    world_size=pstate.world_size, local_world_size=pstate.world_size,
-                    master_addr="127.0.0.1", master_port=0, source="test", node_rank=0,
-                    num_nodes=1)
-    with mock.patch.object(dist, "init_process_group", lambda *a, **k: None):
-        return parallel_state.initialize(cfg, env, init_method="file:///unused")
+    """Another (TP, PP) layout of the same, already initialised ranks (tests/distributed.py)."""
+    return relayout_to(pstate, Config(parallel=ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)))
 
 
 def run_train(pstate: ParallelState, flags: list[str], base: list[str] = FLAGS) -> list[float]:

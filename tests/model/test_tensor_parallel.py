@@ -19,9 +19,8 @@ from megatron_lite.layers import linear, tags
 from megatron_lite.layers.init import shard_full
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import ParallelState, single_process_state
-from tests.distributed import run_ranks
+from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close, rel_err
-from tests.parallel.regroup import regroup
 
 # Odd vocab (needs padding), GQA (8 query heads over 4 KV groups), ffn not a power of two.
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
@@ -70,11 +69,11 @@ def _no_row_reduce(self: linear.RowParallelLinear, x: torch.Tensor) -> torch.Ten
     return F.linear(x, self.weight)
 
 
-def _all_layouts(pstate: ParallelState, rendezvous: str) -> dict[str, list[dict]]:
+def _all_layouts(pstate: ParallelState) -> dict[str, list[dict]]:
     out = {}
     for case, (tp, sp, untie, broken) in CASES.items():
         cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp))
-        pstate = regroup(pstate, cfg, rendezvous, case)
+        pstate = relayout(pstate, cfg)
         real = linear.RowParallelLinear.forward
         if broken:
             linear.RowParallelLinear.forward = _no_row_reduce
@@ -89,7 +88,7 @@ def _all_layouts(pstate: ParallelState, rendezvous: str) -> dict[str, list[dict]
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Every case's per-rank results from one 4-rank job."""
     tmp: Path = tmp_path_factory.mktemp("tp")
-    ranks = run_ranks(_all_layouts, 4, tmp, tp=4, rendezvous=str(tmp), timeout=300)
+    ranks = run_ranks(_all_layouts, 4, tmp, tp=4, timeout=300)
     return {case: [r[case] for r in ranks] for case in CASES}
 
 

@@ -7,7 +7,7 @@ part of what is checked. float64 throughout (tests/numerics.py): losses, gradien
 weights after ten AdamW steps within EXACT (worst observed: 4e-16 for loss and gradients,
 9e-15 for losses and weights after ten steps).
 
-Two spawned jobs (2 and 4 ranks) serve every layout of a size (`regroup` between layouts),
+Two spawned jobs (2 and 4 ranks) serve every layout of a size (`relayout` between layouts),
 and the planted breakage: a ring that drops one step of attention, and SP norm gradients
 never summed over TP, must each fail the same comparison.
 """
@@ -53,10 +53,9 @@ from megatron_lite.training import (
     reduce_loss,
     train_step,
 )
-from tests.distributed import run_ranks
+from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_all_close, assert_close, rel_err
 from tests.optim.common import model_parameters
-from tests.parallel.regroup import regroup
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                     ffn_hidden_size=48, seq_length=32, vocab_size=104,
@@ -172,11 +171,11 @@ def _no_sp_norm_reduce(self: Optimizer) -> list:
     return []
 
 
-def _job(pstate: ParallelState, rendezvous: str, world: int) -> dict[str, dict]:
+def _job(pstate: ParallelState, world: int) -> dict[str, dict]:
     """Every run of one world size on this rank."""
     out = {}
     cp = world  # loss and gradients: CP over every rank
-    pstate = regroup(pstate, make_config(cp=cp), rendezvous, "grads")
+    pstate = relayout(pstate, make_config(cp=cp))
     out[f"grads-cp{cp}"] = loss_and_grads(pstate, make_config(cp=cp))
     if world == 2:
         real = attn.block_pairs
@@ -188,11 +187,11 @@ def _job(pstate: ParallelState, rendezvous: str, world: int) -> dict[str, dict]:
     for layout, (size, sizes) in LAYOUTS.items():
         if size == world:
             cfg = make_config(**sizes)
-            pstate = regroup(pstate, cfg, rendezvous, layout)
+            pstate = relayout(pstate, cfg)
             out[layout] = train(pstate, cfg)
     if world == 4:
         cfg = make_config(**LAYOUTS["tp2-cp2-sp"][1])
-        pstate = regroup(pstate, cfg, rendezvous, "tp2-cp2-sp-broken")
+        pstate = relayout(pstate, cfg)
         real = Optimizer._sequence_parallel_pieces
         Optimizer._sequence_parallel_pieces = _no_sp_norm_reduce
         try:
@@ -212,7 +211,7 @@ class Jobs:
         if world not in self.done:
             tmp = self.factory.mktemp(f"cp{world}")
             self.done[world] = run_ranks(_job, world, tmp, cfg=make_config(cp=world),
-                                         timeout=400, rendezvous=str(tmp), world=world)
+                                         timeout=400, world=world)
         return self.done[world]
 
 

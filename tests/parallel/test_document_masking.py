@@ -19,9 +19,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.data.loader import SequenceLayout, to_batch
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import ParallelState, single_process_state
-from tests.distributed import run_ranks
+from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close
-from tests.parallel.regroup import regroup
 from tests.parallel.test_context_parallel import make_config
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -104,18 +103,18 @@ def test_packed_documents_equal_documents_run_separately() -> None:
     assert abs(plain.mean().item() - packed.mean().item()) > 1e-4
 
 
-def _both_sizes(pstate: ParallelState, rendezvous: str) -> dict[int, dict]:
+def _both_sizes(pstate: ParallelState) -> dict[int, dict]:
     """CP=2 (x DP=2) and CP=4 in one 4-rank job."""
     out = {}
     for cp in (2, 4):
-        pstate = regroup(pstate, make_config(cp=cp), rendezvous, f"cp{cp}")
+        pstate = relayout(pstate, make_config(cp=cp))
         out[cp] = packed_losses(pstate)
     return out
 
 
 def test_packed_documents_under_context_parallelism(tmp_path) -> None:
     alone = separate_losses()
-    ranks = run_ranks(_both_sizes, 4, tmp_path, cfg=make_config(cp=4), rendezvous=str(tmp_path))
+    ranks = run_ranks(_both_sizes, 4, tmp_path, cfg=make_config(cp=4))
     for cp in (2, 4):
         for first in range(0, 4, cp):  # CP=2: both DP replicas (the same samples)
             got = assemble([r[cp] for r in ranks[first:first + cp]])
