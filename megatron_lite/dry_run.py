@@ -103,6 +103,8 @@ class RankResult:
     host_step_s: float = 0.0
     """Host seconds of a second step with every recording mode off: the Python floor."""
     host_syncs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    phase_ops: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Phase -> the (first, end) slice of `ops` it issued."""
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in JSONL_KEYS}
@@ -177,9 +179,12 @@ class _Phases:
     """Told by the loop as each part ends: which ran, and each one's peak device bytes beyond
     what was live when it began."""
 
-    def __init__(self, live: LiveBytes) -> None:
-        self.live, self.ran, self.peaks = live, [], {}
+    def __init__(self, live: LiveBytes, audit: CommAudit) -> None:
+        self.live, self.audit, self.ran, self.peaks = live, audit, [], {}
         self._start = live.reset_peak()
+        self._first_op = len(audit.ops)
+        self.ops: dict[str, tuple[int, int]] = {}
+        """Phase -> (first, end) index into the audit's ops of its first run."""
         self.syncs: HostSyncCounter | None = None
         self._syncs_before: Counter[str] = Counter()
         self.step_syncs: Counter[str] = Counter()
@@ -192,6 +197,8 @@ class _Phases:
                 self.step_syncs = now - self._syncs_before
             self._syncs_before = now
         self.peaks[name] = max(self.peaks.get(name, 0), self.live.peak - self._start)
+        self.ops.setdefault(name, (self._first_op, len(self.audit.ops)))
+        self._first_op = len(self.audit.ops)
         if name not in self.ran:
             self.ran.append(name)
         self._start = self.live.reset_peak()
@@ -234,7 +241,7 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             grads = live.bytes_of(optimizer.grad_tensors())
             states = live.bytes_of([t for s in optimizer.shards
                                     for t in (s.master, s.exp_avg, s.exp_avg_sq)])
-            phases = _Phases(live)
+            phases = _Phases(live, audit)
             loaders = build_loaders(run, pstate.dp_rank, pstate.dp_size,
                                     coordinator=data_coordinator(run, pstate),
                                     cp_rank=pstate.cp_rank)
@@ -278,7 +285,7 @@ def run_rank(cfg: Config, world_size: int, rank: int) -> RankResult:
             time.perf_counter() - start, audit.ops, pstate.group_creations,
             parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
                                              split=True), phases.ran,
-            phases.step_syncs.total(), host_step_s, dict(phases.step_syncs))
+            phases.step_syncs.total(), host_step_s, dict(phases.step_syncs), phases.ops)
     finally:
         parallel_state.destroy(pstate)
 

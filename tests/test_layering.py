@@ -36,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
                  "provenance", "errors", "profiling"},
+    # the dry run composes the same pieces training does (the whole iteration, on meta)
     "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
-                "checkpoint", "training"},
+                "checkpoint", "training", "metrics", "profiling", "reliability"},
 }
 NO_TORCH = ("tokenizer", "data_tools")
 

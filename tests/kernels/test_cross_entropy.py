@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.kernels.cross_entropy import (
+    _traceable_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
 from tests.distributed import run_ranks
 from tests.kernels.util import within_reference_floor
 from tests.numerics import assert_close
@@ -185,5 +188,11 @@ def test_compiles_without_graph_breaks(dtype, gen, monkeypatch):
     x = logits.to(dtype, copy=True).requires_grad_()
     loss = compiled(x * 1.0, target, 0, 291, ignore_index=IGNORE)
     (loss * weight).sum().backward()
-    expected.check(loss, x.grad)
+    # The traced graph computes softmax - onehot from logsumexp, not torch's fused kernel: its
+    # floor is the same ops run eagerly (measured ~2 ulps, torch's fused backward ~0.3).
+    eager = logits.to(dtype, copy=True).requires_grad_()
+    (_traceable_cross_entropy(eager * 1.0, target, 291, IGNORE) * weight).sum().backward()
+    within_reference_floor(loss.detach(), expected.loss32, expected.loss, "loss",
+                           expected.loss_min)
+    within_reference_floor(x.grad, eager.grad, expected.grad, "dlogits")
     assert (loss[target == IGNORE] == 0).all()

@@ -263,7 +263,8 @@ def test_dry_run_on_meta() -> None:
     assert result.grads_bytes == 2 * result.params_bytes  # fp32 gradient shard
     assert result.optimizer_bytes == 6 * result.params_bytes
     dp_group = tuple(range(4))
-    ops = [op for op in result.ops if op.group == dp_group and op.op != "all_reduce"]
+    step = result.ops[slice(*result.phase_ops["train_step"])]
+    ops = [op for op in step if op.group == dp_group and op.op != "all_reduce"]
     units, microbatches = 4, 2
     gathers = [op for op in ops if op.op == "all_gather"]
     scatters = [op for op in ops if op.op == "reduce_scatter"]
