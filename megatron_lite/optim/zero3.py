@@ -30,9 +30,9 @@ reduce-scattered once. A weight used by two units (the tied embedding read by th
 gathered from its first forward use through the head's backward to its own: one gather per
 micro-batch, one more unit of memory all along (planner.gathered_unit_bytes counts it). A
 forward whose backward never comes (a measuring forward with autograd on) leaves the head
-gathered; the next forward's first unit gives it back. Recomputation composes: a forward re-run inside backward (detected with
-autograd's current graph task) only waits for the units it reads and frees nothing; the
-backward then frees them as above.
+gathered; the next forward's first unit gives it back. Recomputation composes: a forward
+re-run inside backward (detected with autograd's current graph task) only waits for the
+units it reads and frees nothing; the backward then frees them as above.
 """
 
 from __future__ import annotations
