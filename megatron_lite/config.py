@@ -495,6 +495,12 @@ class CheckpointConfig:
     """Keep only the newest K checkpoints; older ones are deleted after a new one is complete."""
     async_save: bool = False
     """Write checkpoint files in a background thread while training continues."""
+    ckpt_staging_buffer_gb: float = 2.0
+    """GiB of host staging buffer (pinned when the state is on a GPU) that a save streams
+    through piece by piece, so pinned memory stays bounded however large the rank's state
+    (a whole 8B rank's checkpoint on 8 GPUs would pin ~12 GB for the whole run); the files
+    are byte-identical for any size. --async-save also needs a pageable host copy of the
+    state (kept for the next save), which it fills through this buffer."""
     exit_interval: int | None = None
     """Save and exit cleanly when the iteration is a multiple of this (splits a run into jobs)."""
     ckpt_step: int | None = None
@@ -523,6 +529,9 @@ class CheckpointConfig:
         if self.save_interval_minutes is not None and self.save_interval_minutes <= 0:
             raise ConfigError(f"--save-interval-minutes must be > 0, got "
                               f"{self.save_interval_minutes}")
+        if not self.ckpt_staging_buffer_gb > 0:
+            raise ConfigError(f"--ckpt-staging-buffer-gb must be > 0, got "
+                              f"{self.ckpt_staging_buffer_gb}")
         if self.async_save and not self.save:
             raise ConfigError("--async-save needs --save DIR")
 

@@ -210,10 +210,10 @@ class _MeasuredCheckpointer(Checkpointer):
     live: LiveBytes
     growth = 0
 
-    def snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
+    def snapshot(self, copy: bool | None = None) -> list[tuple[str, dict[str, Tensor], dict]]:
         outer = self.live.peak
         start = self.live.reset_peak()
-        items = super().snapshot()
+        items = super().snapshot(copy)
         self.growth = max(self.growth, self.live.peak - start)
         self.live.peak = max(outer, self.live.peak)
         return items

@@ -47,10 +47,12 @@ class LiveBytes(TorchDispatchMode):
 
     Every op's outputs pass through here; a storage not seen before is counted with its size
     and uncounted when Python frees it (a weak reference on the storage). One storage is
-    counted once however many views share it. Storages can also shrink outside the
-    dispatcher: the pipeline frees a sent activation with `UntypedStorage.resize_(0)` right
-    after its send, so after a send the next allocation re-measures every tracked storage
-    before the peak moves (not after every collective: that re-measure is O(storages)).
+    counted once however many views share it. Storages also grow and shrink outside the
+    dispatcher (`UntypedStorage.resize_`): the pipeline frees a sent activation right after
+    its send, and ZeRO-3 re-allocates a unit's full-size buckets just before gathering into
+    them and frees them after use. So after any collective or p2p op the tracked storages
+    are re-measured, once, before the next op moves the peak: a gathered unit is in the
+    peak from its gather on (the re-measure is O(storages), paid once per collective).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -64,7 +66,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._schema.name == "c10d::send":  # only a sent activation is freed by resize_
+        if func.namespace == "c10d":  # storages resized around communication: re-measure
+            self._remeasure()
             self._stale = True
         for t in _tensors(out):
             if t.device == self.device:
@@ -94,6 +97,7 @@ class LiveBytes(TorchDispatchMode):
             if storage is not None:
                 self._sizes[key] = storage.nbytes()
         self.live = sum(self._sizes.values())
+        self.peak = max(self.peak, self.live)
         self._stale = False
 
     def reset_peak(self) -> int:

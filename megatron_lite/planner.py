@@ -26,8 +26,9 @@ optimizer keeps its own master copy so ZeRO-1 can shard it).
 --data-parallel-sharding-strategy splits more of it over d DP ranks (`state_bytes`, bf16):
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
-18/d between steps, plus gathered units during the step (the largest of a layer, the
-embedding, the head, in bf16: counted in the activation peak, running + prefetched). The
+18/d between steps, plus during the step the gathered units (bf16: running + prefetched,
+and a tied embedding all along) and the fp32 gradient buckets of the units in the backward
+(`zero3_step_bytes`), counted in the activation peak. The
 textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
 
 Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
@@ -251,10 +252,40 @@ def largest_unit_params(model: ModelConfig, tp: int) -> int:
 ZERO3_UNITS_IN_FLIGHT = 2
 """ZeRO-3 holds the running unit and the prefetched next one gathered at once."""
 
+ZERO3_GRAD_BUCKETS = 3
+"""ZeRO-3's full-size gradient buckets at once in the backward: the unit accumulating, and
+the inputs of the reduce-scatters in flight (optimizer.MAX_INFLIGHT_SCATTERS = 2)."""
+
+
+def zero3_units(model: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(embedding, layer, head) parameters that ZeRO-3 owns per unit on one TP rank: a tied
+    output layer is the embedding's weight, so the head owns only the final norm (ZeRO-3
+    refuses PP: one chunk holds all three)."""
+    vocab = model.padded_vocab_size(tp) * model.hidden_size // tp
+    head = model.hidden_size + (vocab if model.untie_embeddings_and_output_weights else 0)
+    return vocab, layer_params(model, tp), head
+
 
 def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
-    """ZeRO-3's gathered parameters at the peak: two of the largest unit."""
-    return ZERO3_UNITS_IN_FLIGHT * largest_unit_params(model, tp) * STATE_BYTES[bf16][0]
+    """ZeRO-3's gathered parameters at the peak (optim/zero3.py): two neighbouring units,
+    the running and the prefetched one; a tied embedding is read by the head, so it stays
+    gathered from its forward to its backward, and the head (kept gathered from its forward
+    into its backward) is beside it, under every pair of layers."""
+    emb, layer, head = zero3_units(model, tp)
+    n = model.num_layers
+    layers = min(n, ZERO3_UNITS_IN_FLIGHT) * layer
+    if not model.untie_embeddings_and_output_weights:
+        units = emb + head + layers
+    else:
+        units = max(emb + layer, layers, layer + head) if n else emb + head
+    return units * STATE_BYTES[bf16][0]
+
+
+def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
+    """What ZeRO-3 holds on top of the activations during a step: the gathered units and
+    `ZERO3_GRAD_BUCKETS` fp32 gradient buckets of the largest owned unit."""
+    grads = ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp)) * STATE_BYTES[bf16][1]
+    return gathered_unit_bytes(model, tp, bf16) + grads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +510,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     if holds_head:
         working += head_transient_bytes(model, spec.act)
     if spec.sharding == "optim_grads_params":
-        working += gathered_unit_bytes(model, spec.tp, spec.act.bf16)
+        working += zero3_step_bytes(model, spec.tp, spec.act.bf16)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)

@@ -26,7 +26,7 @@ import platform
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -78,56 +78,114 @@ def data_fingerprint(cfg: Config) -> dict:
             "manifest_sha256": manifests, "tokenizer_sha256": _sha256(data.tokenizer_model)}
 
 
+GIB = 2**30
+
+
 class HostStaging:
-    """Host buffers that a save's tensors are copied into, kept and reused across saves.
+    """The host memory a save goes through: one bounded staging buffer, reused across saves.
 
     A save must not hold a second device copy of the weights and optimizer state (12 bytes
     per owned element: a job near capacity would run out of memory exactly when it
-    checkpoints), so each tensor goes straight from the live training tensor into a host
-    buffer allocated once per (file, name) and shape/dtype, pinned when the source is on
-    CUDA so that the copies are asynchronous DMA, waited for once in `finish()`. Meta
-    tensors (a --dry-run on the meta device) have no data: they pass through unchanged.
+    checkpoints), nor pin host memory the size of the rank's state for the whole run (an 8B
+    rank on 8 GPUs: ~12 GB page-locked, taken from the OS and the data loaders). So bytes
+    leave the device through one uint8 buffer of at most `limit_bytes` (pinned when the
+    source is on CUDA, so each piece is one DMA), piece after piece (`pieces`):
 
-    Reuse is safe because a buffer is only overwritten by the next save, and
-    `Checkpointer.save` first waits for the previous save's writer (also with --async-save).
+    - a plain save streams each file: copy a piece into the buffer, write it, next piece;
+    - --async-save must hold the step's state while training goes on, so `stage` fills
+      pageable host copies per (file, name) through the buffer; the writer thread writes
+      them. They are kept for the next save (same shapes: same memory).
+
+    The buffer is `min(limit_bytes, bytes of the largest file so far)`. Meta tensors (a
+    --dry-run on the meta device) have no data: they pass through unchanged. Reuse is safe
+    because `Checkpointer.save` first waits for the previous save's writer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit_bytes: int = 2 * GIB) -> None:
+        if limit_bytes < 1:
+            raise ValueError(f"staging buffer of {limit_bytes} bytes")
+        self.limit = int(limit_bytes)
         self.buffers: dict[tuple[str, str], Tensor] = {}
-        self._cuda_device: torch.device | None = None
-        """Set while copies from this CUDA device may still be in flight."""
+        """--async-save's pageable host copies, per (file, name)."""
+        self.buffer: Tensor | None = None
+        """The staging buffer (uint8), allocated on first use."""
+
+    def _staging(self, need: int, pinned: bool) -> Tensor:
+        size = min(self.limit, need)
+        buf = self.buffer
+        if buf is None or buf.numel() < size or (pinned and not buf.is_pinned()):
+            self.buffer = None  # the old one goes back before the new one is taken
+            self.buffer = torch.empty(max(size, 0 if buf is None else buf.numel()),
+                                      dtype=torch.uint8, pin_memory=pinned)
+        return self.buffer
+
+    def pieces(self, tensors: Sequence[Tensor]) -> Iterator[np.ndarray]:
+        """The tensors' bytes back to back, one staging buffer's worth at a time (a piece
+        may end inside a tensor); each piece is valid until the next one is asked for."""
+        flats = [ckpt_files.tensor_bytes(t) for t in tensors if t.numel()]
+        total = sum(f.numel() for f in flats)
+        if not total:
+            return
+        device = next((f.device for f in flats if f.device.type == "cuda"), None)
+        buf = self._staging(total, pinned=device is not None)
+        capacity, fill = buf.numel(), 0
+        for flat in flats:
+            start = 0
+            while start < flat.numel():
+                n = min(flat.numel() - start, capacity - fill)
+                buf[fill:fill + n].copy_(flat[start:start + n], non_blocking=flat.is_cuda)
+                fill, start = fill + n, start + n
+                if fill == capacity:
+                    yield self._ready(buf, fill, device)
+                    fill = 0
+        if fill:
+            yield self._ready(buf, fill, device)
+
+    @staticmethod
+    def _ready(buf: Tensor, n: int, device: torch.device | None) -> np.ndarray:
+        if device is not None:
+            torch.cuda.current_stream(device).synchronize()  # the piece's DMA is done
+        return buf[:n].numpy()
 
     def stage(self, file: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Host copies (started, maybe not finished: see `finish`) of `file`'s tensors."""
+        """Pageable host copies of `file`'s tensors (--async-save), complete on return."""
         out = {}
         for name, src in tensors.items():
             if src.device.type == "meta":
                 out[name] = src
                 continue
-            on_cuda = src.device.type == "cuda"
             buf = self.buffers.get((file, name))
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=on_cuda)
+                buf = torch.empty(src.shape, dtype=src.dtype)
                 self.buffers[(file, name)] = buf
-            buf.copy_(src.detach(), non_blocking=on_cuda)
-            if on_cuda:
-                self._cuda_device = src.device
+            if src.device.type == "cpu":
+                buf.copy_(src.detach())
+            else:
+                dst, offset = ckpt_files.tensor_bytes(buf), 0
+                for piece in self.pieces([src]):
+                    dst[offset:offset + len(piece)].copy_(torch.from_numpy(piece))
+                    offset += len(piece)
             out[name] = buf
         return out
 
     def finish(self) -> None:
-        """Wait for the asynchronous device-to-host copies (before a writer reads them)."""
-        if self._cuda_device is not None:
-            torch.cuda.synchronize(self._cuda_device)
-            self._cuda_device = None
+        """Kept for callers: every copy is complete when `stage` or a piece returns."""
+
+    def allocated_bytes(self) -> int:
+        """Host bytes this staging holds: the buffer and --async-save's copies."""
+        held = [self.buffer] if self.buffer is not None else []
+        return sum(t.untyped_storage().nbytes() for t in [*held, *self.buffers.values()])
 
 
 class _SaveJob:
     """One rank's part of one save: host copies of its tensors, written by `run()`."""
 
     def __init__(self, tmp: Path, items: list[tuple[str, dict[str, Tensor], dict]],
-                 on_file_written: Callable[[], None] | None = None, write: bool = True) -> None:
+                 on_file_written: Callable[[], None] | None = None,
+                 pieces: ckpt_files.Pieces | None = None, write: bool = True) -> None:
         self.tmp, self.items, self.on_file_written = tmp, items, on_file_written
+        self.pieces = pieces
+        """How the tensors' bytes reach the file (None: they are host copies already)."""
         self.write = write
         """False on the meta device (a dry run): no bytes to write; each file is counted with
         the tensor bytes it would hold and no checksum."""
@@ -143,7 +201,8 @@ class _SaveJob:
                     self.written[name] = (sum(t.numel() * t.element_size()
                                               for t in tensors.values()), "")
                     continue
-                self.written[name] = ckpt_files.write_tensors(self.tmp / name, tensors, meta)
+                self.written[name] = ckpt_files.write_tensors(self.tmp / name, tensors, meta,
+                                                              self.pieces)
                 if self.on_file_written is not None:
                     self.on_file_written()
         except Exception as e:  # reported to every rank at commit, never swallowed
@@ -196,7 +255,7 @@ class Checkpointer:
         self._pending: tuple[_SaveJob, int, dict, float, float] | None = None
         self._on_disk: int | None = None
         self._last_save_time = time.monotonic()
-        self.staging = HostStaging()
+        self.staging = HostStaging(int(ckpt_cfg.ckpt_staging_buffer_gb * GIB))
 
     # ---- collectives ---------------------------------------------------------------------
 
@@ -214,11 +273,20 @@ class Checkpointer:
 
     # ---- saving --------------------------------------------------------------------------
 
-    def snapshot(self) -> list[tuple[str, dict[str, Tensor], dict]]:
-        """This rank's files as host tensors (copies: training may change the originals),
-        staged into the reused host buffers without any device copy. Called by `save`, and
-        by the meta-device dry run, which measures that it allocates nothing on the device."""
+    def snapshot(self, copy: bool | None = None) -> list[tuple[str, dict[str, Tensor], dict]]:
+        """This rank's files: its live tensors, written before training goes on (a plain
+        save streams them through the staging buffer), or with `copy` (default
+        --async-save) host copies, since training changes the originals meanwhile; never a
+        device copy. Called by `save`, and by the meta-device dry run, which measures that
+        it allocates nothing on the device."""
         pstate = self.pstate
+        if copy is None:
+            copy = self.cfg.checkpoint.async_save
+
+        def stage(file: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            return self.staging.stage(file, tensors) if copy else {
+                k: v.detach() for k, v in tensors.items()}
+
         items = []
         if pstate.dp_rank == 0:
             weights, splits = {}, {}
@@ -230,12 +298,11 @@ class Checkpointer:
             file = ckpt_files.model_file(pstate.tp_rank, pstate.pp_rank)
             weight_meta = {"tp_split": splits, "tp_rank": pstate.tp_rank,
                            "pp_rank": pstate.pp_rank}
-            items.append((file, self.staging.stage(file, weights), weight_meta))
+            items.append((file, stage(file, weights), weight_meta))
         if self.optimizer.sharded or pstate.dp_rank == 0:
             skeleton, tensors = ckpt_files.flatten_state(self.optimizer.state_dict())
             file = ckpt_files.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
-            items.append((file, self.staging.stage(file, tensors), {"state": skeleton}))
-        self.staging.finish()
+            items.append((file, stage(file, tensors), {"state": skeleton}))
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["torch_cuda"] = torch.cuda.get_rng_state(pstate.device)
@@ -282,7 +349,9 @@ class Checkpointer:
             ckpt_files.clear_stale(self.save_dir)
             tmp.mkdir()
         self._barrier()
-        job = _SaveJob(tmp, self.snapshot(), self.on_file_written,
+        copy = self.cfg.checkpoint.async_save
+        job = _SaveJob(tmp, self.snapshot(copy), self.on_file_written,
+                       None if copy else self.staging.pieces,
                        write=self.pstate.device.type != "meta")
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start

@@ -21,10 +21,12 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch import Tensor
@@ -89,19 +91,70 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_path(path.parent)
 
 
-def write_tensors(path: Path, tensors: dict[str, Tensor], meta: dict) -> tuple[int, str]:
+Pieces = Callable[[Sequence[Tensor]], Iterator[Any]]
+"""Tensors -> their bytes back to back, as buffers (each valid until the next is taken)."""
+
+
+def tensor_bytes(t: Tensor) -> Tensor:
+    """A tensor's bytes as a flat uint8 view (a copy only when it is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def host_pieces(tensors: Sequence[Tensor]) -> Iterator[Any]:
+    """The bytes of host tensors, one tensor at a time, without a copy."""
+    for t in tensors:
+        if t.numel():
+            yield tensor_bytes(t).numpy()
+
+
+def safetensors_header(tensors: dict[str, Tensor], metadata: dict[str, str]
+                       ) -> tuple[bytes, list[str]]:
+    """The header `safetensors.torch.save` would write for `tensors` (length prefix, JSON,
+    space padding) and the order of their data after it, without their bytes in memory.
+
+    The order is safetensors' own (by dtype, then name): read from the header of a save of
+    one-element stand-ins with the same names and dtypes; the offsets follow from the sizes.
+    """
+    stand_in = save({k: torch.zeros(1, dtype=v.dtype) for k, v in tensors.items()},
+                    metadata=metadata)
+    length = struct.unpack("<Q", stand_in[:8])[0]
+    parsed = json.loads(stand_in[8:8 + length])
+    order = [k for k in parsed if k != "__metadata__"]
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": parsed[name]["dtype"], "shape": list(t.shape),
+                        "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def write_tensors(path: Path, tensors: dict[str, Tensor], meta: dict,
+                  pieces: Pieces | None = None) -> tuple[int, str]:
     """One safetensors file with `meta` as JSON in its header; fsynced.
 
-    Returns (bytes, sha256). The checksum is of the bytes handed to the OS, computed in
-    memory, so saving never reads the file back.
+    The bytes are exactly `safetensors.torch.save`'s, but streamed: the header, then the
+    tensors' data as `pieces` hands it out (default: host tensors in place; a save from the
+    device passes `HostStaging.pieces`, a bounded staging buffer), so no file-sized buffer
+    is ever built. Returns (bytes, sha256); the checksum is of the bytes handed to the OS,
+    so saving never reads the file back.
     """
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    data = save(tensors, metadata={"format": "pt", "megatron_lite": json.dumps(meta)})
+    metadata = {"format": "pt", "megatron_lite": json.dumps(meta)}
+    header, order = safetensors_header(tensors, metadata)
+    digest, size = hashlib.sha256(header), len(header)
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(header)
+        for piece in (pieces or host_pieces)([tensors[k] for k in order]):
+            f.write(piece)
+            digest.update(piece)
+            size += len(piece)
         f.flush()
         os.fsync(f.fileno())
-    return len(data), hashlib.sha256(data).hexdigest()
+    return size, digest.hexdigest()
 
 
 def file_sha256(path: Path, block: int = 1 << 24) -> str:

@@ -13,20 +13,26 @@ references to the weights, the optimizer's hooks) and only the bytes come and go
 
 - forward: a pre-hook on the unit's first module waits for its gather (or runs it) and starts
   the next unit's gather asynchronously; a post-hook on its last module frees every unit whose
-  last forward user it is, and hooks the unit's output gradient;
+  last forward user it is, and hooks the unit's output gradient. The last unit (the head) is
+  the exception: with ZeRO-3 (no PP) its backward follows at once, so freeing it would only
+  buy a blocking re-gather; when its output needs a gradient, it and what it reads stay
+  gathered for the backward;
 - backward: that output-gradient hook fires before any of the unit's backward nodes run; it
-  re-gathers the unit (waiting for the prefetch) and starts the previous unit's gather;
+  re-gathers the unit (waiting for the prefetch; the head is still gathered) and starts the
+  previous unit's gather;
 - once the last parameter of a unit has received its gradient (the post-accumulate hooks),
   every node that reads those weights has run, and the unit is freed. The optimizer's own
   hooks, which run first, have by then reduce-scattered the unit's buckets into the gradient
   shards (ZeRO-2's path: a bucket goes as soon as all its members arrived).
 
-So each unit is gathered twice per micro-batch and its gradients reduce-scattered once. A
-weight used by two units (the tied embedding read by the head) stays gathered from its first
-forward use to the last, and from the head's backward to its own: no third gather, one more
-unit of memory. Recomputation composes: a forward re-run inside backward (detected with
-autograd's current graph task) only waits for the units it reads and frees nothing; the
-backward then frees them as above.
+So each unit but the head is gathered twice per micro-batch (the head once) and its gradients
+reduce-scattered once. A weight used by two units (the tied embedding read by the head) stays
+gathered from its first forward use through the head's backward to its own: one gather per
+micro-batch, one more unit of memory all along (planner.gathered_unit_bytes counts it). A
+forward whose backward never comes (a measuring forward with autograd on) leaves the head
+gathered; the next forward's first unit gives it back. Recomputation composes: a forward
+re-run inside backward (detected with autograd's current graph task) only waits for the
+units it reads and frees nothing; the backward then frees them as above.
 """
 
 from __future__ import annotations
@@ -224,7 +230,11 @@ class FullyShardedParams:
         """The most bytes of full-size parameter buckets held at once so far."""
         self.blocking_gathers = 0
         """Gathers not prefetched (the compute waited for all of it) so far: per micro-batch
-        the first unit's forward and the last unit's backward (with what it reads) only."""
+        the first unit's forward only (the head stays gathered into its backward)."""
+        self._kept: set[int] = set()
+        """Units the head's forward left gathered for the backward that follows it."""
+        self._holding_all = False
+        """Inside `gathered()`: nothing is given back by the hooks' bookkeeping."""
         self.hooks: list[RemovableHandle] = []
         for u, unit in enumerate(self.units):
             self.hooks.append(unit.modules[0].register_forward_pre_hook(
@@ -280,15 +290,22 @@ class FullyShardedParams:
         a freed parameter has no bytes, and reading one is undefined, even a crash)."""
         for u in range(len(self.units)):
             self.materialize(u)
+        self._holding_all = True
         try:
             yield
         finally:
+            self._holding_all = False
+            self._kept.clear()
             for u in range(len(self.units)):
                 self.release(u)
 
     # ---- hooks -----------------------------------------------------------------------------
 
     def _before_forward(self, u: int, *_: object) -> None:
+        if u == 0 and self._kept and not _in_backward() and not self._holding_all:
+            for v in self._kept - set(self.units[0].uses):
+                self.release(v)  # the last forward had no backward
+            self._kept.clear()
         for v in self.units[u].uses:
             self.materialize(v)
         if not _in_backward() and u + 1 < len(self.units):
@@ -299,8 +316,12 @@ class FullyShardedParams:
                        ) -> None:
         if _in_backward():
             return  # a recomputation: the backward frees these units once their grads are in
-        if isinstance(output, Tensor) and output.requires_grad:
+        needs_grad = isinstance(output, Tensor) and output.requires_grad
+        if needs_grad:
             output.register_hook(partial(self._before_backward, u))
+        if needs_grad and u == len(self.units) - 1:
+            self._kept.update(self._frees_after[u])  # its backward comes next: keep them
+            return
         for v in self._frees_after[u]:
             self.release(v)
 
@@ -317,6 +338,7 @@ class FullyShardedParams:
         self._arrived.add(i)
         if all(j in self._arrived for j in self.units[u].params):
             self._arrived.difference_update(self.units[u].params)
+            self._kept.discard(u)
             self.release(u)
 
     def zero_grad(self) -> None:

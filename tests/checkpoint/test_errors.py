@@ -165,8 +165,8 @@ def _save_then_hang(save_dir: str, ready: str) -> None:
     torch.set_num_threads(1)
     original = F.write_tensors
 
-    def stalling(path: Path, tensors, meta) -> int:
-        size = original(path, tensors, meta)
+    def stalling(path: Path, tensors, meta, *pieces) -> int:
+        size = original(path, tensors, meta, *pieces)
         if "iter_0000004" in str(path):
             Path(ready).touch()
             time.sleep(120)
