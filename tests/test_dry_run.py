@@ -69,7 +69,7 @@ def _all_ranks(layout: str) -> dict:
     """Every rank of a LAYOUTS entry, dry-run once per module (read-only to the tests)."""
     world, extra = LAYOUTS[layout]
     cfg = _cfg(extra)
-    return {r: run_rank(cfg, world, r) for r in range(world)}
+    return {r: run_rank(cfg, world, r, time_host=False) for r in range(world)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -97,7 +97,7 @@ def test_a_device_copy_during_checkpoint_assembly_is_measured(monkeypatch) -> No
 
     monkeypatch.setattr(zero1, "state_dict", cloning)
     world, extra = LAYOUTS["dp4-zero1-full-recompute"]
-    res = run_rank(_cfg(extra), world, 1)
+    res = run_rank(_cfg(extra), world, 1, time_host=False)
     assert res.save_growth_bytes == res.optimizer_bytes > 0
 
 
@@ -107,7 +107,7 @@ def test_a_perturbed_schedule_on_one_rank_is_named() -> None:
     world, extra = LAYOUTS["tp2-pp2-v2-dp2-zero1-overlaps"]
     results = {r: res.ops for r, res in _all_ranks("tp2-pp2-v2-dp2-zero1-overlaps").items()}
     other = [*extra[:extra.index("--global-batch-size")], "--global-batch-size", "16", "--bf16"]
-    results[5] = run_rank(_cfg(other), world, 5).ops
+    results[5] = run_rank(_cfg(other), world, 5, time_host=False).ops
     problem = match(results)
     assert problem is not None and "rank 5" in problem
 
@@ -140,7 +140,7 @@ def test_a_host_tensor_in_a_collective_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(training, "global_token_count", host_count)
     world, extra = LAYOUTS["dp4-zero1-full-recompute"]
     with pytest.raises(DeviceDisciplineError) as err:
-        run_rank(_cfg(extra), world, 0)
+        run_rank(_cfg(extra), world, 0, time_host=False)
     text = str(err.value)
     assert "all_reduce over ranks [0, 1, 2, 3]" in text and "is on cpu" in text
     assert "tests/test_dry_run.py" in text and "host_count" in text
@@ -179,7 +179,7 @@ def test_live_bytes_sees_allocations_frees_and_resized_storages() -> None:
 
 
 def _rank(extra: list[str], world: int, rank: int):
-    return run_rank(parse_config([*LLAMA_70B, "--dry-run", *extra]), world, rank)
+    return run_rank(parse_config([*LLAMA_70B, "--dry-run", *extra]), world, rank, time_host=False)
 
 
 def _script_dry_run(script: str, ranks: str, tmp_path: Path) -> tuple[str, list[dict]]:

@@ -34,7 +34,7 @@ def test_dry_run_activations_match_the_planner_with_gathered_units() -> None:
     """Within 10% of the planner, and the gathered units are really in the measured peak:
     without them it would be off by more than 20%."""
     cfg = parse_config(LAYOUT)
-    r = run_rank(cfg, DP, 0)
+    r = run_rank(cfg, DP, 0, time_host=False)
     ratio = r.activation_bytes / r.planner_activation_bytes
     print(f"ZeRO-3 activations measured / planner = {r.activation_bytes} / "
           f"{r.planner_activation_bytes} = {ratio:.3f}")
@@ -50,7 +50,7 @@ def test_head_is_not_gathered_again_for_its_backward(untie: bool) -> None:
     backward, which the schedule runs right after. Untied, the embedding is freed after its
     forward and gathered again for its own backward."""
     flags = LAYOUT + (["--untie-embeddings-and-output-weights"] if untie else [])
-    gathers = _gathers(run_rank(parse_config(flags), DP, 0))
+    gathers = _gathers(run_rank(parse_config(flags), DP, 0, time_host=False))
     per_microbatch = 2 * UNITS - (1 if untie else 2)
     assert len(gathers) == per_microbatch * MICROBATCHES
     units = [dict(op.identity[1])["unit"] for op in gathers]

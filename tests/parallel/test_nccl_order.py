@@ -108,7 +108,7 @@ def test_identities_cost_nothing_outside_an_audit() -> None:
 
 def _records(extra: list[str], world: int) -> dict[int, list[CommOp]]:
     cfg = parse_config([*TINY, *extra])
-    return {r: run_rank(cfg, world, r).ops for r in range(world)}
+    return {r: run_rank(cfg, world, r, time_host=False).ops for r in range(world)}
 
 
 def test_activation_grad_order_reversed_on_odd_stages_fails(monkeypatch) -> None:

@@ -32,7 +32,7 @@ LLAMA_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-hea
 def test_every_rank_matches_at_tp2_pp4_dp2(schedule: str, recompute: list[str]) -> None:
     cfg = parse_config([*TINY, *LAYOUT, *recompute, "--pipeline-schedule", schedule,
                         "--dry-run"])
-    results = {r: run_rank(cfg, 16, r) for r in range(16)}
+    results = {r: run_rank(cfg, 16, r, time_host=False) for r in range(16)}
     assert match({r: res.ops for r, res in results.items()}) is None
     assert all(res.save_growth_bytes == 0 for res in results.values())
 
@@ -45,7 +45,8 @@ def test_70b_zero_bubble_activation_memory_is_1f1bs() -> None:
     peaks = {}
     for schedule in ("1f1b", "zb-h1", "zbv"):
         cfg = parse_config([*LLAMA_70B, "--pipeline-schedule", schedule, "--dry-run"])
-        results = [run_rank(cfg, 32, rank) for rank in (0, 8, 16, 24)]  # one rank per stage
+        results = [run_rank(cfg, 32, rank, time_host=False)  # one rank per stage
+                   for rank in (0, 8, 16, 24)]
         peaks[schedule] = max(res.activation_bytes for res in results)
         for res in results:
             assert abs(res.activation_bytes / res.planner_activation_bytes - 1) < 0.05, res
