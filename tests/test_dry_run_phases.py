@@ -86,23 +86,25 @@ def test_documents_moved_to_the_host_fail_the_dry_run(tmp_path, monkeypatch) -> 
     assert "tests/test_dry_run_phases.py" in text and "(host_documents)" in text
 
 
-def _on_host(pstate):
-    return dataclasses.replace(pstate, device=torch.device("cpu"))
+def _on_host_in(monkeypatch, cls: type, method: str) -> None:
+    """Plant the bug: `cls.method` makes its tensors on the host (its pstate says cpu)."""
+    real = getattr(cls, method)
+
+    def planted(self, *args):
+        pstate = self.pstate
+        self.pstate = dataclasses.replace(pstate, device=torch.device("cpu"))
+        try:
+            return real(self, *args)
+        finally:
+            self.pstate = pstate
+
+    monkeypatch.setattr(cls, method, planted)
 
 
 def test_a_host_tensor_in_the_guards_all_reduce_fails_the_dry_run(tmp_path, monkeypatch
                                                                     ) -> None:
     """The guard's per-step flags created on the host: NCCL has no backend for them."""
-    real = Guard.decide
-
-    def host_flags(self, loss):
-        pstate, self.pstate = self.pstate, _on_host(self.pstate)
-        try:
-            return real(self, loss)
-        finally:
-            self.pstate = pstate
-
-    monkeypatch.setattr(Guard, "decide", host_flags)
+    _on_host_in(monkeypatch, Guard, "decide")
     with pytest.raises(DeviceDisciplineError) as err:
         run_rank(_cfg(tmp_path), WORLD, 3)
     text = str(err.value)
@@ -113,16 +115,7 @@ def test_a_host_tensor_in_the_guards_all_reduce_fails_the_dry_run(tmp_path, monk
 def test_a_host_tensor_in_the_zero_gradient_count_fails_the_dry_run(tmp_path, monkeypatch
                                                                      ) -> None:
     """--log-num-zeros-in-grad counting into a host scalar: its all-reduce is refused."""
-    real = Optimizer.num_zeros_in_grad
-
-    def host_count(self):
-        pstate, self.pstate = self.pstate, _on_host(self.pstate)
-        try:
-            return real(self)
-        finally:
-            self.pstate = pstate
-
-    monkeypatch.setattr(Optimizer, "num_zeros_in_grad", host_count)
+    _on_host_in(monkeypatch, Optimizer, "num_zeros_in_grad")
     with pytest.raises(DeviceDisciplineError) as err:
         run_rank(_cfg(tmp_path), WORLD, 5)
     text = str(err.value)

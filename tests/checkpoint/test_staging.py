@@ -28,7 +28,8 @@ from megatron_lite.training import StepRunner, build_model, train_step
 from tests.checkpoint.common import FLAGS
 
 
-def _run(save: Path, *flags: str) -> tuple:
+def run_with_checkpointer(save: Path, *flags: str) -> tuple:
+    """One process's model, optimizer, loader, checkpointer and step runner for `flags`."""
     cfg = parse_config([*FLAGS, "--num-layers", "2", "--save", str(save), *flags])
     ps = single_process_state()
     torch.manual_seed(cfg.train.seed)
@@ -51,7 +52,7 @@ def _expected(chunks: list, opt: Optimizer) -> dict[str, dict[str, torch.Tensor]
 @pytest.mark.parametrize("async_save", [False, True])
 def test_consecutive_saves_reuse_host_buffers(tmp_path, async_save: bool) -> None:
     flags = ["--async-save"] if async_save else []
-    ps, chunks, opt, loader, ckpt, runner = _run(tmp_path / "ck", *flags)
+    ps, chunks, opt, loader, ckpt, runner = run_with_checkpointer(tmp_path / "ck", *flags)
     expected, pointers = {}, []
     for iteration in (1, 2):
         train_step(runner, opt, loader, ps, lr=2e-3)

@@ -14,29 +14,18 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from megatron_lite.arguments import parse_config
 from megatron_lite.checkpoint import files as F
-from megatron_lite.checkpoint.checkpointer import GIB, Checkpointer, HostStaging
-from megatron_lite.data.builder import build_data_loaders
-from megatron_lite.export import single_process_state
-from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.training import StepRunner, build_model, train_step
-from tests.checkpoint.common import FLAGS
+from megatron_lite.checkpoint.checkpointer import GIB, HostStaging
+from megatron_lite.training import train_step
+from tests.checkpoint.test_staging import run_with_checkpointer
 
 TINY = 4096
 """Bytes: far below one file of the model below, so every file takes many pieces."""
 
 
 def _run(save_dir: Path, buffer_bytes: int, *flags: str) -> tuple:
-    cfg = parse_config([*FLAGS, "--num-layers", "2", "--save", str(save_dir),
-                        "--ckpt-staging-buffer-gb", str(buffer_bytes / GIB), *flags])
-    ps = single_process_state()
-    torch.manual_seed(cfg.train.seed)
-    chunks = build_model(cfg, ps)
-    opt = Optimizer(cfg, chunks, ps)
-    loader, _ = build_data_loaders(cfg, ps.dp_rank, ps.dp_size)
-    ckpt = Checkpointer(cfg, ps, chunks, opt, loader)
-    return ps, chunks, opt, loader, ckpt, StepRunner(cfg, ps, chunks)
+    return run_with_checkpointer(save_dir, "--ckpt-staging-buffer-gb", str(buffer_bytes / GIB),
+                                 *flags)
 
 
 def _counting(staging: HostStaging, counts: list[int]) -> None:
