@@ -130,7 +130,7 @@ def test_nccl_path_splits_the_world_once_per_kind(monkeypatch) -> None:
     assert calls[0] == calls[5] and len(calls[0]) == 4  # tp, pp, mp, cp: same lists on each
 
 
-def test_70b_1024_dry_run_prints_and_records_group_creations(tmp_path, capsys) -> None:
+def test_70b_1024_dry_run_prints_group_creations_and_host_syncs(tmp_path, capsys) -> None:
     out = tmp_path / "dry.jsonl"
     cfg = parse_config([*LLAMA_70B_1024, "--dry-run", "--world-size", "1024",
                         "--dry-run-ranks", "0", "--log-jsonl", str(out)])
@@ -139,4 +139,8 @@ def test_70b_1024_dry_run_prints_and_records_group_creations(tmp_path, capsys) -
     record = json.loads(out.read_text().splitlines()[0])
     assert record["group_creations"] <= 16
     assert (f"dry run: rank 0 took part in {record['group_creations']} process-group creations"
+            in printed)
+    # the same run's step: device->host syncs independent of its 80 layers, the host's time
+    assert record["host_syncs_per_step"] <= 6 and record["host_step_s"] > 0
+    assert (f"dry run: rank 0 step: {record['host_syncs_per_step']} device->host syncs"
             in printed)
