@@ -17,9 +17,10 @@ The shard manifest records `record(tok, spec)`; start-up compares it with the ru
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenizer.tokenizer import Tokenizer, TokenizerError
 
@@ -65,6 +66,20 @@ class TokenizerSpec:
     null_tokenizer_eod_id: int | None = None
     hf_include_special_tokens: bool = True
 
+    @classmethod
+    def from_data_config(cls, data: Mapping[str, Any], vocab_size: int | None
+                         ) -> TokenizerSpec | None:
+        """From megatron_lite's DataConfig fields (a dict: checkpoints store it so); None when
+        no tokenizer flag is set. `vocab_size`: --vocab-size, None where it was not given."""
+        if not any(data.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file",
+                                         "merge_file")):
+            return None
+        return cls(data.get("tokenizer_type"), data.get("tokenizer_model"),
+                   data.get("vocab_file"), data.get("merge_file"), vocab_size,
+                   data.get("tiktoken_pattern"), data.get("tiktoken_num_special_tokens", 1000),
+                   list(data.get("special_tokens") or []), data.get("null_tokenizer_eod_id"),
+                   not data.get("tokenizer_hf_no_include_special_tokens", False))
+
     @property
     def kind(self) -> str:
         return self.tokenizer_type or "SentencePieceTokenizer"
@@ -73,7 +88,8 @@ class TokenizerSpec:
         """Each type's files given, and no flag that belongs to another type."""
         kind = self.kind
         if kind not in TOKENIZER_TYPES:
-            raise TokenizerError(f"--tokenizer-type {kind}: not one of {', '.join(TOKENIZER_TYPES)}")
+            raise TokenizerError(f"--tokenizer-type {kind}: not one of "
+                                 + ", ".join(TOKENIZER_TYPES))
         if kind == "GPT2BPETokenizer":
             missing = [f for f, v in (("--vocab-file", self.vocab_file),
                                       ("--merge-file", self.merge_file)) if not v]

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 
 import tiktoken
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as FastTokenizer
 
 from tokenizer.tokenizer import TokenizerError
 
@@ -158,12 +160,9 @@ def _halves(token: bytes, rank: dict[bytes, int]) -> tuple[bytes, bytes] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-def to_fast(tok: TikTokenizer):  # noqa: ANN201 - tokenizers.Tokenizer, imported lazily
+def to_fast(tok: TikTokenizer) -> FastTokenizer:
     """A `tokenizers` BPE giving tiktoken's ids: merges in rank order, whole-word lookups first
     (tiktoken's rule), the same regex split, special tokens matched in the text."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as FastTokenizer
-
     alphabet = byte_chars()
 
     def text(b: bytes) -> str:
