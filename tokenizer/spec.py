@@ -114,6 +114,10 @@ class TokenizerSpec:
             what = {"HuggingFaceTokenizer": "a tokenizer.json or its directory",
                     "TikTokenizer": "the tiktoken vocabulary .json"}.get(kind, "the .model file")
             raise TokenizerError(f"--tokenizer-type {kind} loads --tokenizer-model: pass {what}")
+        if self.special_tokens and kind != "TikTokenizer":
+            raise TokenizerError("--tokenizer-special-tokens is read by --tokenizer-type "
+                                 f"TikTokenizer only here; {kind} takes its special tokens from "
+                                 "its files")
         if self.null_tokenizer_eod_id is not None and kind != "NullTokenizer":
             raise TokenizerError("--null-tokenizer-eod-id is read by --tokenizer-type "
                                  f"NullTokenizer only; {kind} takes EOD from its files")

@@ -161,6 +161,8 @@ def test_bad_input_names_the_flag(files, tmp_path, capsys) -> None:
          "needs --tokenizer-type HuggingFaceTokenizer"),
         (TokenizerSpec("TikTokenizer", str(files["tiktoken"])),
          "--vocab-size 131072 .* pass --vocab-size"),
+        (TokenizerSpec("HuggingFaceTokenizer", str(llama), special_tokens=["<x>"]),
+         "--tokenizer-special-tokens is read by --tokenizer-type TikTokenizer only"),
         (TokenizerSpec("HuggingFaceTokenizer", str(llama), null_tokenizer_eod_id=3),
          "--null-tokenizer-eod-id is read by --tokenizer-type NullTokenizer only"),
     ]
@@ -196,7 +198,7 @@ def test_preprocess_writes_the_ids_and_records_the_tokenizer(files, tmp_path, ki
     shard = IndexedShard(prefix + "_00000")
     tok = load_tokenizer(spec)
     assert [shard[i].tolist() for i in range(len(shard))] == [
-        x + [tok.eod_id] for x in tok.encode(docs)]
+        [*x, tok.eod_id] for x in tok.encode(docs)]
     t = load_manifest(prefix + ".manifest.json").tokenizer
     assert (t["type"], t["vocab_size"], t["eod_id"]) == (kind, tok.vocab_size, tok.eod_id)
     assert t["flags"].startswith(f"--tokenizer-type {kind}")
@@ -233,8 +235,8 @@ def test_llama3_style_run_preprocesses_trains_finds_documents_and_exports(files,
 
     wrong = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(info.vocab_size),
              "--null-tokenizer-eod-id", str(eod - 1)]
-    with pytest.raises(ConfigError, match="tokenizer mismatch.*--null-tokenizer-eod-id.*"
-                       "made with --tokenizer-type HuggingFaceTokenizer"):
+    with pytest.raises(ConfigError, match=r"tokenizer mismatch.*--null-tokenizer-eod-id.*"
+                       r"made with --tokenizer-type HuggingFaceTokenizer"):
         resolve_tokenizer(parse_config([*argv[4:], *wrong]))
     same = [*wrong[:-1], str(eod)]  # Megatron's way to read Llama-3 shards without the files
     assert resolve_tokenizer(parse_config([*argv[4:], *same])).eod_id == eod
