@@ -360,12 +360,30 @@ class DataConfig:
     split: str = "969,30,1"
     """Train,valid,test proportions of the documents."""
     tokenizer_model: str | None = None
-    """sentencepiece .model file; sets the vocab size and EOD id."""
+    """The tokenizer file: a sentencepiece .model, a Hugging Face tokenizer.json or its directory
+    (HuggingFaceTokenizer) or Megatron's tiktoken .json (TikTokenizer); sets vocab size and EOD."""
     tokenizer_type: str | None = field(default=None, metadata={"choices": [
         "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-        "NullTokenizer"]})
-    """Megatron's tokenizer names: the three sentencepiece ones load --tokenizer-model;
-    NullTokenizer has no file (vocab = --vocab-size, EOD = vocab - 1, as Megatron's)."""
+        "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer"]})
+    """Megatron's tokenizer names (default: sentencepiece). HuggingFaceTokenizer: EOD = the
+    eos_token of tokenizer_config.json; GPT2BPETokenizer: --vocab-file + --merge-file, EOD =
+    <|endoftext|>; TikTokenizer: EOD = </s> (id 2); NullTokenizer has no file (vocab =
+    --vocab-size, EOD = --null-tokenizer-eod-id). tokenizer/spec.py has the details."""
+    vocab_file: str | None = None
+    """GPT2BPETokenizer's vocab.json."""
+    merge_file: str | None = None
+    """GPT2BPETokenizer's merges.txt."""
+    tiktoken_pattern: str | None = field(default=None, metadata={"choices": ["v1", "v2"]})
+    """TikTokenizer's pre-tokenizer regex (Megatron's v1 or v2; default v2)."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids below this are special tokens; the BPE ranks follow."""
+    special_tokens: list[str] = field(default_factory=list,
+                                      metadata={"flag": "--tokenizer-special-tokens"})
+    """TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)."""
+    null_tokenizer_eod_id: int | None = None
+    """NullTokenizer's end-of-document id (default vocab - 1; Llama-3 shards: 128001)."""
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode without the post-processor's special tokens (e.g. BOS)."""
     train_data_path: list[str] = field(default_factory=list)
     """Training data only (blend syntax as --data-path), instead of --data-path + --split."""
     valid_data_path: list[str] = field(default_factory=list)
@@ -394,9 +412,10 @@ class DataConfig:
         if self.tokenizer_type == "NullTokenizer" and self.tokenizer_model:
             raise ConfigError("--tokenizer-type NullTokenizer reads no file (vocab = "
                               "--vocab-size); drop --tokenizer-model")
-        if self.tokenizer_type not in (None, "NullTokenizer") and not self.tokenizer_model:
-            raise ConfigError(f"--tokenizer-type {self.tokenizer_type} loads a sentencepiece "
-                              "model: pass its .model file with --tokenizer-model")
+        if (self.tokenizer_type not in (None, "NullTokenizer", "GPT2BPETokenizer")
+                and not self.tokenizer_model):
+            raise ConfigError(f"--tokenizer-type {self.tokenizer_type} loads --tokenizer-model: "
+                              "pass its file")
         if self.data_path and (self.train_data_path or self.valid_data_path
                                or self.test_data_path):
             raise ConfigError("--data-path (split by --split) and --train/valid/test-data-path "

@@ -6,11 +6,14 @@
 
 Export gathers a checkpoint of any parallel layout into full tensors (no processes needed)
 and writes `config.json`, `model.safetensors` (or shards + `model.safetensors.index.json`
-above --max-shard-size) and `tokenizer.model`. Our RoPE is the rotate-half convention that
-`transformers`' Llama uses, so the conversion is a rename plus splitting the fused
-[Q; K; V] and [gate; up] weights; no row permutation. Import is the reverse and writes a
-model-only checkpoint (TP=PP=1, iteration 0) that any layout loads, with fresh Adam state.
-Only safetensors is read: pickled `pytorch_model.bin` files are refused, never unpickled.
+above --max-shard-size) and the run's tokenizer: `tokenizer.model` (sentencepiece), or
+`tokenizer.json` + `tokenizer_config.json` (HuggingFaceTokenizer, GPT2BPETokenizer, and
+TikTokenizer converted to the same ids), which AutoTokenizer loads. Our RoPE is the
+rotate-half convention that `transformers`' Llama uses, so the conversion is a rename plus
+splitting the fused [Q; K; V] and [gate; up] weights; no row permutation. Import is the
+reverse and writes a model-only checkpoint (TP=PP=1, iteration 0) that any layout loads,
+with fresh Adam state. Only safetensors is read: pickled `pytorch_model.bin` files are
+refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Our per-layer weight suffix -> Hugging Face's (the fused ones are split first).
 _LAYER_NAMES = {"attention_norm.weight": "input_layernorm.weight",
@@ -236,19 +240,34 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)
     write_safetensors_dir(output, to_hf(full, model_cfg), parse_size(max_shard_size))
-    tok_path = tokenizer_model or reader.meta["config"]["data"].get("tokenizer_model")
-    bos = eos = None
-    if tok_path and Path(tok_path).is_file():
-        from tokenizer.tokenizer import Tokenizer
-
-        tok = Tokenizer(tok_path)
-        bos, eos = tok.bos_id, tok.eos_id
-        shutil.copyfile(tok_path, output / "tokenizer.model")
-    elif tokenizer_model:
-        raise ckpt_files.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
+    bos, eos = _write_tokenizer(output, reader.meta["config"]["data"], model_cfg.vocab_size,
+                                tokenizer_model)
     config = hf_config(model_cfg, DTYPES[dtype], bos, eos)
     (output / "config.json").write_text(json.dumps(config, indent=1))
     return reader.dir
+
+
+def _write_tokenizer(output: Path, data: dict, vocab_size: int, override: str | None
+                     ) -> tuple[int | None, int | None]:
+    """Write the run's tokenizer (its --tokenizer-type; `override` replaces --tokenizer-model)
+    as Hugging Face files; (BOS, EOS) ids for config.json. Files the run read that are gone
+    now: no tokenizer (a warning), unless `override` was given."""
+    from tokenizer.spec import TokenizerSpec, load_tokenizer
+    from tokenizer.tokenizer import TokenizerError
+
+    data = {**data, "tokenizer_model": override or data.get("tokenizer_model")}
+    spec = TokenizerSpec.from_data_config(data, vocab_size)
+    if spec is None:
+        return None, None
+    try:
+        tok = load_tokenizer(spec)
+    except TokenizerError as e:
+        if override:
+            raise ckpt_files.CheckpointError(f"--tokenizer-model {override}: {e}") from None
+        print(f"warning: exported without tokenizer files: {e}", file=sys.stderr)
+        return None, None
+    tok.save_hf(output)
+    return tok.bos_id, tok.eod_id
 
 
 def import_hf(hf_dir: Path, save_dir: Path) -> Path:
@@ -261,8 +280,12 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     splits = canonical_tags(model_cfg)
     cfg = Config(model=model_cfg)
     tok = hf_dir / "tokenizer.model"
+    hf_tok = [hf_dir / n for n in _HF_TOKENIZER_FILES if (hf_dir / n).is_file()]
     if tok.is_file():
         cfg.data.tokenizer_model = str(save_dir / "tokenizer.model")
+    elif hf_tok and hf_tok[0].name == "tokenizer.json":  # a fast tokenizer: ours to load
+        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.data.tokenizer_model = str(save_dir / "tokenizer")
     save_dir.mkdir(parents=True, exist_ok=True)
     ckpt_files.clear_stale(save_dir)
     tmp = Path(tempfile.mkdtemp(prefix=ckpt_files.iter_dir_name(0) + ".", suffix=".tmp",
@@ -280,6 +303,10 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     final = ckpt_files.commit(save_dir, tmp, 0, meta, None)
     if tok.is_file():
         shutil.copyfile(tok, save_dir / "tokenizer.model")
+    elif cfg.data.tokenizer_type == "HuggingFaceTokenizer":
+        (save_dir / "tokenizer").mkdir(exist_ok=True)
+        for file in hf_tok:
+            shutil.copyfile(file, save_dir / "tokenizer" / file.name)
     return final
 
 
@@ -313,8 +340,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--load", help="checkpoint directory to export (latest or --ckpt-step)")
     parser.add_argument("--output", help="Hugging Face directory to write")
     parser.add_argument("--ckpt-step", type=int, help="export this iteration instead of latest")
-    parser.add_argument("--tokenizer-model", help="sentencepiece model to ship (default: the "
-                        "checkpoint's --tokenizer-model when the file exists)")
+    parser.add_argument("--tokenizer-model", help="tokenizer file to ship instead of the "
+                        "checkpoint's --tokenizer-model (same --tokenizer-type)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split model.safetensors above this size (default: 5GB)")
