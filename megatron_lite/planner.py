@@ -808,18 +808,19 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     """Structurally valid layouts without recompute (the memory search adds recompute).
 
-    TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
-    layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
-    micro-batches m >= pp; every sharding strategy with dp x cp > 1 (optim_grads_params only
-    with pp = 1, as the run refuses it with PP); SP always on with TP (same traffic, less
-    memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
-    layers. CP (a power of two) only for long sequences: each rank keeps at least 8192 tokens
-    (so seq 8192 never splits), and 2·cp·tp divides the sequence.
+    TP is a power of two within a node dividing heads, query groups, ffn and any
+    --padded-vocab-size; PP divides the layers; v divides the layers per stage, needs pp > 1
+    and micro-batches a multiple of pp; micro-batches m >= pp; every sharding strategy with
+    dp x cp > 1 (optim_grads_params only with pp = 1, as the run refuses it with PP); SP always
+    on with TP (same traffic, less memory). With pp > 1 also the zero-bubble schedules: ZB-H1,
+    and ZBV where 2p divides the layers. CP (a power of two) only for long sequences: each rank
+    keeps at least 8192 tokens (so seq 8192 never splits), and 2·cp·tp divides the sequence.
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
            and not (model.num_attention_heads % t or model.num_query_groups % t
-                    or model.ffn_hidden_size % t)]
+                    or model.ffn_hidden_size % t
+                    or (model.padded_vocab is not None and model.padded_vocab % t))]
     cps = [cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp == 1 or model.seq_length // cp >= 8192]
     for tp, cp, pp in ((tp, cp, pp) for tp in tps for cp in cps
                        for pp in _divisors(model.num_layers)):
@@ -875,6 +876,21 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.need_gib))
 
 
+def variant_flags(model: ModelConfig) -> list[str | int | float]:
+    """The flags of the dense variants a model uses (head dim, biases, qk-norm, padded rows;
+    RoPE scaling changes no cost but is part of the model)."""
+    flags: list[str | int | float] = []
+    if model.kv_channels != model.hidden_size // model.num_attention_heads:
+        flags += ["--kv-channels", model.head_dim]
+    flags += [flag for flag, on in (("--add-qkv-bias", model.add_qkv_bias),
+                                    ("--qk-layernorm", model.qk_layernorm)) if on]
+    if model.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", model.rope_scaling_factor]
+    if model.padded_vocab is not None:
+        flags += ["--padded-vocab-size", model.padded_vocab]
+    return flags
+
+
 def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
     """The plan as pretrain.py flags (Megatron names)."""
     lay = plan.layout
@@ -887,6 +903,7 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += variant_flags(model)
     if lay.schedule is not None:
         flags += ["--pipeline-schedule", lay.schedule]
     elif lay.chunks > 1:

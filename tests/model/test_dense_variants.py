@@ -27,6 +27,7 @@ from megatron_lite.planner import (
     stage_params,
     total_params,
     training_flops_per_token,
+    variant_flags,
 )
 from tests.distributed import relayout, run_ranks
 from tests.test_pretrain import FLAGS, Run, _train_logged, assert_same_run, single_process_run
@@ -167,3 +168,17 @@ def test_megatron_meaning_and_refusals() -> None:
     # --padded-vocab-size replaces the rounding: the rows are exactly the given count
     rows = parse_config(["--vocab-size", "97", "--padded-vocab-size", "112"]).model
     assert rows.padded_vocab_size(1) == rows.padded_vocab_size(2) == 112  # not 128 or 256
+
+
+def test_planner_flags_give_back_the_variants() -> None:
+    """What `scripts/plan.py` prints for a Qwen3-4B-like model builds that model again."""
+    model = ModelConfig(num_layers=36, hidden_size=2560, num_attention_heads=32,
+                        group_query_attention=True, num_query_groups=8, kv_channels=128,
+                        qk_layernorm=True, ffn_hidden_size=9728, seq_length=4096,
+                        vocab_size=151643, padded_vocab=151936, use_rope_scaling=True,
+                        rope_scaling_factor=32.0, add_qkv_bias=True)
+    shape = ["--num-layers", "36", "--hidden-size", "2560", "--num-attention-heads", "32",
+             "--num-query-groups", "8", "--ffn-hidden-size", "9728", "--seq-length", "4096",
+             "--vocab-size", "151643", "--group-query-attention"]
+    again = parse_config([*shape, *map(str, variant_flags(model))]).model
+    assert again == model
