@@ -433,7 +433,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split model.safetensors above this size (default: 5GB)")
-    parser.add_argument("--from-hf", help="import this Hugging Face Llama directory instead")
+    parser.add_argument("--from-hf", help="import this Hugging Face Llama, Qwen2 or Qwen3 "
+                        "directory instead")
     parser.add_argument("--save", help="with --from-hf: checkpoint directory to write")
     add_debug_flag(parser)
     args = parser.parse_args(argv)

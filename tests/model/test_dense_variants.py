@@ -182,3 +182,28 @@ def test_planner_flags_give_back_the_variants() -> None:
              "--vocab-size", "151643", "--group-query-attention"]
     again = parse_config([*shape, *map(str, variant_flags(model))]).model
     assert again == model
+
+
+QWEN3_8B = ["--num-layers", "36", "--hidden-size", "4096", "--ffn-hidden-size", "12288",
+            "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+            "--kv-channels", "128", "--qk-layernorm", "--make-vocab-size-divisible-by", "1187",
+            "--vocab-size", "151643", "--untie-embeddings-and-output-weights"]
+QWEN25_7B = ["--num-layers", "28", "--hidden-size", "3584", "--ffn-hidden-size", "18944",
+             "--num-attention-heads", "28", "--group-query-attention", "--num-query-groups", "4",
+             "--kv-channels", "128", "--add-qkv-bias", "--padded-vocab-size", "152064",
+             "--vocab-size", "151665", "--untie-embeddings-and-output-weights"]
+LLAMA31_8B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+              "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+              "--use-rope-scaling", "--make-vocab-size-divisible-by", "1", "--vocab-size",
+              "128256", "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize(("flags", "published"), [(QWEN3_8B, 8_190_735_360),
+                                                  (QWEN25_7B, 7_615_616_512),
+                                                  (LLAMA31_8B, 8_030_261_248)],
+                         ids=["qwen3-8b", "qwen2.5-7b", "llama3.1-8b"])
+def test_megatron_model_flags_give_the_published_parameter_count(flags, published) -> None:
+    """Megatron's own flag sets for these models (examples/post_training/modelopt/conf):
+    one rank's parameters at TP=1 are the Hugging Face checkpoints' totals."""
+    model = parse_config(flags).model
+    assert stage_params(model, 1, 1, 0, model.num_layers) == published
