@@ -40,12 +40,16 @@ CASES = {
                 {"add_qkv_bias": True, "qk_layernorm": False, "use_rope_scaling": False}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {},
               {"qk_layernorm": True, "add_qkv_bias": False, "use_rope_scaling": False}),
+    # qk-norm and q/k/v bias together: Qwen3's attention_bias, its o_proj bias zero
+    "qwen3-bias": ("Qwen3ForCausalLM", "Qwen3Config", {"attention_bias": True},
+                   {"qk_layernorm": True, "add_qkv_bias": True, "use_rope_scaling": False}),
 }
 TOKENS = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(0))
 
 
-def _random_hf(tmp: Path, case: str) -> tuple[Path, torch.Tensor]:
-    """A saved random transformers model of `case` and its fp32 logits on TOKENS."""
+def _random_hf(tmp: Path, case: str, o_bias: float = 0.0) -> tuple[Path, torch.Tensor]:
+    """A saved random transformers model of `case` and its fp32 logits on TOKENS; an o_proj
+    bias (which ours does not have) is set to `o_bias`."""
     model_cls, config_cls, extra, _ = CASES[case]
     config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
     torch.manual_seed(1)
@@ -54,6 +58,8 @@ def _random_hf(tmp: Path, case: str) -> tuple[Path, torch.Tensor]:
         for name, p in model.named_parameters():
             # norm gains around 1, everything else (biases too) a plain normal
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+            if name.endswith("o_proj.bias"):
+                p.fill_(o_bias)
         logits = model(TOKENS).logits
     out = tmp / "hf_in"
     model.save_pretrained(out)
@@ -127,3 +133,9 @@ def test_padded_vocab_export_keeps_the_rows(tmp_path: Path) -> None:
         if ours.shape != imported.shape:  # the vocabulary tensors: our pad rows are zero
             ours = torch.cat([ours, ours.new_zeros(128 - 97, ours.shape[1])])
         assert torch.equal(ours, imported), name
+
+
+def test_an_output_projection_bias_is_refused(tmp_path: Path, capsys) -> None:
+    hf_in, _ = _random_hf(tmp_path, "qwen3-bias", o_bias=0.1)
+    assert main(["--from-hf", str(hf_in), "--save", str(tmp_path / "ck")]) == 2
+    assert "o_proj.bias is not zero" in capsys.readouterr().err
