@@ -13,10 +13,13 @@ FLOPs per token (`training_flops_per_token`, the one count): 6·N + 12·l·q·s,
 `matmul_params`, every weight that takes part in a matmul (per layer QKV h·(q + 2k), attention
 output q·h, MLP 3·h·f; plus the output layer V·h over the vocabulary padded for the run's TP
 size; the input embedding is a lookup, so a tied one counts once, as the output layer), with
-l layers, q = heads·head_dim, s = sequence length. The 12·l·q·s term counts the attention
-scores and values as if not causal (PaLM / nanoGPT / torchtitan): that is the log's `mfu` and
-the planner's MFU. `causal=True` halves it (Megatron-LM since 2025): the log's `mfu_causal`, and
-the work the step-time model charges, since flash attention skips the masked half.
+l layers, q = heads·head_dim (head_dim = --kv-channels), s = sequence length; the
+--add-qkv-bias biases and the --qk-layernorm weights are elementwise work, not matmuls, so
+they are parameters (`layer_params`) but not in N, as in Megatron's count. The 12·l·q·s term
+counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): that
+is the log's `mfu` and the planner's MFU. `causal=True` halves it (Megatron-LM since 2025):
+the log's `mfu_causal`, and the work the step-time model charges, since flash attention skips
+the masked half.
 Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
@@ -145,9 +148,15 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, causal: bool = 
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP,
-    plus the two RMSNorm weights every rank holds whole."""
-    return 2 * model.hidden_size + matmul_params_per_layer(ModelShape.from_config(model)) // tp
+    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP
+    (with --kv-channels d the attention ones are h·(heads + 2·groups)·d and heads·d·h), the
+    --add-qkv-bias biases (heads + 2·groups)·d split likewise, plus the RMSNorm weights every
+    rank holds whole: two h-wide, and two d-wide with --qk-layernorm."""
+    d = model.head_dim
+    bias = (model.num_attention_heads + 2 * model.num_query_groups) * d if model.add_qkv_bias \
+        else 0
+    norms = 2 * model.hidden_size + (2 * d if model.qk_layernorm else 0)
+    return norms + (matmul_params_per_layer(ModelShape.from_config(model)) + bias) // tp
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int,
@@ -348,6 +357,11 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
                                                      fp32 gate, up and silu(gate) copies
 
     With bf16 reference kernels add 4h per norm (fp32 weight copy) and 8·s·d (fp32 RoPE tables).
+    --qk-layernorm adds, over the q and k heads (q + k channels, heads + groups rows):
+    (c'·sb·(q + k) + 4·sb·(heads + groups))/t, c' = e fused (the kernel's contiguous copy of
+    the strided q/k input), e reference fp32 (x·rstd), 8 reference bf16 (fp32 x and x·rstd,
+    plus 2 x 4d for the weights' fp32 copies); the 4 bytes are rstd per head row. Selective
+    recompute drops it with the core.
     bf16 on CPU runs SDPA in fp32 (`fp32_attention_core`): attention is then
     4·sb·(2q + 2k)/t (fp32 q, k, v, out) + e·sb·q/t (projection input) + log-sum-exp.
     For MHA, f = 8h/3, fused bf16: about 34.7·sbh without TP, vs 34·sbh + 5·a·s²·b in the paper.
@@ -367,6 +381,12 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
         # qkv output, so nothing keeps that alive.
         qkv_out, rotated = 0, 4 * s * b * (2 * q + 2 * k)
     attn = (qkv_out + out + (0 if selective else rotated + lse)) / t
+    if model.qk_layernorm and not selective:
+        per_channel = e if a.fused_kernels or not a.bf16 else 8
+        rows = model.num_attention_heads + model.num_query_groups
+        attn += (per_channel * s * b * (q + k) + 4 * s * b * rows) / t
+        if not a.fused_kernels and a.bf16:
+            attn += 8 * model.head_dim
     if not a.fused_kernels and a.bf16 and not selective:
         attn += 8 * s * model.head_dim
     mlp = (3 * e if a.fused_kernels else 12 + e) * s * b * f / t
@@ -788,18 +808,19 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     """Structurally valid layouts without recompute (the memory search adds recompute).
 
-    TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
-    layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
-    micro-batches m >= pp; every sharding strategy with dp x cp > 1 (optim_grads_params only
-    with pp = 1, as the run refuses it with PP); SP always on with TP (same traffic, less
-    memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
-    layers. CP (a power of two) only for long sequences: each rank keeps at least 8192 tokens
-    (so seq 8192 never splits), and 2·cp·tp divides the sequence.
+    TP is a power of two within a node dividing heads, query groups, ffn and any
+    --padded-vocab-size; PP divides the layers; v divides the layers per stage, needs pp > 1
+    and micro-batches a multiple of pp; micro-batches m >= pp; every sharding strategy with
+    dp x cp > 1 (optim_grads_params only with pp = 1, as the run refuses it with PP); SP always
+    on with TP (same traffic, less memory). With pp > 1 also the zero-bubble schedules: ZB-H1,
+    and ZBV where 2p divides the layers. CP (a power of two) only for long sequences: each rank
+    keeps at least 8192 tokens (so seq 8192 never splits), and 2·cp·tp divides the sequence.
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
            and not (model.num_attention_heads % t or model.num_query_groups % t
-                    or model.ffn_hidden_size % t)]
+                    or model.ffn_hidden_size % t
+                    or (model.padded_vocab is not None and model.padded_vocab % t))]
     cps = [cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp == 1 or model.seq_length // cp >= 8192]
     for tp, cp, pp in ((tp, cp, pp) for tp in tps for cp in cps
                        for pp in _divisors(model.num_layers)):
@@ -855,6 +876,21 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.need_gib))
 
 
+def variant_flags(model: ModelConfig) -> list[str | int | float]:
+    """The flags of the dense variants a model uses (head dim, biases, qk-norm, padded rows;
+    RoPE scaling changes no cost but is part of the model)."""
+    flags: list[str | int | float] = []
+    if model.kv_channels != model.hidden_size // model.num_attention_heads:
+        flags += ["--kv-channels", model.head_dim]
+    flags += [flag for flag, on in (("--add-qkv-bias", model.add_qkv_bias),
+                                    ("--qk-layernorm", model.qk_layernorm)) if on]
+    if model.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", model.rope_scaling_factor]
+    if model.padded_vocab is not None:
+        flags += ["--padded-vocab-size", model.padded_vocab]
+    return flags
+
+
 def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
     """The plan as pretrain.py flags (Megatron names)."""
     lay = plan.layout
@@ -867,6 +903,7 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += variant_flags(model)
     if lay.schedule is not None:
         flags += ["--pipeline-schedule", lay.schedule]
     elif lay.chunks > 1:
