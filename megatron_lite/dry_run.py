@@ -90,17 +90,21 @@ from megatron_lite.training import (
     train_step,
 )
 
-JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
-              "optimizer_bytes", "activation_bytes", "planner_params_bytes",
-              "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
-              "host_syncs_per_step", "host_step_s")
-"""The fields of one `--log-jsonl` record per dry-run rank, in order."""
-
-
 SUMMARY_KEYS = ("iters", "grad_acc", "tokens_per_step", "mem_gib", "device_gib", "fits",
                 "data_errors")
-"""The fields of the `--log-jsonl` summary record (the file's first line), in order."""
+"""The run's summary fields (`Summary`), in order, in each `--log-jsonl` record."""
+
+RANK_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
+             "optimizer_bytes", "activation_bytes", "planner_params_bytes",
+             "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
+             "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
+             "host_syncs_per_step", "host_step_s")
+"""A dry-run rank's own fields of its `--log-jsonl` record, in order."""
+
+JSONL_KEYS = RANK_KEYS + SUMMARY_KEYS
+"""The fields of one `--log-jsonl` record per dry-run rank, in order: the rank's, then the
+run's summary (without --dry-run-ranks, or when the data check fails, the file holds one
+record of `SUMMARY_KEYS` alone)."""
 
 
 @dataclass
@@ -297,7 +301,7 @@ class RankResult:
     """Phase -> the (first, end) slice of `ops` it issued."""
 
     def record(self) -> dict:
-        return {k: getattr(self, k) for k in JSONL_KEYS}
+        return {k: getattr(self, k) for k in RANK_KEYS}
 
 
 PHASES = ("startup", "epoch_plan", "train_step", "guard", "log", "eval", "checkpoint",
@@ -576,14 +580,13 @@ def dry_run(cfg: Config, world_size: int) -> int:
     print(dry_run_report(cfg, world_size), flush=True)
     summary = summarize(cfg, world_size)
     print(format_summary(summary), flush=True)
-    records = [summary.record()]
     if summary.data_errors:
-        _write_jsonl(cfg, records)
+        _write_jsonl(cfg, [summary.record()])
         raise ConfigError("the data flags would stop the run (checked without reading a "
                           "shard):\n  " + "\n  ".join(summary.data_errors))
     ranks = dry_run_rank_list(cfg, world_size)
     if not ranks:
-        _write_jsonl(cfg, records)
+        _write_jsonl(cfg, [summary.record()])
         print("(add --dry-run-ranks 0 ... or `all` to run those ranks' real training step on "
               "the meta device)")
         return 0
@@ -594,7 +597,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print(group_creations_line(results[-1]), flush=True)
         print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
     print(format_table(results))
-    _write_jsonl(cfg, records + [r.record() for r in results])
+    _write_jsonl(cfg, [{**r.record(), **summary.record()} for r in results])
     if len(ranks) < world_size:
         print(f"collectives not matched: {len(ranks)} of {world_size} ranks were dry-run "
               "(--dry-run-ranks all matches them)")
