@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import pretrain
+from tokenizer.spec import TokenizerSpec, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("megatron_configs",
@@ -149,3 +150,8 @@ MODEL_ARGS_2:
         ("MODEL_ARGS_2", [*[a.format(key="MODEL_ARGS_2") for a in base], "--lr", "0.01",
                           "--mock-data"], 2)]
     assert (tmp_path / "MODEL_ARGS" / "save").is_dir()
+    # the built files are a GPT-2 byte-level BPE: ASCII bytes keep their ids, then the merges
+    tok = load_tokenizer(TokenizerSpec(tokenizer_type="GPT2BPETokenizer",
+                                       vocab_file=str(tokenizer[0]), merge_file=str(tokenizer[1])))
+    assert tok.encode(["the them"]) == [[ord("t"), 257, 258, ord("m")]]  # t|he, Ġthe|m
+    assert tok.vocab_size == 260
