@@ -317,14 +317,25 @@ class TrainConfig:
     """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
     dry_run: bool = False
     """Validate the config, print the rank grid, stage partition, parameters per rank and the
-    memory estimate, and exit without creating process groups (see --world-size); with
-    --dry-run-ranks, also run one real training step of those ranks on the meta device."""
+    memory estimate, and exit without creating process groups (see --world-size); then the
+    summary: iters (steps), grad_acc (micro-batches per step per DP rank), tokens_per_step,
+    mem_gib (the planner's largest rank plus allowance) against device_gib with fits, and
+    data_errors (each --data-path / --*-data-path prefix or manifest and tokenizer file must
+    exist and --split parse; none is read; a problem exits 2). With --dry-run-ranks, also run
+    one real training step of those ranks on the meta device."""
     dry_run_ranks: list[str] = field(default_factory=list)
     """With --dry-run: global ranks (or `all`) whose real model, optimizer and training step
     run on the meta device under a fake process group of --world-size ranks: collectives
     checked and matched, memory measured against the planner."""
+    dry_run_device_memory_gb: float | None = None
+    """With --dry-run: memory of one device in GiB (2^30 bytes), which the planner's bytes per
+    rank (plus its allowance for CUDA context, NCCL and fragmentation) must fit; default 80,
+    the planner's device (H100 SXM 80 GB)."""
 
     def __post_init__(self) -> None:
+        if self.dry_run_device_memory_gb is not None and self.dry_run_device_memory_gb <= 0:
+            raise ConfigError("--dry-run-device-memory-gb must be positive (GiB of one device), "
+                              f"got {self.dry_run_device_memory_gb:g}")
         if self.train_samples is not None:
             if self.train_iters is not None:
                 raise ConfigError("--train-samples replaces --train-iters; pass only one")

@@ -25,7 +25,8 @@ Recomputation never counts towards MFU; the step-time model adds it as extra wor
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
 params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
 runs hold fp32 params (4), fp32 grads (4) and a separate fp32 master + m + v (12) = 20 (the
-optimizer keeps its own master copy so ZeRO-1 can shard it).
+optimizer keeps its own master copy so ZeRO-1 can shard it). --grad-reduce-in-bf16 makes the
+gradient (buffer, ZeRO-2/3 shard and buckets) 2 bytes (`grad_state_bytes`).
 --data-parallel-sharding-strategy splits more of it over d DP ranks (`state_bytes`, bf16):
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
@@ -56,6 +57,15 @@ GIB = 2**30
 
 STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 12)}
 """bf16 -> (param, grad, optimizer) bytes per parameter; optimizer = master (bf16 only) + m + v."""
+
+
+
+def grad_state_bytes(bf16: bool, grad_bf16: bool = False) -> tuple[int, int, int]:
+    """`STATE_BYTES` with the gradient in bf16 under --grad-reduce-in-bf16 (the optimizer's
+    buffers, shards and buckets then hold bf16; the masters and moments stay fp32)."""
+    pb, gb, ob = STATE_BYTES[bf16]
+    return pb, 2 if grad_bf16 else gb, ob
+
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -223,16 +233,18 @@ SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
-                full_grad_accumulator: bool = False) -> tuple[int, int, int]:
+                full_grad_accumulator: bool = False, grad_bf16: bool = False
+                ) -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them.
 
     Sharded parts are ceil(n/dp) elements (bucket padding aside); ZeRO-3's gathered units
     come and go within the step (`gathered_unit_bytes`). ZeRO-2 with
     --sharded-grad-accumulation full-buffer adds a full-size accumulator in the parameter
     dtype (bucket tensors in flight are not counted, as for the other strategies).
+    `grad_bf16`: --grad-reduce-in-bf16.
     """
     stage = SHARDING.index(sharding)
-    pb, gb, ob = STATE_BYTES[bf16]
+    pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
     owned = math.ceil(num_params / dp) if stage >= 1 else num_params
     params = owned * pb if stage >= 3 else num_params * pb
     grads = owned * gb if stage >= 2 else num_params * gb
@@ -241,10 +253,11 @@ def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
     return params, grads, owned * ob
 
 
-def sharding_formula(sharding: str, dp: int, bf16: bool = True) -> tuple[str, float]:
+def sharding_formula(sharding: str, dp: int, bf16: bool = True, grad_bf16: bool = False
+                     ) -> tuple[str, float]:
     """The issue's bytes-per-parameter formula of a strategy and its value at `dp` (the
     gathered ZeRO-3 unit is not in it), e.g. ("2 + 16/d", 2.25) for optim_grads at d = 64."""
-    pb, gb, ob = STATE_BYTES[bf16]
+    pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
     forms = {"no_shard": (f"{pb} + {gb} + {ob}", pb + gb + ob),
              "optim": (f"{pb} + {gb} + {ob}/d", pb + gb + ob / dp),
              "optim_grads": (f"{pb} + {gb + ob}/d", pb + (gb + ob) / dp),
@@ -290,10 +303,12 @@ def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
     return units * STATE_BYTES[bf16][0]
 
 
-def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
+def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool, grad_bf16: bool = False) -> int:
     """What ZeRO-3 holds on top of the activations during a step: the gathered units and
-    `ZERO3_GRAD_BUCKETS` fp32 gradient buckets of the largest owned unit."""
-    grads = ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp)) * STATE_BYTES[bf16][1]
+    `ZERO3_GRAD_BUCKETS` gradient buckets (fp32, bf16 with --grad-reduce-in-bf16) of the
+    largest owned unit."""
+    grads = (ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp))
+             * grad_state_bytes(bf16, grad_bf16)[1])
     return gathered_unit_bytes(model, tp, bf16) + grads
 
 
@@ -507,6 +522,8 @@ class StageSpec:
     stage 0."""
     full_grad_accumulator: bool = False
     """--sharded-grad-accumulation full-buffer (ZeRO-2 only)."""
+    grad_bf16: bool = False
+    """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -514,7 +531,8 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     v_shape = spec.schedule == "zbv"
     n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
-                             spec.full_grad_accumulator and spec.microbatches > 1)
+                             spec.full_grad_accumulator and spec.microbatches > 1,
+                             spec.grad_bf16)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     holds_head = stage == (0 if v_shape else spec.pp - 1)
@@ -530,7 +548,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     if holds_head:
         working += head_transient_bytes(model, spec.act)
     if spec.sharding == "optim_grads_params":
-        working += zero3_step_bytes(model, spec.tp, spec.act.bf16)
+        working += zero3_step_bytes(model, spec.tp, spec.act.bf16, spec.grad_bf16)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)
@@ -570,7 +588,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
-                     parallel.sharded_grad_accumulation == "full-buffer")
+                     parallel.sharded_grad_accumulation == "full-buffer",
+                     parallel.grad_reduce_in_bf16)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]
@@ -581,10 +600,14 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
 # Cluster, layouts and step time
 
 
+DEFAULT_DEVICE = "H100 SXM 80 GB"
+"""The device `Cluster`'s defaults describe."""
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """Hardware and efficiency assumptions (defaults: H100 SXM 80 GB, 8 per node, 400 Gb/s NIC
-    per GPU)."""
+    """Hardware and efficiency assumptions (defaults: `DEFAULT_DEVICE`, 8 per node, 400 Gb/s
+    NIC per GPU)."""
 
     gpus: int
     gpus_per_node: int = 8
