@@ -474,9 +474,20 @@ def output_weight_grad_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     return (2 if a.bf16 else 4) * model.padded_vocab_size(a.tp) // a.tp * model.hidden_size
 
 
+def head_backward_bytes(model: ModelConfig, a: ActivationSetup) -> float:
+    """The head's backward beside its saved activations: the output layer's weight gradient
+    and its input gradient [s, b, h] (the logits gradient it reads is the saved one)."""
+    e = 2 if a.bf16 else 4
+    return (output_weight_grad_bytes(model, a)
+            + e * local_seq(model, a) * a.micro_batch * model.hidden_size)
+
+
 def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
                            rc: Recompute) -> tuple[float, float]:
-    """(saved bytes per micro-batch, transient peak while it is recomputed) for `layers` layers."""
+    """(saved bytes per micro-batch, what recomputation adds to them at its peak) for `layers`
+    layers. Uniform: the top group is rerun while every group's input is still kept. Block:
+    the first N layers are rerun one by one after the layers above them have freed at least
+    a layer's activations, so nothing is added unless all are checkpointed."""
     full = layer_activation_bytes(model, a)
     if rc.granularity == "selective":
         return layers * layer_activation_bytes(model, a, selective=True), 0.0
@@ -485,7 +496,7 @@ def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
     n = max(1, min(rc.num_layers, layers))
     kept = layer_input_bytes(model, a)
     if rc.method == "block":
-        return n * kept + (layers - n) * full, full
+        return n * kept + (layers - n) * full, full if n == layers else 0.0
     return math.ceil(layers / n) * kept, n * full
 
 
@@ -518,8 +529,8 @@ def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: flo
 
     - the loss: every activation and the logits; gathered the head (tied: and the embedding,
       gathered from its forward to its backward all along);
-    - the head's backward: the output layer's weight gradient instead of the logits, the last
-      layer prefetched; untied, that gradient beside its bucket (the head's own unit);
+    - the head's backward: the output layer's gradients instead of the logits, the last layer
+      prefetched; untied, its weight gradient beside its bucket (the head's own unit);
     - layer j's backward (from the top): the activations of layers 0..j, the working set,
       tied: the output layer's weight gradient, held for the embedding's; gathered layer j
       and the prefetched one below; the bucket accumulating beside the inputs of the
@@ -552,7 +563,7 @@ def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: flo
     gathered_head = pb * (head_unit + kept + (layer if n else 0))
     moments = [acts + head + head_transient_bytes(model, a) + pb * (head_unit + kept)
                + gb * sum(held),
-               acts + head + weight_grad + gathered_head + gb * sum(held)]
+               acts + head + head_backward_bytes(model, a) + gathered_head + gb * sum(held)]
     head_grads = buckets_bytes(units[0])
     moments.append(acts + (0 if tied else weight_grad) + gathered_head + head_grads)
     for j in reversed(range(n)):
@@ -648,12 +659,10 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     head_step = 0.0
     if holds_head:
         layer_step += head - head_activation_bytes(model, spec.act)
-        weight_grad = output_weight_grad_bytes(model, spec.act)
         if not model.untie_embeddings_and_output_weights and stage == 0:
-            layer_step += weight_grad
-        input_grad = (2 if spec.act.bf16 else 4) * spec.act.micro_batch * model.hidden_size \
-            * local_seq(model, spec.act)
-        head_step = head + max(head_transient_bytes(model, spec.act), weight_grad + input_grad)
+            layer_step += output_weight_grad_bytes(model, spec.act)
+        head_step = head + max(head_transient_bytes(model, spec.act),
+                               head_backward_bytes(model, spec.act))
     if spec.sharding == "optim_grads_params":
         peak = zero3_peak_bytes(model, spec, per_chunk, ids, head, layer_step)
     else:
