@@ -31,12 +31,15 @@ gradient (buffer, ZeRO-2/3 shard and buckets) 2 bytes (`grad_state_bytes`).
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
 18/d between steps, plus during the step the gathered units (bf16: running + prefetched,
-and a tied embedding all along) and the fp32 gradient buckets of the units in the backward
-(`zero3_step_bytes`), counted in the activation peak. The
-textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
+and a tied embedding all along) and the fp32 gradient buckets of the units in the backward,
+counted in the activation peak at the moments the schedule holds them (`zero3_peak_bytes`).
+The textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
 
 Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
-saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py).
+saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py). The peak
+is the fullest moment of the step (`stage_memory`): a layer's backward, the loss, the head's
+backward, the embedding's backward, each on top of the in-flight micro-batches' activations
+(checked against the meta-device dry run's allocations in tests/optim/test_zero3_*.py).
 """
 
 from __future__ import annotations
@@ -595,8 +598,9 @@ class MemoryEstimate:
     in_flight: int
     """Peak micro-batch chunks alive at once (see `in_flight`)."""
     activation_bytes: float
-    """Peak: in-flight chunks x per-chunk bytes + head + one layer's backward working set +
-    the group being recomputed + the loss's transient logits (last stage)."""
+    """Peak: in-flight chunks x per-chunk bytes + the fullest moment of the step: one layer's
+    backward working set and the group being recomputed, or on the last stage the head with
+    the loss's transient logits or the output layer's gradients (ZeRO-3: `zero3_peak_bytes`)."""
 
     @property
     def state_bytes(self) -> int:
