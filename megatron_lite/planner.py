@@ -31,12 +31,15 @@ gradient (buffer, ZeRO-2/3 shard and buckets) 2 bytes (`grad_state_bytes`).
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
 18/d between steps, plus during the step the gathered units (bf16: running + prefetched,
-and a tied embedding all along) and the fp32 gradient buckets of the units in the backward
-(`zero3_step_bytes`), counted in the activation peak. The
-textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
+and a tied embedding all along) and the fp32 gradient buckets of the units in the backward,
+counted in the activation peak at the moments the schedule holds them (`zero3_peak_bytes`).
+The textbook ZeRO stages (16 bytes/param, Rajbhandari et al. 2019) are `zero_state_bytes`.
 
 Activations: see `layer_activation_bytes` for the per-layer formula, derived from what autograd
-saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py).
+saves in our block (checked against `saved_tensors_hooks` in tests/test_planner.py). The peak
+is the fullest moment of the step (`stage_memory`): a layer's backward, the loss, the head's
+backward, the embedding's backward, each on top of the in-flight micro-batches' activations
+(checked against the meta-device dry run's allocations in tests/optim/test_zero3_*.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from megatron_lite.config import (
     Config,
     ConfigError,
     ModelConfig,
+    ParallelConfig,
     num_microbatches,
     pipeline_schedule,
 )
@@ -271,9 +275,6 @@ def largest_unit_params(model: ModelConfig, tp: int) -> int:
     return max(layer_params(model, tp), vocab + model.hidden_size)
 
 
-ZERO3_UNITS_IN_FLIGHT = 2
-"""ZeRO-3 holds the running unit and the prefetched next one gathered at once."""
-
 ZERO3_GRAD_BUCKETS = 3
 """ZeRO-3's full-size gradient buckets at once in the backward: the unit accumulating, and
 the inputs of the reduce-scatters in flight (optimizer.MAX_INFLIGHT_SCATTERS = 2)."""
@@ -289,27 +290,48 @@ def zero3_units(model: ModelConfig, tp: int) -> tuple[int, int, int]:
 
 
 def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
-    """ZeRO-3's gathered parameters at the peak (optim/zero3.py): two neighbouring units,
-    the running and the prefetched one; a tied embedding is read by the head, so it stays
-    gathered from its forward to its backward, and the head (kept gathered from its forward
-    into its backward) is beside it, under every pair of layers."""
+    """The most parameter bytes ZeRO-3 holds gathered at once (optim/zero3.py): the running
+    unit and the prefetched neighbour; a tied embedding is read by the head, so it stays
+    gathered from its forward to its backward, beside a layer and the head (the last
+    layer's forward with the head prefetched, the head's backward with the last layer
+    prefetched) or two layers."""
     emb, layer, head = zero3_units(model, tp)
-    n = model.num_layers
-    layers = min(n, ZERO3_UNITS_IN_FLIGHT) * layer
-    if not model.untie_embeddings_and_output_weights:
-        units = emb + head + layers
+    if not model.num_layers:
+        units = emb + head
+    elif not model.untie_embeddings_and_output_weights:
+        units = emb + layer + max(layer, head)
     else:
-        units = max(emb + layer, layers, layer + head) if n else emb + head
+        units = max(emb + layer, layer + max(layer, head))
     return units * STATE_BYTES[bf16][0]
 
 
-def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool, grad_bf16: bool = False) -> int:
-    """What ZeRO-3 holds on top of the activations during a step: the gathered units and
-    `ZERO3_GRAD_BUCKETS` gradient buckets (fp32, bf16 with --grad-reduce-in-bf16) of the
-    largest owned unit."""
-    grads = (ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp))
-             * grad_state_bytes(bf16, grad_bf16)[1])
-    return gathered_unit_bytes(model, tp, bf16) + grads
+def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int) -> list[list[int]]:
+    """Elements of ZeRO-3's gradient buckets per unit, in the order one micro-batch's
+    backward reduce-scatters them: the head, the layers from the top, the embedding.
+
+    As optim/buffers.build_layout cuts them: parameters in reverse order, a bucket closed
+    once it holds `bucket_size` elements and at a unit's end (alignment padding left out).
+    A tied output layer's gradient is the embedding's (its unit owns the weight).
+    """
+    emb, _, head = zero3_units(model, tp)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q, k = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
+    qk_norms = [model.head_dim] * 2 if model.qk_layernorm else []
+    qkv_bias = [(q + 2 * k) // tp] if model.add_qkv_bias else []
+    # down, gate|up, MLP norm, k and q norms, attention output, QKV bias, QKV, attention norm
+    layer = [f * h // tp, 2 * h * f // tp, h, *qk_norms, q * h // tp, *qkv_bias,
+             h * (q + 2 * k) // tp, h]
+
+    def cut(sizes: list[int]) -> list[int]:
+        buckets, n = [], 0
+        for size in sizes:
+            n += size
+            if n >= bucket_size:
+                buckets, n = [*buckets, n], 0
+        return buckets + ([n] if n else [])
+
+    head_params = [head - h, h] if model.untie_embeddings_and_output_weights else [h]
+    return [cut(head_params), *[cut(layer)] * model.num_layers, [emb]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,9 +459,38 @@ def head_transient_bytes(model: ModelConfig, a: ActivationSetup) -> float:
             // a.tp)
 
 
+def layer_backward_bytes(model: ModelConfig, a: ActivationSetup) -> float:
+    """What one layer's backward allocates beside the activations it saved, at its fullest:
+    the incoming gradient [s(/t), b, h] and, in the MLP's backward, two [s, b, f/t]-sized
+    tensors at once: the down projection's input gradient beside its weight gradient
+    [f/t, h], then SwiGLU's two input gradients (the saved ones go as they are used)."""
+    e = 2 if a.bf16 else 4
+    tokens = local_seq(model, a) * a.micro_batch
+    shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
+    h, f = model.hidden_size, model.ffn_hidden_size / a.tp
+    return e * (tokens * h / shard + tokens * f + max(tokens, h) * f)
+
+
+def output_weight_grad_bytes(model: ModelConfig, a: ActivationSetup) -> float:
+    """The output layer's weight gradient, [V/t, h] in the parameters' dtype, made in the
+    head's backward; tied to the embedding it waits there for the embedding's own."""
+    return (2 if a.bf16 else 4) * model.padded_vocab_size(a.tp) // a.tp * model.hidden_size
+
+
+def head_backward_bytes(model: ModelConfig, a: ActivationSetup) -> float:
+    """The head's backward beside its saved activations: the output layer's weight gradient
+    and its input gradient [s, b, h] (the logits gradient it reads is the saved one)."""
+    e = 2 if a.bf16 else 4
+    return (output_weight_grad_bytes(model, a)
+            + e * local_seq(model, a) * a.micro_batch * model.hidden_size)
+
+
 def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
                            rc: Recompute) -> tuple[float, float]:
-    """(saved bytes per micro-batch, transient peak while it is recomputed) for `layers` layers."""
+    """(saved bytes per micro-batch, what recomputation adds to them at its peak) for `layers`
+    layers. Uniform: the top group is rerun while every group's input is still kept. Block:
+    the first N layers are rerun one by one after the layers above them have freed at least
+    a layer's activations, so nothing is added unless all are checkpointed."""
     full = layer_activation_bytes(model, a)
     if rc.granularity == "selective":
         return layers * layer_activation_bytes(model, a, selective=True), 0.0
@@ -448,7 +499,7 @@ def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
     n = max(1, min(rc.num_layers, layers))
     kept = layer_input_bytes(model, a)
     if rc.method == "block":
-        return n * kept + (layers - n) * full, full
+        return n * kept + (layers - n) * full, full if n == layers else 0.0
     return math.ceil(layers / n) * kept, n * full
 
 
@@ -472,6 +523,62 @@ def in_flight(pp: int, stage: int, chunks: int, microbatches: int,
     return min(microbatches * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)
 
 
+def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: float,
+                     head: float, layer_step: float) -> float:
+    """ZeRO-3's activation peak (pp = 1, one micro-batch in flight): the fullest moment of a
+    micro-batch's step, each with what optim/zero3.py keeps gathered and optimizer.py's
+    gradient buckets hold then. `saved`: the layers' activations, `head`: the head's,
+    `layer_step`: a layer's backward working set (`stage_memory`).
+
+    - the loss: every activation and the logits; gathered the head (tied: and the embedding,
+      gathered from its forward to its backward all along);
+    - the head's backward: the output layer's gradients instead of the logits, the last layer
+      prefetched; untied, its weight gradient beside its bucket (the head's own unit);
+    - layer j's backward (from the top): the activations of layers 0..j, the working set,
+      tied: the output layer's weight gradient, held for the embedding's; gathered layer j
+      and the prefetched one below; the bucket accumulating beside the inputs of the
+      reduce-scatters still in flight (ZERO3_GRAD_BUCKETS - 1, the newest);
+    - the embedding's backward: its weight gradient (tied: beside the output layer's and
+      their sum), then its bucket.
+
+    With several micro-batches the previous one's last reduce-scatters still hold their
+    inputs when the next begins. Recomputation changes only `saved` and `layer_step`.
+    """
+    a = spec.act
+    pb, gb, _ = grad_state_bytes(a.bf16, spec.grad_bf16)
+    emb, layer, head_unit = zero3_units(model, spec.tp)
+    tied, n = not model.untie_embeddings_and_output_weights, model.num_layers
+    kept = emb if tied else 0
+    weight_grad = output_weight_grad_bytes(model, a)
+    units = zero3_grad_buckets(model, spec.tp, spec.bucket_size)
+    flying = ZERO3_GRAD_BUCKETS - 1
+    held = [b for unit in units for b in unit][-flying:] if spec.microbatches > 1 else []
+
+    def buckets_bytes(buckets: list[int]) -> float:
+        """The most gradient bytes while `buckets` accumulate and are reduce-scattered."""
+        most = 0
+        for size in buckets:
+            most = max(most, size + sum(held[-flying:]))
+            held.append(size)
+        return gb * most
+
+    acts = saved + ids
+    gathered_head = pb * (head_unit + kept + (layer if n else 0))
+    moments = [acts + head + head_transient_bytes(model, a) + pb * (head_unit + kept)
+               + gb * sum(held),
+               acts + head + head_backward_bytes(model, a) + gathered_head + gb * sum(held)]
+    head_grads = buckets_bytes(units[0])
+    moments.append(acts + (0 if tied else weight_grad) + gathered_head + head_grads)
+    for j in reversed(range(n)):
+        below = layer if j else (0 if tied else emb)
+        moments.append(ids + saved * (j + 1) / n + layer_step
+                       + pb * (kept + layer + below) + buckets_bytes(units[n - j]))
+    before = gb * sum(held[-flying:])
+    sums = 3 * weight_grad if tied else weight_grad
+    moments.append(ids + pb * emb + max(sums + before, weight_grad + buckets_bytes(units[-1])))
+    return max(moments)
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-rank memory
 
@@ -491,8 +598,9 @@ class MemoryEstimate:
     in_flight: int
     """Peak micro-batch chunks alive at once (see `in_flight`)."""
     activation_bytes: float
-    """Peak: in-flight chunks x per-chunk bytes + head + one layer's backward working set +
-    the group being recomputed + the loss's transient logits (last stage)."""
+    """Peak: in-flight chunks x per-chunk bytes + the fullest moment of the step: one layer's
+    backward working set and the group being recomputed, or on the last stage the head with
+    the loss's transient logits or the output layer's gradients (ZeRO-3: `zero3_peak_bytes`)."""
 
     @property
     def state_bytes(self) -> int:
@@ -524,6 +632,8 @@ class StageSpec:
     """--sharded-grad-accumulation full-buffer (ZeRO-2 only)."""
     grad_bf16: bool = False
     """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
+    bucket_size: int = ParallelConfig.ddp_bucket_size
+    """--ddp-bucket-size (ZeRO-3's gradient buckets in flight)."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -544,12 +654,28 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     id_bytes = 8 + (spec.tp > 1)
     ids = id_bytes * local_seq(model, spec.act) * spec.act.micro_batch if stage == 0 else 0
     flying = in_flight(spec.pp, stage, spec.chunks, spec.microbatches, spec.schedule)
-    working = layer_activation_bytes(model, spec.act) + recompute_peak
+    # The peak is the fullest of the step's moments, each on top of the in-flight chunks'
+    # activations: a layer's backward (the other zero-bubble heads waiting for their W), or,
+    # on the head's stage, the loss (the logits) and the head's backward (the output layer's
+    # weight gradient). A tied output layer on the embedding's stage keeps that gradient
+    # through the layers' backward, until the embedding's own is added to it.
+    layer_step = layer_backward_bytes(model, spec.act) + recompute_peak
+    head_step = 0.0
     if holds_head:
-        working += head_transient_bytes(model, spec.act)
+        layer_step += head - head_activation_bytes(model, spec.act)
+        if not model.untie_embeddings_and_output_weights and stage == 0:
+            layer_step += output_weight_grad_bytes(model, spec.act)
+        head_step = head + max(head_transient_bytes(model, spec.act),
+                               head_backward_bytes(model, spec.act))
     if spec.sharding == "optim_grads_params":
-        working += zero3_step_bytes(model, spec.tp, spec.act.bf16, spec.grad_bf16)
-    peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
+        peak = zero3_peak_bytes(model, spec, per_chunk, ids, head, layer_step)
+    else:
+        others = (flying - 1) * per_chunk + ids * min(flying, spec.microbatches)
+        peak = others + per_chunk + max(layer_step, head_step)
+        if stage == 0:  # the embedding's backward: its weight gradient (tied: + the head's, sum)
+            tied = holds_head and not model.untie_embeddings_and_output_weights
+            peak = max(peak, others + (3 if tied else 1) * output_weight_grad_bytes(
+                model, spec.act))
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)
 
@@ -589,7 +715,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
                      parallel.sharded_grad_accumulation == "full-buffer",
-                     parallel.grad_reduce_in_bf16)
+                     parallel.grad_reduce_in_bf16,
+                     parallel.ddp_bucket_size)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]

@@ -226,8 +226,9 @@ def test_estimate_memory_follows_the_config_layout():
 
 def test_zero3_holds_18_over_d_plus_gathered_units():
     """Between steps 2 + 4 + 12 bytes over d; during the step, on top of the activations,
-    the gathered units in bf16 (tied: the embedding and the head's norm beside two layers)
-    and three fp32 gradient buckets of the largest unit (tests/optim/test_zero3_memory.py)."""
+    the gathered units in bf16 (tied: at least the embedding and the head's norm) and fp32
+    gradient buckets, counted at the step's moments: less than all of them at once
+    (tests/optim/test_zero3_memory.py, test_zero3_peak_moments.py)."""
     model = _tiny(num_layers=8)
 
     def estimate(sharding: str):
@@ -243,8 +244,8 @@ def test_zero3_holds_18_over_d_plus_gathered_units():
     assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (
         2 * owned, 4 * owned, 12 * owned)
     vocab, layer = model.padded_vocab_size(2) * 64 // 2, layer_params(model, 2)
-    assert est.activation_bytes - zero2.activation_bytes == (
-        2 * (vocab + 64 + 2 * layer) + 3 * 4 * max(vocab, layer))
+    zero3_more = est.activation_bytes - zero2.activation_bytes
+    assert 2 * (vocab + 64) <= zero3_more < 2 * (vocab + 64 + 2 * layer) + 3 * 4 * max(vocab, layer)
 
 
 def test_8b_on_256_gpus_sharding_arithmetic():
