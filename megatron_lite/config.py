@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_lite.errors import UserError
@@ -399,6 +401,67 @@ def iterations_for_samples(train: TrainConfig, samples: int) -> int:
     return iterations + max(0, samples - consumed) // gbs
 
 
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's `--split`: up to three non-negative train,valid,test weights, normalized to
+    sum to 1 ("99,1,0", "99 1 0", "99/1/0" and "0.98,0.02" alike; missing ones are 0).
+
+    Megatron takes every run of digits and dots as a number, so "-1" or "1e-3" would silently
+    read as other weights there; here any sign, exponent or letter is an error instead.
+    """
+    numbers = re.findall(r"[0-9.]+", split)
+    leftover = re.sub(r"[0-9.]+", "", split)
+    problem = None
+    if re.search(r"[A-Za-z+\-]", leftover):
+        problem = "only digits, dots and separators are allowed (no sign, exponent or word)"
+    elif not numbers or len(numbers) > 3:
+        problem = f"expected 1 to 3 weights, found {len(numbers)}"
+    else:
+        try:
+            weights = [float(x) for x in numbers]
+        except ValueError:
+            weights = []
+            problem = f"{' '.join(numbers)} are not all numbers"
+        if weights and sum(weights) <= 0:
+            problem = "the weights sum to 0"
+    if problem:
+        raise ConfigError(f"--split {split!r}: {problem}; give train,valid,test proportions "
+                          "like 969,30,1 or 99,1,0")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    train, valid, test = (w / total for w in weights)
+    return train, valid, test
+
+
+def parse_blend(paths: Sequence[str], flag: str = "--data-path"
+                ) -> list[tuple[float | None, str]]:
+    """Megatron's blend syntax: `A` or `A B C` (unweighted: weight None, each source then
+    counts as many samples as it has, see data.dataset) or `0.3 A 0.7 B` (weight, path pairs;
+    weights need not sum to 1). An even-length list whose every other entry is a number is
+    weighted; one where none is, unweighted; a mix is an error."""
+    if not paths:
+        return []
+    pairs = [(paths[i], paths[i + 1]) for i in range(0, len(paths) - 1, 2)]
+    numeric = [_is_number(w) for w, _ in pairs] if len(paths) % 2 == 0 else [False]
+    if not any(numeric):
+        return [(None, p) for p in paths]
+    if not all(numeric) or any(_is_number(p) for _, p in pairs):
+        raise ConfigError(f"{flag} {' '.join(paths)}: give paths (`{flag} A B`, weighted by "
+                          f"their sizes) or weight/path pairs (`{flag} 0.3 A 0.7 B`), not a mix")
+    weighted = [(float(w), p) for w, p in pairs]
+    if any(w < 0 or not math.isfinite(w) for w, _ in weighted) or not sum(w for w, _ in weighted):
+        raise ConfigError(f"{flag} {' '.join(paths)}: weights must be non-negative and not "
+                          "all 0")
+    return weighted
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass
 class DataConfig:
     """Where samples come from."""
@@ -472,6 +535,13 @@ class DataConfig:
                               "are two ways to give the data; pass one of them")
         if (self.valid_data_path or self.test_data_path) and not self.train_data_path:
             raise ConfigError("--valid-data-path / --test-data-path need --train-data-path")
+        if self.data_path:
+            parse_split(self.split)
+        for flag, paths in (("--data-path", self.data_path),
+                            ("--train-data-path", self.train_data_path),
+                            ("--valid-data-path", self.valid_data_path),
+                            ("--test-data-path", self.test_data_path)):
+            parse_blend(paths, flag)
 
     def all_paths(self) -> list[list[str]]:
         """Every blend given (--data-path, or the per-split ones)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_lite.config import Config, ConfigError, ModelConfig, global_batch_at
-from megatron_lite.data.dataset import Prep, build_datasets, parse_blend
+from megatron_lite.config import Config, ConfigError, ModelConfig, global_batch_at, parse_blend
+from megatron_lite.data.dataset import Prep, build_datasets
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader, SequenceLayout
 from megatron_lite.data.mock import MockDataset
