@@ -288,6 +288,11 @@ class TrainConfig:
     """Seed for weights, data order and mock data."""
     bf16: bool = False
     """bf16 weights and activations with fp32 master weights and fp32 gradient reduction."""
+    calculate_per_token_loss: bool = False
+    """Train on the mean over every valid token of the global batch. Without it, Megatron's
+    default: each micro-batch's loss is averaged over its own valid tokens, then over the
+    micro-batches of all DP ranks (the same unless --eod-mask-loss leaves micro-batches with
+    different token counts). The logged loss is the token mean either way, as Megatron's."""
     fp64: bool = False
     """float64 weights, activations, gradients, reductions and optimizer state (torch
     reference kernels): exact math, so a layout can be checked against one process far below
@@ -517,7 +522,12 @@ class DataConfig:
     reset_position_ids: bool = False
     """Positions (RoPE) restart at 0 after each end-of-document token of a packed sample."""
     reset_attention_mask: bool = False
-    """Tokens attend only within their own document of a packed sample (EOD ends one)."""
+    """Tokens attend only within their own document of a packed sample (EOD ends one); as in
+    Megatron, only with the dataloader's attention mask (see the next flag)."""
+    create_attention_mask_in_dataloader: bool = True
+    """Megatron's switch for the dataloader's attention mask: --no-create-attention-mask-in-
+    dataloader leaves attention plainly causal, so --reset-attention-mask then has no effect
+    (no [s, s] mask is ever built here; documents are kept apart inside attention)."""
     verify_checksums: bool = False
     """Before training, compare every shard this rank reads with its manifest sha256 (reads all)."""
 
