@@ -474,9 +474,11 @@ class DataConfig:
     mock_data: bool = False
     """Synthetic learnable token sequences, a deterministic function of --seed and sample index."""
     data_path: list[str] = field(default_factory=list)
-    """Shard prefixes or manifests, optionally weighted: `0.7 pathA 0.3 pathB`."""
+    """Shard prefixes or manifests: `pathA pathB` (weighted by their samples, as Megatron) or
+    weight/path pairs `0.7 pathA 0.3 pathB`."""
     split: str = "969,30,1"
-    """Train,valid,test proportions of the documents."""
+    """Train,valid,test proportions of the documents, in Megatron's spellings (99,1,0 or
+    "99 1 0" or 99/1/0; missing parts are 0)."""
     tokenizer_model: str | None = None
     """The tokenizer file: a sentencepiece .model, a Hugging Face tokenizer.json or its directory
     (HuggingFaceTokenizer) or Megatron's tiktoken .json (TikTokenizer); sets vocab size and EOD."""

@@ -129,6 +129,11 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
                                 cp_rank=pstate.cp_rank)
         startup.seconds.update(coordinator.prep.seconds)
         train_loader, valid_loader = loaders.train, loaders.valid
+        if valid_loader is None and cfg.train.eval_iters > 0 and pstate.rank == 0:
+            print(f"warning: no validation data (no --valid-data-path, or --split "
+                  f"{cfg.data.split}'s validation part holds less than one sample of "
+                  f"--seq-length {cfg.model.seq_length}): --eval-iters {cfg.train.eval_iters} "
+                  "evaluates nothing", flush=True)
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
         with startup.timed("checkpoint load"):
             checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
