@@ -547,13 +547,6 @@ class DataConfig:
                               "are two ways to give the data; pass one of them")
         if (self.valid_data_path or self.test_data_path) and not self.train_data_path:
             raise ConfigError("--valid-data-path / --test-data-path need --train-data-path")
-        if self.data_path:
-            parse_split(self.split)
-        for flag, paths in (("--data-path", self.data_path),
-                            ("--train-data-path", self.train_data_path),
-                            ("--valid-data-path", self.valid_data_path),
-                            ("--test-data-path", self.test_data_path)):
-            parse_blend(paths, flag)
 
     def all_paths(self) -> list[list[str]]:
         """Every blend given (--data-path, or the per-split ones)."""
