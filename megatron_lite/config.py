@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_lite.errors import UserError
@@ -286,6 +288,11 @@ class TrainConfig:
     """Seed for weights, data order and mock data."""
     bf16: bool = False
     """bf16 weights and activations with fp32 master weights and fp32 gradient reduction."""
+    calculate_per_token_loss: bool = False
+    """Train on the mean over every valid token of the global batch. Without it, Megatron's
+    default: each micro-batch's loss is averaged over its own valid tokens, then over the
+    micro-batches of all DP ranks (the same unless --eod-mask-loss leaves micro-batches with
+    different token counts). The logged loss is the token mean either way, as Megatron's."""
     fp64: bool = False
     """float64 weights, activations, gradients, reductions and optimizer state (torch
     reference kernels): exact math, so a layout can be checked against one process far below
@@ -399,6 +406,67 @@ def iterations_for_samples(train: TrainConfig, samples: int) -> int:
     return iterations + max(0, samples - consumed) // gbs
 
 
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's `--split`: up to three non-negative train,valid,test weights, normalized to
+    sum to 1 ("99,1,0", "99 1 0", "99/1/0" and "0.98,0.02" alike; missing ones are 0).
+
+    Megatron takes every run of digits and dots as a number, so "-1" or "1e-3" would silently
+    read as other weights there; here any sign, exponent or letter is an error instead.
+    """
+    numbers = re.findall(r"[0-9.]+", split)
+    leftover = re.sub(r"[0-9.]+", "", split)
+    problem = None
+    if re.search(r"[A-Za-z+\-]", leftover):
+        problem = "only digits, dots and separators are allowed (no sign, exponent or word)"
+    elif not numbers or len(numbers) > 3:
+        problem = f"expected 1 to 3 weights, found {len(numbers)}"
+    else:
+        try:
+            weights = [float(x) for x in numbers]
+        except ValueError:
+            weights = []
+            problem = f"{' '.join(numbers)} are not all numbers"
+        if weights and sum(weights) <= 0:
+            problem = "the weights sum to 0"
+    if problem:
+        raise ConfigError(f"--split {split!r}: {problem}; give train,valid,test proportions "
+                          "like 969,30,1 or 99,1,0")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    train, valid, test = (w / total for w in weights)
+    return train, valid, test
+
+
+def parse_blend(paths: Sequence[str], flag: str = "--data-path"
+                ) -> list[tuple[float | None, str]]:
+    """Megatron's blend syntax: `A` or `A B C` (unweighted: weight None, each source then
+    counts as many samples as it has, see data.dataset) or `0.3 A 0.7 B` (weight, path pairs;
+    weights need not sum to 1). An even-length list whose every other entry is a number is
+    weighted; one where none is, unweighted; a mix is an error."""
+    if not paths:
+        return []
+    pairs = [(paths[i], paths[i + 1]) for i in range(0, len(paths) - 1, 2)]
+    numeric = [_is_number(w) for w, _ in pairs] if len(paths) % 2 == 0 else [False]
+    if not any(numeric):
+        return [(None, p) for p in paths]
+    if not all(numeric) or any(_is_number(p) for _, p in pairs):
+        raise ConfigError(f"{flag} {' '.join(paths)}: give paths (`{flag} A B`, weighted by "
+                          f"their sizes) or weight/path pairs (`{flag} 0.3 A 0.7 B`), not a mix")
+    weighted = [(float(w), p) for w, p in pairs]
+    if any(w < 0 or not math.isfinite(w) for w, _ in weighted) or not sum(w for w, _ in weighted):
+        raise ConfigError(f"{flag} {' '.join(paths)}: weights must be non-negative and not "
+                          "all 0")
+    return weighted
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass
 class DataConfig:
     """Where samples come from."""
@@ -406,9 +474,11 @@ class DataConfig:
     mock_data: bool = False
     """Synthetic learnable token sequences, a deterministic function of --seed and sample index."""
     data_path: list[str] = field(default_factory=list)
-    """Shard prefixes or manifests, optionally weighted: `0.7 pathA 0.3 pathB`."""
+    """Shard prefixes or manifests: `pathA pathB` (weighted by their samples, as Megatron) or
+    weight/path pairs `0.7 pathA 0.3 pathB`."""
     split: str = "969,30,1"
-    """Train,valid,test proportions of the documents."""
+    """Train,valid,test proportions of the documents, in Megatron's spellings (99,1,0 or
+    "99 1 0" or 99/1/0; missing parts are 0)."""
     tokenizer_model: str | None = None
     """The tokenizer file: a sentencepiece .model, a Hugging Face tokenizer.json or its directory
     (HuggingFaceTokenizer) or Megatron's tiktoken .json (TikTokenizer); sets vocab size and EOD."""
@@ -454,7 +524,12 @@ class DataConfig:
     reset_position_ids: bool = False
     """Positions (RoPE) restart at 0 after each end-of-document token of a packed sample."""
     reset_attention_mask: bool = False
-    """Tokens attend only within their own document of a packed sample (EOD ends one)."""
+    """Tokens attend only within their own document of a packed sample (EOD ends one); as in
+    Megatron, only with the dataloader's attention mask (see the next flag)."""
+    create_attention_mask_in_dataloader: bool = True
+    """Megatron's switch for the dataloader's attention mask: --no-create-attention-mask-in-
+    dataloader leaves attention plainly causal, so --reset-attention-mask then has no effect
+    (no [s, s] mask is ever built here; documents are kept apart inside attention)."""
     verify_checksums: bool = False
     """Before training, compare every shard this rank reads with its manifest sha256 (reads all)."""
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from megatron_lite.config import Config, num_microbatches, pipeline_schedule, va
 from megatron_lite.data.builder import (
     Coordinator,
     build_loaders,
+    data_notes,
     planned_samples,
     resolve_tokenizer,
     samples_per_epoch_of,
@@ -129,6 +129,11 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
                                 cp_rank=pstate.cp_rank)
         startup.seconds.update(coordinator.prep.seconds)
         train_loader, valid_loader = loaders.train, loaders.valid
+        if valid_loader is None and cfg.train.eval_iters > 0 and pstate.rank == 0:
+            print(f"warning: no validation data (no --valid-data-path, or --split "
+                  f"{cfg.data.split}'s validation part holds less than one sample of "
+                  f"--seq-length {cfg.model.seq_length}): --eval-iters {cfg.train.eval_iters} "
+                  "evaluates nothing", flush=True)
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
         with startup.timed("checkpoint load"):
             checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
@@ -196,8 +201,9 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             _phase_done(trainer, "log")
         if _evaluation_due(cfg, iteration) and trainer.valid_loader is not None:
             guard.phase("evaluation")
-            result.eval_losses.append(evaluate(cfg, trainer.runner, trainer.valid_loader,
-                                               trainer.pstate))
+            result.eval_losses.append(evaluate(
+                cfg, trainer.runner, trainer.valid_loader, trainer.pstate,
+                eval_start(cfg, iteration, trainer.valid_loader.global_batch_size)))
             trainer.logger.log_eval(iteration, result.eval_losses[-1])
             trainer.hooks.after_evaluation()
             _pop_comm_wait(trainer)  # evaluation's pipeline waits are not the next step's
@@ -256,9 +262,9 @@ def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoade
     samples = loader.current_global_batch_size
     batches = loader.next_step()
     with optimizer.wait_clock:  # the first collective after the data: it waits for the slowest
-        num_tokens = global_token_count(batches, pstate)
+        norm = loss_normalization(batches, pstate, runner.per_token_loss)
     optimizer.zero_grad(len(batches))
-    local = runner(batches, num_tokens)
+    local = runner(batches, norm)
     if guard is not None:
         local = guard.check_loss(local)
     optimizer.finalize_grads()
@@ -283,6 +289,7 @@ class StepRunner:
         self.pstate, self.chunks = pstate, chunks
         # the head's loss dtype, so that stages without it all-reduce a zero of the same dtype
         self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
+        self.per_token_loss = cfg.train.calculate_per_token_loss
         self.kind = pipeline_schedule(cfg.parallel)
         # zero-bubble timelines are built for the layers' F, B and W FLOP ratios
         self.op_costs = pipeline_op_costs(cfg.model, pstate.tp_size)
@@ -297,10 +304,14 @@ class StepRunner:
                                    cfg.parallel.sequence_parallel)
             self.comm = StageComm(pstate, shape, model_dtype(cfg), v_shape=self.kind == "zbv")
 
-    def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor, *,
-                 backward: bool = True) -> Tensor:
-        """Sum over micro-batches of sum(token losses) / num_tokens on the stage holding the
-        head (the last; the first under ZBV), else 0."""
+    def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor | MicroBatchMeans,
+                 *, backward: bool = True) -> Tensor:
+        """This rank's part of the step loss on the stage holding the head (the last; the
+        first under ZBV), else 0: the sum over micro-batches of sum(token losses) divided by
+        `num_tokens` (the global valid-token count, --calculate-per-token-loss) or by each
+        micro-batch's own divisor (`MicroBatchMeans`, Megatron's default). Either way the value
+        returned sums, over all ranks, to the global token-mean loss (what is logged); the
+        gradients are those of the loss as normalized."""
         key = (len(batches), not backward)
         if key not in self._schedules:
             self._schedules[key] = stage_schedule(self.pstate.pp_size, self.pstate.pp_rank,
@@ -308,31 +319,71 @@ class StepRunner:
                                                   forward_only=not backward, kind=self.kind,
                                                   costs=self.op_costs)
         device = self.pstate.device
+        means = num_tokens if isinstance(num_tokens, MicroBatchMeans) else None
+        divisors = (means.divisors.unbind() if means is not None
+                    else [num_tokens] * len(batches))
+        microbatches = [{**_to_device(b, self.pstate), "loss_divisor": d}
+                        for b, d in zip(batches, divisors, strict=True)]
         if backward:
             self.timer.start()
         losses = engine.forward_backward(
-            self.chunks, self._schedules[key], [_to_device(b, self.pstate) for b in batches],
-            self.comm, partial(token_mean_loss, num_tokens=num_tokens),
+            self.chunks, self._schedules[key], microbatches, self.comm, token_mean_loss,
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
-        return (torch.stack(losses).sum() if losses
-                else torch.zeros((), dtype=self.loss_dtype, device=device))
+        if not losses:
+            return torch.zeros((), dtype=self.loss_dtype, device=device)
+        if means is None:
+            return torch.stack(losses).sum()
+        # back to token sums: the logged loss is the token mean in both modes (as Megatron's)
+        return (torch.stack(losses) * means.divisors).sum() / means.tokens
 
 
-def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor], num_tokens: Tensor
-                    ) -> Tensor:
+def token_mean_loss(token_losses: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
     """One micro-batch's share of the step loss: its masked token losses summed, divided by
-    `num_tokens`, the valid-token count of the whole global batch (every micro-batch on every
-    DP rank, `global_token_count`).
+    its "loss_divisor" (`loss_normalization`).
 
-    Why every layout gives the same loss and gradients: the step loss is then a plain sum of
-    per-token terms over the global batch. Gradient accumulation adds micro-batches, the DP
-    reduction adds ranks (a sum, not a mean), TP and PP only split where each term is computed,
-    so any TP x PP x DP x accumulation regrouping sums the same terms. Dividing by a local
-    count instead would weight tokens by how many share their micro-batch.
+    Why every layout gives the same loss and gradients: with --calculate-per-token-loss the
+    divisor is the valid-token count of the whole global batch, so the step loss is a plain
+    sum of per-token terms over it. Gradient accumulation adds micro-batches, the DP reduction
+    adds ranks (a sum, not a mean), TP and PP only split where each term is computed, so any
+    TP x PP x DP x accumulation regrouping sums the same terms. Megatron's default divides by
+    the micro-batch's own count (over its CP ranks) times the micro-batches of all DP ranks:
+    still a sum of per-token terms, now weighted per micro-batch, and the same for any layout
+    that forms the same micro-batches.
     """
-    return (token_losses * batch["loss_mask"]).sum() / num_tokens
+    return (token_losses * batch["loss_mask"]).sum() / batch["loss_divisor"]
+
+
+@dataclass(frozen=True)
+class MicroBatchMeans:
+    """Megatron's default loss normalization (no --calculate-per-token-loss), per step."""
+
+    divisors: Tensor
+    """[micro-batches] on the device: each micro-batch's valid tokens (summed over its CP
+    ranks, at least 1, as Megatron clamps an all-masked one) times the micro-batches of the
+    global batch, so the step loss is the mean over micro-batches of their token means."""
+    tokens: Tensor
+    """Valid tokens of the whole global batch (`global_token_count`), for the logged loss."""
+
+
+def loss_normalization(batches: list[dict[str, Tensor]], pstate: ParallelState,
+                       per_token_loss: bool) -> Tensor | MicroBatchMeans:
+    """What the step's micro-batch losses are divided by: the global valid-token count
+    (--calculate-per-token-loss), else each micro-batch's own (`MicroBatchMeans`).
+
+    Megatron divides by a CP rank's own chunk count, so there a CP rank whose chunk has more
+    masked tokens weighs its tokens more; here the count is the micro-batch's over its CP
+    ranks, so CP does not change the loss (identical to Megatron's without CP, and with CP
+    whenever the chunks hold as many valid tokens, e.g. without --eod-mask-loss)."""
+    tokens = global_token_count(batches, pstate)
+    if per_token_loss:
+        return tokens
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).to(pstate.device,
+                                                                    torch.float32)
+    if pstate.cp_size > 1:
+        counts = comms.all_reduce_(counts, pstate.cp_group)
+    return MicroBatchMeans(counts.clamp(min=1) * (len(batches) * pstate.dp_size), tokens)
 
 
 def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) -> Tensor:
@@ -476,21 +527,33 @@ def _roll_back(checkpointer: Checkpointer, guard: Guard, iteration: int,
 
 @torch.no_grad()
 def evaluate(cfg: Config, runner: StepRunner, loader: MicroBatchLoader,
-             pstate: ParallelState) -> float:
-    """Mean token loss over --eval-iters global batches of the validation split."""
+             pstate: ParallelState, start: int = 0) -> float:
+    """Token-mean loss over the --eval-iters global batches starting at sample `start` (all
+    valid tokens of them together, as Megatron's evaluation sums them); see `eval_start`."""
     chunks = runner.chunks
     for chunk in chunks:
         chunk.eval()
-    loader.consumed_samples = 0  # the same held-out samples at every evaluation
-    total = 0.0
+    loader.consumed_samples = start
+    token_loss, tokens = 0.0, torch.zeros((), device=pstate.device)
     for _ in range(cfg.train.eval_iters):
         batches = loader.next_step()
         num_tokens = global_token_count(batches, pstate)
         local = runner(batches, num_tokens, backward=False)
-        total += reduce_loss(local, pstate)
+        token_loss += reduce_loss(local * num_tokens, pstate)
+        tokens += num_tokens
     for chunk in chunks:
         chunk.train()
-    return total / cfg.train.eval_iters
+    return token_loss / max(1.0, comms.host_scalar(tokens))
+
+
+def eval_start(cfg: Config, iteration: int, global_batch_size: int) -> int:
+    """First validation sample of the evaluation after `iteration`: Megatron's validation
+    iterator moves on by --eval-iters global batches per evaluation (never back to the
+    start), so evaluation k (from 0) reads batches k*E .. k*E+E-1. A function of the
+    iteration, so a resumed run reads what the uninterrupted one would have."""
+    t = cfg.train
+    done_before = iteration // t.eval_interval - (iteration % t.eval_interval == 0)
+    return done_before * t.eval_iters * global_batch_size
 
 
 def model_dtype(cfg: Config) -> torch.dtype:
@@ -657,6 +720,8 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
           f"\nprovenance: git {git_commit()}, torch {torch.__version__}, triton "
           f"{triton_version}, python {platform.python_version()}, device {device}\n"
           f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})", flush=True)
+    for note in data_notes(cfg):
+        print(f"note: {note}", flush=True)
 
 
 def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],

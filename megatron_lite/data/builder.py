@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_lite.config import Config, ConfigError, ModelConfig, global_batch_at
-from megatron_lite.data.dataset import Prep, build_datasets, parse_blend
+from megatron_lite.config import Config, ConfigError, ModelConfig, global_batch_at, parse_blend
+from megatron_lite.data.dataset import Prep, build_datasets
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader, SequenceLayout
 from megatron_lite.data.mock import MockDataset
@@ -144,8 +144,9 @@ def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int,
                    coordinator: Coordinator | None = None, *, train_only: bool = False) -> list:
     d, t = cfg.data, cfg.train
     node_local = (dp_rank, dp_size) if d.data_sharding == "node-local" else None
-    eval_samples = t.eval_iters * gbs if t.eval_iters > 0 and not train_only else 0
-    needed = [t.train_iters * gbs, eval_samples, eval_samples]
+    evaluating = t.eval_iters > 0 and not train_only
+    needed = [t.train_iters * gbs, validation_samples(cfg, gbs) if evaluating else 0,
+              t.eval_iters * gbs if evaluating else 0]
     if node_local:
         needed = [n // dp_size for n in needed]
 
@@ -179,6 +180,14 @@ def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int,
     return datasets
 
 
+def validation_samples(cfg: Config, global_batch_size: int) -> int:
+    """Megatron's validation set size: --eval-iters global batches for each of the
+    (--train-iters // --eval-interval + 1) evaluations, each reading the next ones
+    (training.eval_start); the test set is one evaluation's."""
+    t = cfg.train
+    return (t.train_iters // t.eval_interval + 1) * t.eval_iters * global_batch_size
+
+
 def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:
     from megatron_lite.data.format import shards_for_dp_rank
 
@@ -189,6 +198,33 @@ def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:
         m = load_manifest(manifest_path)
         m.verify_checksums(shards_for_dp_rank(len(m.shards), *node_local) if node_local
                            else None)
+
+
+def separate_documents(cfg: Config) -> bool:
+    """Whether attention stops at end-of-document tokens: Megatron's --reset-attention-mask
+    acts through the dataloader's attention mask, so not with
+    --no-create-attention-mask-in-dataloader."""
+    return cfg.data.reset_attention_mask and cfg.data.create_attention_mask_in_dataloader
+
+
+def data_notes(cfg: Config) -> list[str]:
+    """Start-up lines for data/loss flag combinations that do what Megatron does but a user
+    may not expect (rank 0 prints them; the dry run too)."""
+    d, notes = cfg.data, []
+    if d.reset_attention_mask and not d.create_attention_mask_in_dataloader:
+        notes.append("--reset-attention-mask has no effect with --no-create-attention-mask-in-"
+                     "dataloader (as in Megatron, where it edits the dataloader's mask): "
+                     "attention is plainly causal across the documents of a sample")
+    if d.reset_position_ids and not separate_documents(cfg):
+        notes.append("--reset-position-ids without --reset-attention-mask: positions restart "
+                     "after each end-of-document token, but tokens still attend to the "
+                     "earlier documents of their sample")
+    if d.eod_mask_loss and not cfg.train.calculate_per_token_loss:
+        notes.append("--eod-mask-loss without --calculate-per-token-loss: each micro-batch's "
+                     "loss is averaged over its own valid tokens (Megatron's default), so a "
+                     "token of a micro-batch with more end-of-document tokens weighs more; "
+                     "add --calculate-per-token-loss for the mean over every token")
+    return notes
 
 
 @dataclass
@@ -215,11 +251,11 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
     train_cfg, model_cfg, d = cfg.train, cfg.model, cfg.data
     gbs = train_cfg.global_batch_size or train_cfg.micro_batch_size * dp_size
     layout = SequenceLayout(cp_rank, cfg.parallel.context_parallel_size,
-                            d.reset_position_ids, d.reset_attention_mask)
+                            d.reset_position_ids, separate_documents(cfg))
     common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
                   dp_rank=dp_rank, dp_size=dp_size, layout=layout)
     ramp = partial(global_batch_at, train_cfg) if train_cfg.rampup_batch_size else None
-    documents = d.reset_position_ids or d.reset_attention_mask
+    documents = layout.reset_position_ids or layout.reset_attention_mask
     if cfg.data.mock_data and documents:
         raise ConfigError("--reset-position-ids / --reset-attention-mask split samples at "
                           "end-of-document tokens, which --mock-data has none of; use "

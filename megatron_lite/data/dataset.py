@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_lite.config import parse_blend, parse_split
 from megatron_lite.data.format import (
     IndexedShard,
     Manifest,
@@ -64,17 +65,13 @@ class Corpus:
 
 
 def split_ranges(split: str, num_docs: int) -> list[tuple[int, int]]:
-    """Megatron's `--split 969,30,1`: contiguous document ranges for train/valid/test."""
-    try:
-        weights = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        weights = []
-    if not weights or len(weights) > 3 or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative weights like "
-                         "969,30,1 (train,valid,test)")
-    weights += [0.0] * (3 - len(weights))
-    bounds = np.round(np.cumsum([0.0, *weights]) / sum(weights) * num_docs).astype(int)
-    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+    """Megatron's `--split 969,30,1`: contiguous document ranges for train/valid/test, with its
+    arithmetic (normalized weights summed in order, each bound rounded to a document)."""
+    bounds = [0.0]
+    for weight in parse_split(split):
+        bounds.append(bounds[-1] + weight)
+    ends = [round(b * float(num_docs)) for b in bounds]
+    return [(ends[i], ends[i + 1]) for i in range(3)]
 
 
 @dataclass
@@ -132,20 +129,6 @@ class BlendedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
-
-
-def parse_blend(data_path: Sequence[str]) -> list[tuple[float, str]]:
-    """`[A]` -> [(1, A)]; `[0.7, A, 0.3, B]` -> [(0.7, A), (0.3, B)]."""
-    if len(data_path) == 1:
-        return [(1.0, data_path[0])]
-    try:
-        pairs = [(float(data_path[i]), data_path[i + 1]) for i in range(0, len(data_path), 2)]
-    except (ValueError, IndexError):
-        pairs = []
-    if len(data_path) % 2 or not pairs or any(w < 0 for w, _ in pairs):
-        raise ValueError(f"--data-path {' '.join(data_path)}: give one path, or weight/path "
-                         "pairs like `--data-path 0.7 pathA 0.3 pathB`")
-    return pairs
 
 
 @dataclass
@@ -272,9 +255,35 @@ def build_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: 
         if n <= 0:  # a split nobody asks for: no index to build
             out.append(None)
             continue
-        weights = np.array([w for w, _ in blend]) / sum(w for w, _ in blend)
+        weights = _blend_weights(blend, sources, split, which, seq_length)
         parts = [_dataset(s, split, which, int(np.ceil(w * n * 1.005)) + 2, seq_length,
-                          seed, cache_dir, node_local, prep) for s, w in zip(sources, weights)]
-        keep = [i for i, d in enumerate(parts) if d is not None and weights[i] > 0]
+                          seed, cache_dir, node_local, prep) if w > 0 else None
+                 for s, w in zip(sources, weights)]
+        keep = [i for i, d in enumerate(parts) if d is not None]
         out.append(BlendedDataset([parts[i] for i in keep], weights[keep], n) if keep else None)
     return out
+
+
+def _blend_weights(blend: Sequence[tuple[float | None, str]], sources: Sequence[Source],
+                   split: str, which: int, seq_length: int) -> np.ndarray:
+    """The blend's weights for split `which`, normalized: as given, or for an unweighted
+    blend (`--data-path A B`) Megatron's: each source's samples in one pass over its part of
+    the split, so every source is read at the same rate. Megatron then caps the blend at one
+    such pass; here a run that needs more repeats every source alike (more epochs)."""
+    if blend[0][0] is not None:
+        weights = np.array([w for w, _ in blend], dtype=np.float64)
+    else:
+        weights = np.array([samples_per_epoch(_split_tokens(src, split, which), seq_length)
+                            for src in sources], dtype=np.float64)
+    total = weights.sum()
+    return weights / total if total > 0 else weights
+
+
+def _split_tokens(src: Source, split: str, which: int) -> int:
+    """Tokens of split `which` of a source over all its shards (node-local ranks hold only
+    some: scaled from the manifest's total, so every rank gets the same blend weights)."""
+    start, end = split_ranges(split, len(src.corpus))[which]
+    local = int(src.corpus.sizes[start:end].sum(dtype=np.int64))
+    local_total = int(src.corpus.sizes.sum(dtype=np.int64))
+    return local if local_total == src.global_tokens else (
+        src.global_tokens * local // max(1, local_total))
