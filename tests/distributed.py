@@ -40,7 +40,8 @@ class RankError(RuntimeError):
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "megatron_lite.training", "tests.distributed"])
+_CONTEXT.set_forkserver_preload([
+    "torch", "megatron_lite.training", "tests.distributed", "pytest"])  # what every rank imports
 
 
 class _Stdio:
