@@ -7,6 +7,11 @@ race), builds the `ParallelState` for the given parallel sizes, calls
 be picklable; tensors are fine). A failure on any rank is re-raised here with the rank number
 and its traceback; a rank that does not finish within `timeout` seconds fails the test with
 its rank named instead of hanging CI.
+
+The ranks are forked from a server that imported torch and megatron_lite once (multiprocessing's
+"forkserver"), not spawned: a spawned rank spends ~1.5 s of CPU importing them, and the suite
+starts hundreds. Like spawned ones, they start from that fresh import (no state of the test
+process) and get the test's environment, working directory, sys.path, stdout and stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import queue
 import traceback
 import uuid
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +39,25 @@ class RankError(RuntimeError):
     """A spawned rank raised, timed out or died."""
 
 
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload([
+    "torch", "megatron_lite.training", "tests.distributed", "pytest"])  # what every rank imports
+
+
+class _Stdio:
+    """The test process's stdout and stderr (under pytest, the test's capture), sent to a rank:
+    the fork server's own are those of whichever test started it."""
+
+    def __reduce__(self) -> tuple:
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
 def _worker(rank: int, world_size: int, init_file: str, cfg: Config, fn: Callable,
-            kwargs: dict, results: mp.Queue) -> None:
+            kwargs: dict, results: mp.Queue, environ: dict[str, str], stdio: tuple) -> None:
+    for fd, inherited in enumerate(stdio, start=1):
+        os.dup2(inherited.detach(), fd)
+    os.environ.clear()  # the test's environment, not the fork server's
+    os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ.setdefault("MEGATRON_LITE_TEST_RANK", str(rank))
     os.environ["MEGATRON_LITE_TEST_RENDEZVOUS"] = init_file  # `relayout` starts its own
@@ -64,10 +87,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *,
     cfg.parallel.distributed_backend = "gloo"
     cfg.parallel.distributed_timeout_minutes = max(timeout / 60, 0.5)
     init_file = str(Path(tmp_path) / f"rendezvous_{uuid.uuid4().hex}")  # fresh per call
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, cfg, fn, kwargs,
-                                               results), daemon=True)
+    results: mp.Queue = _CONTEXT.Queue()
+    procs = [_CONTEXT.Process(target=_worker, args=(r, world_size, init_file, cfg, fn, kwargs,
+                                                    results, dict(os.environ), _Stdio()),
+                              daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._inductor.config
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.training import run
@@ -97,7 +96,8 @@ def inductor_cache_per_capability(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_compiled_loss_curve_matches_asset(monkeypatch) -> None:
     """--compile (Inductor's fused kernels) stays inside the same tolerance as eager."""
     # compile in-process: starting a worker pool costs more than it saves for one tiny model
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    # (imported here: Inductor's config costs every xdist worker ~1.5 s at collection)
+    monkeypatch.setattr("torch._inductor.config.compile_threads", 1)
     inductor_cache_per_capability(monkeypatch)
     _check(tiny_losses(["--compile"]), _stored(), "the compiled curve")
 
