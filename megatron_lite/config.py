@@ -182,7 +182,7 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
-    """Iterations of linear warm-up from --lr-warmup-init to --lr."""
+    """Iterations of linear warm-up from --lr-warmup-init (the first step's LR) to --lr."""
     lr_decay_iters: int | None = None
     """Iterations over which the LR decays to --min-lr; default = --train-iters."""
     lr_warmup_samples: int = 0
@@ -190,22 +190,27 @@ class OptimConfig:
     lr_decay_samples: int | None = None
     """Sample-based schedule: samples over which the LR decays; default = --train-samples."""
     lr_wsd_decay_samples: int | None = None
-    """Sample-based schedule, --lr-decay-style wsd: samples of the final decay phase."""
+    """Sample-based schedule, --lr-decay-style WSD: samples of the final decay phase."""
     lr_warmup_fraction: float | None = None
-    """Warm-up length as this fraction of the decay length (iterations or samples); replaces
-    --lr-warmup-iters / --lr-warmup-samples."""
+    """Warm-up length as this fraction of the decay length (a fractional sample count, not
+    rounded); replaces --lr-warmup-iters / --lr-warmup-samples."""
     lr_warmup_init: float = 0.0
-    """LR the warm-up starts from (it rises linearly to --lr)."""
+    """LR of the first step; the warm-up rises linearly from it to --lr."""
     decoupled_lr: float | None = None
     """Peak LR of the embedding and output weights (same schedule shape); default --lr."""
     decoupled_min_lr: float | None = None
     """With --decoupled-lr: their LR at the end of decay; default --min-lr."""
-    lr_decay_style: str = field(
-        default="cosine", metadata={"choices": ["cosine", "linear", "constant", "wsd"]}
-    )
-    """Shape of the decay after warm-up."""
+    lr_decay_style: str = field(default="linear", metadata={
+        "choices": ["constant", "linear", "cosine", "inverse-square-root", "WSD", "wsd"]})
+    """Shape of the decay after warm-up (Megatron's OptimizerParamScheduler): inverse-square-root
+    = --lr x sqrt(warm-up / samples), at least --min-lr; WSD = --lr until the last
+    --lr-wsd-decay-iters/-samples, then --lr-wsd-decay-style down to --min-lr (wsd = WSD)."""
+    lr_wsd_decay_style: str = field(default="exponential", metadata={
+        "choices": ["exponential", "linear", "cosine", "minus_sqrt"]})
+    """WSD's final decay, at fraction r of it: exponential 2 x 0.5^r - 1, linear 1 - r, cosine
+    (1 + cos(pi r)) / 2, minus_sqrt 1 - sqrt(r), scaling --lr - --min-lr."""
     lr_wsd_decay_iters: int | None = None
-    """For --lr-decay-style wsd: length of the final decay phase (default 10% of decay iters)."""
+    """Iteration-based schedule, --lr-decay-style WSD: iterations of the final decay phase."""
     weight_decay: float = 0.01
     """Decoupled weight decay, applied to weights with >= 2 dims only (not norms)."""
     adam_beta1: float = 0.9
@@ -216,6 +221,8 @@ class OptimConfig:
     """Adam epsilon."""
 
     def __post_init__(self) -> None:
+        if self.lr_decay_style == "wsd":
+            self.lr_decay_style = "WSD"
         if self.lr_warmup_fraction is not None:
             if not 0 <= self.lr_warmup_fraction <= 1:
                 raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
@@ -336,14 +343,76 @@ def global_batch_at(train: TrainConfig, consumed_samples: int) -> int:
     return min(gbs, start + int(consumed_samples / per_increment) * increment)
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """The schedule's lengths in samples: warm-up (fractional with --lr-warmup-fraction),
+    decay, and WSD's final decay phase (None unless set)."""
+
+    warmup: float
+    decay: int
+    wsd: int | None
+
+
+def schedule_lengths(optim: OptimConfig, train: TrainConfig, global_batch_size: int) -> Lengths:
+    """Lengths in samples: --train-samples runs take the *-samples flags, iteration runs the
+    *-iters flags times `global_batch_size` (--global-batch-size, the batch after a ramp-up)."""
+    if train.train_samples is not None:
+        decay = optim.lr_decay_samples or train.train_samples
+        warmup: float = optim.lr_warmup_samples
+        wsd = optim.lr_wsd_decay_samples
+    else:
+        decay = (optim.lr_decay_iters or train.train_iters or 0) * global_batch_size
+        warmup = optim.lr_warmup_iters * global_batch_size
+        wsd = None if optim.lr_wsd_decay_iters is None else (
+            optim.lr_wsd_decay_iters * global_batch_size)
+    if optim.lr_warmup_fraction is not None:
+        warmup = optim.lr_warmup_fraction * decay
+    return Lengths(warmup, decay, wsd)
+
+
+def lr_schedule_errors(optim: OptimConfig, train: TrainConfig, global_batch_size: int
+                    ) -> list[str]:
+    """What Megatron's scheduler refuses, as messages naming the flags."""
+    errors = []
+    by_samples = train.train_samples is not None
+    mixed = ([f for f, v in (("--lr-decay-iters", optim.lr_decay_iters),
+                             ("--lr-warmup-iters", optim.lr_warmup_iters),
+                             ("--lr-wsd-decay-iters", optim.lr_wsd_decay_iters)) if v]
+             if by_samples else
+             [f for f, v in (("--lr-decay-samples", optim.lr_decay_samples),
+                             ("--lr-warmup-samples", optim.lr_warmup_samples),
+                             ("--lr-wsd-decay-samples", optim.lr_wsd_decay_samples)) if v])
+    if mixed:
+        errors.append(f"{', '.join(mixed)} {'do' if len(mixed) > 1 else 'does'} not apply to "
+                      f"{'a --train-samples' if by_samples else 'an iteration-based'} run; use "
+                      f"the {'*-samples' if by_samples else '*-iters'} flags")
+    lengths = schedule_lengths(optim, train, global_batch_size)
+    if lengths.decay <= 0:
+        errors.append("the LR decay length must be positive (--lr-decay-iters / "
+                      "--lr-decay-samples)")
+    elif lengths.warmup >= lengths.decay:
+        errors.append(f"the LR warm-up ({lengths.warmup:g} samples) must be shorter than the "
+                      f"decay ({lengths.decay} samples); shorten --lr-warmup-* or lengthen "
+                      "--lr-decay-*")
+    if optim.lr_decay_style == "WSD" and lengths.wsd is None:
+        errors.append("--lr-decay-style WSD needs the length of its final decay: "
+                      f"--lr-wsd-decay-{'samples' if by_samples else 'iters'}")
+    if not 0.0 <= optim.min_lr <= optim.lr:
+        errors.append(f"--min-lr {optim.min_lr} must be in [0, --lr {optim.lr}]")
+    if optim.lr_warmup_init > optim.lr:
+        errors.append(f"--lr-warmup-init {optim.lr_warmup_init} must not exceed --lr {optim.lr}")
+    return errors
+
+
 def iterations_for_samples(train: TrainConfig, samples: int) -> int:
-    """Steps --train-samples takes: the ramp-up's steps, then whole global batches (as
-    Megatron counts them)."""
+    """Steps --train-samples takes, as Megatron counts them: the ramp-up's steps while neither
+    its samples nor `samples` are used up (the last one may overshoot `samples`), then whole
+    global batches."""
     gbs = train.global_batch_size or 1
     if not train.rampup_batch_size:
         return samples // gbs
     iterations = consumed = 0
-    while consumed <= train.rampup_batch_size[2]:
+    while consumed <= train.rampup_batch_size[2] and consumed <= samples:
         consumed += global_batch_at(train, consumed)
         iterations += 1
     return iterations + max(0, samples - consumed) // gbs
@@ -728,6 +797,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if not world_size % replica:
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
         errors += _rampup_errors(cfg, world_size // replica)
+        errors += lr_schedule_errors(cfg.optim, train, gbs)
     errors += _schedule_errors(cfg)
     errors += _dry_run_errors(cfg, world_size)
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:

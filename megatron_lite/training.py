@@ -174,7 +174,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         trainer.hooks.before_step(iteration)
         started = time.perf_counter()
         plan = guard.before_step(iteration, loader.consumed_samples)
-        lr, decoupled_lr = _learning_rates(trainer, iteration, plan.lr_scale)
+        lr, decoupled_lr = _learning_rates(trainer, plan.lr_scale)
         if plan.skip_data:
             samples = loader.current_global_batch_size
             loader.next_step()
@@ -366,13 +366,11 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
 
 
-def _learning_rates(trainer: Trainer, iteration: int, scale: float
-                    ) -> tuple[float, float | None]:
+def _learning_rates(trainer: Trainer, scale: float) -> tuple[float, float | None]:
     """This step's LR and --decoupled-lr's (None without it), both times the guard's scale."""
     loader = trainer.train_loader
-    lr, decoupled = step_lrs(iteration - 1, loader.consumed_samples,
-                             loader.current_global_batch_size, trainer.cfg.optim,
-                             trainer.cfg.train)
+    lr, decoupled = step_lrs(loader.consumed_samples, loader.global_batch_size,
+                             trainer.cfg.optim, trainer.cfg.train)
     return lr * scale, None if decoupled is None else decoupled * scale
 
 

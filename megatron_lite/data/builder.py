@@ -256,12 +256,11 @@ def samples_per_epoch_of(dataset: object) -> int:
 
 def planned_samples(cfg: Config, global_batch_size: int) -> int:
     """Training samples the run will draw: --train-samples, or --train-iters global batches
-    (summed over a batch-size ramp-up)."""
+    (summed over a batch-size ramp-up, whose last step may overshoot --train-samples)."""
     t = cfg.train
-    if t.train_samples is not None:
-        return t.train_samples
     if not t.rampup_batch_size:
-        return t.train_iters * global_batch_size
+        return t.train_samples if t.train_samples is not None else (
+            t.train_iters * global_batch_size)
     consumed = 0
     for _ in range(t.train_iters):
         consumed += global_batch_at(t, consumed)

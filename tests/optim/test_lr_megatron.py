@@ -1,0 +1,178 @@
+"""The LR of every step equals Megatron-LM's OptimizerParamScheduler, re-derived here.
+
+`MegatronScheduler` is written from Megatron's definition, as Megatron runs it: a counter of
+samples that starts at 0 (so the first step runs at --lr-warmup-init) and grows by each step's
+global batch after the step; iteration-based lengths are converted to samples with
+--global-batch-size. It shares no code with megatron_lite/optim/lr.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_lite.arguments import parse_config
+from megatron_lite.config import (
+    ConfigError,
+    OptimConfig,
+    TrainConfig,
+    global_batch_at,
+    schedule_lengths,
+    validate,
+)
+from megatron_lite.optim.lr import lr_at
+from megatron_lite.training import run
+
+TINY = ["--mock-data", "--seed", "7", "--eval-iters", "0", "--peak-tflops", "1",
+        "--micro-batch-size", "2", "--log-interval", "1"]
+
+
+class MegatronScheduler:
+    """Megatron's scheduler state machine: lengths in samples, `num_steps` consumed samples."""
+
+    def __init__(self, init: float, peak: float, floor: float, warmup: float, decay: int,
+                 style: str, wsd: int | None = None, wsd_style: str = "exponential") -> None:
+        self.init, self.peak, self.floor = init, peak, floor
+        self.warmup, self.decay, self.style = warmup, decay, style
+        self.wsd, self.wsd_style = wsd, wsd_style
+        self.num_steps = 0
+
+    def step(self, increment: int) -> None:
+        self.num_steps += increment
+
+    def lr(self) -> float:
+        n = self.num_steps
+        if self.warmup > 0 and n <= self.warmup:
+            return self.init + (self.peak - self.init) * float(n) / float(self.warmup)
+        if self.style == "constant":
+            return self.peak
+        if n > self.decay:
+            return self.floor
+        if self.style == "inverse-square-root":
+            return max(self.floor, self.peak * max(self.warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
+        ratio = float(n - self.warmup) / float(self.decay - self.warmup)
+        assert 0.0 <= ratio <= 1.0
+        if self.style == "linear":
+            coeff = 1.0 - ratio
+        elif self.style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            assert self.style == "WSD" and self.wsd is not None
+            start = self.decay - self.wsd
+            r = float(n - start) / float(self.wsd)
+            coeff = 1.0 if n <= start else {
+                "linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": 2.0 * math.pow(0.5, r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r),
+            }[self.wsd_style]
+        return self.floor + coeff * (self.peak - self.floor)
+
+
+def megatron_from_flags(o: OptimConfig, t: TrainConfig, gbs: int) -> MegatronScheduler:
+    """Megatron's get_optimizer_param_scheduler: iterations x --global-batch-size, or the
+    sample flags; --lr-warmup-fraction times the decay samples, kept fractional."""
+    if t.train_samples is None:
+        decay = (o.lr_decay_iters or t.train_iters) * gbs
+        warmup = o.lr_warmup_iters * gbs
+        wsd = None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs
+    else:
+        decay = o.lr_decay_samples or t.train_samples
+        warmup, wsd = o.lr_warmup_samples, o.lr_wsd_decay_samples
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
+    return MegatronScheduler(o.lr_warmup_init, o.lr, o.min_lr, warmup, decay, o.lr_decay_style,
+                             wsd, o.lr_wsd_decay_style)
+
+
+def assert_every_step(o: OptimConfig, t: TrainConfig, gbs: int, batches: list[int]) -> None:
+    """Ours at the samples consumed before each step == Megatron's scheduler after the
+    increments of the steps before it (float64, to the last bits)."""
+    ref, lengths, consumed = megatron_from_flags(o, t, gbs), schedule_lengths(o, t, gbs), 0
+    for k, batch in enumerate(batches):
+        assert abs(lr_at(consumed, o, lengths) - ref.lr()) <= 1e-15, (k, consumed)
+        ref.step(batch)
+        consumed += batch
+
+
+STYLES = [("constant", "exponential"), ("linear", "exponential"), ("cosine", "exponential"),
+          ("inverse-square-root", "exponential"), ("WSD", "exponential"), ("WSD", "linear"),
+          ("WSD", "cosine"), ("WSD", "minus_sqrt")]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("style", "wsd_style"), STYLES)
+@pytest.mark.parametrize("warmup", [0, 7])
+def test_iteration_based_every_step(style: str, wsd_style: str, warmup: int) -> None:
+    o = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_init=1e-4, lr_warmup_iters=warmup,
+                    lr_decay_iters=50, lr_decay_style=style, lr_wsd_decay_iters=12,
+                    lr_wsd_decay_style=wsd_style)
+    assert_every_step(o, TrainConfig(train_iters=60), 8, [8] * 60)  # 10 steps past the decay
+
+
+@pytest.mark.parametrize(("style", "wsd_style"), STYLES)
+def test_sample_based_every_step_with_fractional_warmup(style: str, wsd_style: str) -> None:
+    o = OptimConfig(lr=2e-3, min_lr=1e-4, lr_warmup_fraction=0.137, lr_decay_samples=300,
+                    lr_decay_style=style, lr_wsd_decay_samples=90, lr_wsd_decay_style=wsd_style)
+    t = TrainConfig(train_samples=360, global_batch_size=6)
+    assert schedule_lengths(o, t, 6).warmup == 0.137 * 300  # not truncated to whole samples
+    assert_every_step(o, t, 6, [6] * t.train_iters)
+
+
+@pytest.mark.parametrize("style", ["cosine", "inverse-square-root"])
+def test_rampup_every_step(style: str) -> None:
+    """Under a ramp-up the counter grows by each step's batch, iteration-based lengths still
+    count --global-batch-size per iteration (Megatron's conversion)."""
+    t = TrainConfig(train_iters=30, global_batch_size=8, rampup_batch_size=[2, 2, 40])
+    o = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_iters=3, lr_decay_style=style)
+
+    batches, consumed = [], 0
+    for _ in range(t.train_iters):
+        batches.append(global_batch_at(t, consumed))
+        consumed += batches[-1]
+    assert batches[0] == 2 and batches[-1] == 8
+    assert_every_step(o, t, 8, batches)
+
+
+def test_warmup_starts_at_init_as_in_megatron() -> None:
+    """The issue's numbers: warm-up 5 from 0 to 1e-3 gives 0, 2e-4, 4e-4, ... then decays."""
+    o = OptimConfig(lr=1e-3, lr_warmup_iters=5)
+    lengths = schedule_lengths(o, TrainConfig(train_iters=10), 4)
+    got = [lr_at(4 * k, o, lengths) for k in range(7)]
+    assert got == pytest.approx([0.0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3, 8e-4], abs=1e-18)
+
+
+def test_megatron_defaults_and_spellings() -> None:
+    o = OptimConfig()
+    assert (o.lr_decay_style, o.lr_wsd_decay_style, o.lr_warmup_init, o.min_lr) == (
+        "linear", "exponential", 0.0, 0.0)
+    assert OptimConfig(lr_decay_style="wsd").lr_decay_style == "WSD"
+    cfg = parse_config(["--lr-decay-style", "WSD", "--train-iters", "10"])
+    with pytest.raises(ConfigError, match="--lr-wsd-decay-iters"):
+        validate(cfg, 1)
+    cfg = parse_config(["--train-samples", "40", "--global-batch-size", "4",
+                        "--lr-warmup-iters", "2"])
+    with pytest.raises(ConfigError, match="--lr-warmup-iters does not apply to a --train-s"):
+        validate(cfg, 1)
+    with pytest.raises(ConfigError, match="must be shorter than the decay"):
+        validate(parse_config(["--train-iters", "4", "--lr-warmup-iters", "4"]), 1)
+
+
+def test_rampup_bounded_by_train_samples_end_to_end(tmp_path) -> None:
+    """The issue's ramp (2 2 30, --global-batch-size 8, --train-samples 10) takes Megatron's 6
+    steps and 14 samples, and the logged LR of every step is Megatron's."""
+    log = tmp_path / "log.jsonl"
+    flags = [*TINY, "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "30",
+             "--train-samples", "10", "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-samples",
+             "5", "--lr-warmup-init", "1e-4", "--lr-decay-style", "cosine",
+             "--log-jsonl", str(log)]
+    cfg = parse_config(flags)
+    assert cfg.train.train_iters == 6
+    assert len(run(cfg).losses) == 6
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "lr" in r]
+    assert [r["global_batch_size"] for r in steps] == [2, 2, 2, 2, 2, 4]
+    assert steps[-1]["consumed_samples"] == 14
+    ref = MegatronScheduler(1e-4, 1e-3, 1e-5, 5, 10, "cosine")
+    for r in steps:
+        assert r["lr"] == pytest.approx(ref.lr(), rel=1e-12, abs=0.0)
+        ref.step(r["global_batch_size"])
