@@ -13,6 +13,8 @@ This module imports only megatron_lite.errors from megatron_lite (stdlib only).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -249,7 +251,14 @@ class TrainConfig:
     LR then follows --lr-warmup-samples / --lr-decay-samples); needs --global-batch-size."""
     rampup_batch_size: list[int] = field(default_factory=list)
     """START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in
-    equal steps over the first SAMPLES samples, up to --global-batch-size."""
+    equal steps over the first SAMPLES samples, up to --global-batch-size (Megatron's meaning
+    before it deprecated the flag for --step-batch-size-schedule)."""
+    step_batch_size_schedule: str | None = None
+    """Global batch by position, Megatron's syntax: "THRESHOLD:BATCH ..." (space or comma
+    separated; K/M/B/T suffixes = 1e3/1e6/1e9/1e12), thresholds in tokens (floor-divided by
+    --seq-length into samples), the first 0: a step takes the batch of the last threshold at or
+    below the samples consumed before it. Replaces --global-batch-size; with --train-iters the
+    LR's iteration lengths count micro x dp samples per iteration, as in Megatron."""
     seed: int = 1234
     """Seed for weights, data order and mock data."""
     bf16: bool = False
@@ -293,13 +302,19 @@ class TrainConfig:
     checked and matched, memory measured against the planner."""
 
     def __post_init__(self) -> None:
+        if self.step_batch_size_schedule is not None:
+            if self.global_batch_size is not None or self.rampup_batch_size:
+                raise ConfigError("--step-batch-size-schedule sets the global batch; drop "
+                                  "--global-batch-size / --rampup-batch-size")
+            batch_schedule(self.step_batch_size_schedule, None)  # its syntax errors, early
         if self.train_samples is not None:
             if self.train_iters is not None:
                 raise ConfigError("--train-samples replaces --train-iters; pass only one")
-            if not self.global_batch_size:
+            if not self.global_batch_size and self.step_batch_size_schedule is None:
                 raise ConfigError("--train-samples needs --global-batch-size (its iteration "
                                   "count depends on it)")
-            self.train_iters = iterations_for_samples(self, self.train_samples)
+            if self.step_batch_size_schedule is None:  # else Config sets it (--seq-length)
+                self.train_iters = iterations_for_samples(self, self.train_samples)
         elif self.train_iters is None:
             self.train_iters = 20
         if self.rampup_batch_size:
@@ -325,14 +340,64 @@ class TrainConfig:
                 "--recompute-granularity full or drop them")
 
 
-def global_batch_at(train: TrainConfig, consumed_samples: int) -> int:
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+@functools.cache
+def batch_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, int], ...]:
+    """--step-batch-size-schedule as (threshold in samples, batch) pairs, sorted; thresholds
+    are tokens divided by `seq_length` (None: already samples)."""
+    def number(word: str) -> int:
+        word = word.strip().upper()
+        scale = _SUFFIXES.get(word[-1:], 1)
+        try:
+            return int(float(word[:-1] if scale > 1 else word) * scale)
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: {word!r} is not a "
+                              "number (K/M/B/T suffixes allowed)") from None
+
+    pairs = []
+    for entry in text.replace(",", " ").split():
+        threshold, colon, batch = entry.partition(":")
+        if not colon:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: entry {entry!r} is not "
+                              "THRESHOLD:BATCH, e.g. \"0:256 100B:512\"")
+        tokens = number(threshold)
+        pairs.append((tokens if seq_length is None else tokens // seq_length, number(batch)))
+    pairs.sort(key=lambda pair: pair[0])
+    if not pairs or pairs[0][0] != 0:
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: the first threshold must be 0")
+    for (before, _), (after, _) in itertools.pairwise(pairs):
+        if after <= before:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: thresholds must increase "
+                              f"(in samples of --seq-length tokens: {before} then {after})")
+    if any(batch < 1 for _, batch in pairs):
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: every batch must be positive")
+    return tuple(pairs)
+
+
+def largest_global_batch(train: TrainConfig) -> int | None:
+    """The largest global batch of a --step-batch-size-schedule (None without one)."""
+    if train.step_batch_size_schedule is None:
+        return None
+    return max(batch for _, batch in batch_schedule(train.step_batch_size_schedule, None))
+
+
+def global_batch_at(train: TrainConfig, consumed_samples: int, seq_length: int | None = None
+                    ) -> int:
     """The global batch of the step that starts after `consumed_samples` samples.
+
+    --step-batch-size-schedule: the batch of the last threshold at or below the position
+    (thresholds in tokens, `seq_length` tokens a sample; None: in samples).
 
     Megatron's ramp-up: with --rampup-batch-size START INCREMENT SAMPLES the batch is START,
     then grows by INCREMENT every SAMPLES / ((GBS - START) / INCREMENT) samples, and is GBS
     once more than SAMPLES samples are consumed. A pure function of the position, so a
     resumed run takes exactly the batches it would have taken.
     """
+    if train.step_batch_size_schedule is not None:
+        return [batch for threshold, batch in batch_schedule(
+            train.step_batch_size_schedule, seq_length) if threshold <= consumed_samples][-1]
     gbs = train.global_batch_size
     if not train.rampup_batch_size or gbs is None:
         return gbs or 0
@@ -404,10 +469,17 @@ def lr_schedule_errors(optim: OptimConfig, train: TrainConfig, global_batch_size
     return errors
 
 
-def iterations_for_samples(train: TrainConfig, samples: int) -> int:
+def iterations_for_samples(train: TrainConfig, samples: int, seq_length: int | None = None
+                           ) -> int:
     """Steps --train-samples takes, as Megatron counts them: the ramp-up's steps while neither
     its samples nor `samples` are used up (the last one may overshoot `samples`), then whole
-    global batches."""
+    global batches; under --step-batch-size-schedule, steps until `samples` are consumed."""
+    if train.step_batch_size_schedule is not None:
+        iterations = consumed = 0
+        while consumed < samples:
+            consumed += global_batch_at(train, consumed, seq_length)
+            iterations += 1
+        return iterations
     gbs = train.global_batch_size or 1
     if not train.rampup_batch_size:
         return samples // gbs
@@ -689,6 +761,13 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
+    def __post_init__(self) -> None:
+        t = self.train
+        if t.step_batch_size_schedule is not None:
+            batch_schedule(t.step_batch_size_schedule, self.model.seq_length)  # increasing?
+            if t.train_samples is not None:
+                t.train_iters = iterations_for_samples(t, t.train_samples, self.model.seq_length)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -717,9 +796,11 @@ def model_replica_size(parallel: ParallelConfig) -> int:
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:
-    """Gradient-accumulation steps = global batch / (micro batch x dp)."""
+    """Gradient-accumulation steps = global batch / (micro batch x dp); the largest one of a
+    --step-batch-size-schedule."""
     dp = data_parallel_size(cfg, world_size)
-    gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
+    gbs = (largest_global_batch(cfg.train) or cfg.train.global_batch_size
+           or cfg.train.micro_batch_size * dp)
     return gbs // (cfg.train.micro_batch_size * dp)
 
 
@@ -844,9 +925,19 @@ def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:
     """Every batch of a ramp-up must split into whole micro-batches on every DP rank."""
     train, pp = cfg.train, cfg.parallel.pipeline_model_parallel_size
+    unit = train.micro_batch_size * dp
+    if train.step_batch_size_schedule is not None:
+        batches = [b for _, b in batch_schedule(train.step_batch_size_schedule, None)]
+        if any(b % unit for b in batches):
+            return [f"--step-batch-size-schedule batches {batches} must be multiples of "
+                    f"--micro-batch-size x data-parallel size = {unit}"]
+        if pp > 1 and min(batches) // unit < pp:
+            return [f"--step-batch-size-schedule batch {min(batches)} gives "
+                    f"{min(batches) // unit} micro-batches per step, fewer than "
+                    f"--pipeline-model-parallel-size {pp}; raise it"]
+        return []
     if not train.rampup_batch_size:
         return []
-    unit = train.micro_batch_size * dp
     start, increment, _ = train.rampup_batch_size
     if start % unit or increment % unit:
         return [f"--rampup-batch-size START {start} and INCREMENT {increment} must be multiples "

@@ -406,9 +406,13 @@ def _log_window(trainer: Trainer, iteration: int, lr: float,
         grad_norm=sum(w[0].grad_norm for w in window) / n,
         iter_time_s=sum(w[1] for w in window) / n,
         tokens=sum(w[0].samples for w in window) // n * trainer.cfg.model.seq_length,
-        global_batch_size=window[-1][0].samples if trainer.cfg.train.rampup_batch_size else None,
+        global_batch_size=window[-1][0].samples if _variable_batch(trainer.cfg) else None,
         skipped=skipped, compute_time_s=sum(w[2] for w in window) / n,
         data_wait_s=sum(w[3] for w in window) / n, comm_wait_s=sum(w[4] for w in window) / n)
+
+
+def _variable_batch(cfg: Config) -> bool:
+    return bool(cfg.train.rampup_batch_size) or cfg.train.step_batch_size_schedule is not None
 
 
 def plan_epochs(cfg: Config, pstate: ParallelState, loader: MicroBatchLoader) -> int:

@@ -18,6 +18,7 @@ from megatron_lite.config import (
     ConfigError,
     OptimConfig,
     TrainConfig,
+    batch_schedule,
     global_batch_at,
     schedule_lengths,
     validate,
@@ -173,6 +174,54 @@ def test_rampup_bounded_by_train_samples_end_to_end(tmp_path) -> None:
     assert [r["global_batch_size"] for r in steps] == [2, 2, 2, 2, 2, 4]
     assert steps[-1]["consumed_samples"] == 14
     ref = MegatronScheduler(1e-4, 1e-3, 1e-5, 5, 10, "cosine")
+    for r in steps:
+        assert r["lr"] == pytest.approx(ref.lr(), rel=1e-12, abs=0.0)
+        ref.step(r["global_batch_size"])
+
+
+def logged_steps(flags: list[str], tmp_path) -> list[dict]:
+    log = tmp_path / "log.jsonl"
+    cfg = parse_config([*TINY, *flags, "--log-jsonl", str(log)])
+    assert len(run(cfg).losses) == cfg.train.train_iters
+    return [r for r in map(json.loads, log.read_text().splitlines()) if "lr" in r]
+
+
+def test_step_batch_size_schedule_parses_as_megatron() -> None:
+    """Thresholds in tokens (floor-divided by --seq-length), suffixes, commas, sorted."""
+    cfg = parse_config(["--step-batch-size-schedule", "2k:16, 0:4 1K:8", "--seq-length", "64",
+                        "--train-samples", "100"])
+    assert batch_schedule(cfg.train.step_batch_size_schedule, 64) == ((0, 4), (15, 8), (31, 16))
+    assert [global_batch_at(cfg.train, c, 64) for c in (0, 14, 15, 30, 31, 99)] == [
+        4, 4, 8, 8, 16, 16]
+    # Megatron's count: steps while fewer than --train-samples are consumed
+    assert cfg.train.train_iters == 4 + 2 + 5  # to 16 by 4, to 32 by 8, to 112 by 16
+    for bad, match in ((["--global-batch-size", "8"], "drop --global-batch-size"),
+                       ([], "first threshold must be 0")):
+        with pytest.raises(ConfigError, match=match):
+            schedule = "0:4 64:8" if bad else "1:4"
+            parse_config(["--step-batch-size-schedule", schedule, *bad])
+    with pytest.raises(ConfigError, match="thresholds must increase"):
+        parse_config(["--step-batch-size-schedule", "0:4 10:8", "--seq-length", "64"])
+    with pytest.raises(ConfigError, match="multiples of --micro-batch-size"):
+        validate(parse_config(["--step-batch-size-schedule", "0:3 1K:8"]), 1)
+
+
+@pytest.mark.parametrize("by_samples", [True, False])
+def test_step_batch_size_schedule_end_to_end(by_samples: bool, tmp_path) -> None:
+    """Batches 2, then 4 from 256 tokens (4 samples), then 8 from 640 (10 samples); the LR of
+    every step is Megatron's: sample lengths, or iterations x micro x dp (= 2) samples."""
+    flags = ["--step-batch-size-schedule", "0:2 256:4 640:8", "--lr", "1e-3", "--min-lr",
+             "1e-5", "--lr-warmup-init", "1e-4", "--lr-decay-style", "cosine"]
+    if by_samples:
+        steps = logged_steps([*flags, "--train-samples", "30", "--lr-warmup-samples", "6"],
+                             tmp_path)
+        ref = MegatronScheduler(1e-4, 1e-3, 1e-5, 6, 30, "cosine")
+    else:
+        steps = logged_steps([*flags, "--train-iters", "7", "--lr-warmup-iters", "3",
+                              "--lr-decay-iters", "12"], tmp_path)
+        ref = MegatronScheduler(1e-4, 1e-3, 1e-5, 3 * 2, 12 * 2, "cosine")
+    assert [r["global_batch_size"] for r in steps] == [2, 2, 4, 4, 8, 8, 8]
+    assert steps[-1]["consumed_samples"] == 36
     for r in steps:
         assert r["lr"] == pytest.approx(ref.lr(), rel=1e-12, abs=0.0)
         ref.step(r["global_batch_size"])
