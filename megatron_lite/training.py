@@ -184,6 +184,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
                               guard, decoupled_lr)
             _phase_done(trainer, "train_step")
         skipped += step.skipped
+        if not step.skipped:
+            loader.scheduler_samples += step.samples
         window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
                        loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
         if iteration == start_iteration + 1 and trainer.startup is not None:
@@ -369,7 +371,7 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
 def _learning_rates(trainer: Trainer, scale: float) -> tuple[float, float | None]:
     """This step's LR and --decoupled-lr's (None without it), both times the guard's scale."""
     loader = trainer.train_loader
-    lr, decoupled = step_lrs(loader.consumed_samples, loader.global_batch_size,
+    lr, decoupled = step_lrs(loader.scheduler_samples, loader.global_batch_size,
                              trainer.cfg.optim, trainer.cfg.train)
     return lr * scale, None if decoupled is None else decoupled * scale
 

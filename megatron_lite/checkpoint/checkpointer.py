@@ -317,6 +317,7 @@ class Checkpointer:
         pstate, parallel = self.pstate, self.cfg.parallel
         return {
             "consumed_samples": self.loader.consumed_samples,
+            "scheduler_samples": self.loader.scheduler_samples,  # the LR's position
             "data_stream_dp": self.loader.stream_dp,  # node-local: the streams' DP layout
             "has_optimizer": True,
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
@@ -570,6 +571,8 @@ class Checkpointer:
         # node-local data at another DP size: the loader takes over the saved layout's
         # streams where it can and says what changes (data/loader.py)
         self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"],
+                                     "scheduler_samples": reader.meta.get(
+                                         "scheduler_samples", reader.meta["consumed_samples"]),
                                      "stream_dp": reader.meta.get(
                                          "data_stream_dp", reader.dp // saved.get("cp", 1))})
         if self.loader.resume_note and pstate.rank == 0:

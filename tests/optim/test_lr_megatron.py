@@ -180,9 +180,11 @@ def test_rampup_bounded_by_train_samples_end_to_end(tmp_path) -> None:
 
 
 def logged_steps(flags: list[str], tmp_path) -> list[dict]:
+    """The JSONL step records of a run of `flags` (one per step: --log-interval 1)."""
+    tmp_path.mkdir(exist_ok=True)
     log = tmp_path / "log.jsonl"
     cfg = parse_config([*TINY, *flags, "--log-jsonl", str(log)])
-    assert len(run(cfg).losses) == cfg.train.train_iters
+    run(cfg)
     return [r for r in map(json.loads, log.read_text().splitlines()) if "lr" in r]
 
 
@@ -225,3 +227,22 @@ def test_step_batch_size_schedule_end_to_end(by_samples: bool, tmp_path) -> None
     for r in steps:
         assert r["lr"] == pytest.approx(ref.lr(), rel=1e-12, abs=0.0)
         ref.step(r["global_batch_size"])
+
+
+def test_skipped_step_holds_the_lr_and_resume_continues_it(tmp_path) -> None:
+    """A skipped step (--skip-iterations 2) consumes its batch but, as in Megatron, does not
+    advance the schedule; a run resumed after it (from iteration 3's checkpoint) logs the same
+    LR sequence as the uninterrupted one, both Megatron's."""
+    flags = ["--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "2",
+             "--lr-warmup-init", "1e-4", "--skip-iterations", "2"]
+    full = logged_steps(flags, tmp_path / "a")
+    save = ["--save", str(tmp_path / "ckpt")]
+    first = logged_steps([*flags, *save, "--exit-interval", "3"], tmp_path / "b")
+    resumed = logged_steps([*flags, *save], tmp_path / "c")
+    assert [r["iteration"] for r in first + resumed] == list(range(1, 7))
+    assert [r["lr"] for r in first + resumed] == [r["lr"] for r in full]
+    ref = MegatronScheduler(1e-4, 1e-3, 0.0, 2 * 2, 6 * 2, "linear")  # global batch 2
+    for r in full:
+        assert r["lr"] == pytest.approx(ref.lr(), rel=1e-12, abs=0.0)
+        if r["iteration"] != 2:
+            ref.step(2)
