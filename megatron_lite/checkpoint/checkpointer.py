@@ -609,6 +609,7 @@ def apply_checkpoint_args(cfg: Config) -> None:
     saved = ckpt_files.read_metadata(ckpt_dir)["config"]
     if ckpt_cfg.use_checkpoint_args:
         cfg.model = ModelConfig(**saved["model"])
+        cfg.__post_init__()  # a --step-batch-size-schedule counts the saved --seq-length
     if ckpt_cfg.use_checkpoint_opt_param_scheduler:
         schedule = {k: v for k, v in saved["optim"].items()
                     if k.startswith(("lr", "min_lr", "decoupled"))}
