@@ -16,7 +16,7 @@ from functools import partial
 import numpy as np
 
 from data_tools.chunks import _BLANK_LINE, Chunk, line_number, read_range
-from tokenizer.tokenizer import Tokenizer
+from tokenizer.spec import TextTokenizer, TokenizerSpec, load_tokenizer
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -45,7 +45,7 @@ class Stats:
 
 @dataclass
 class Options:
-    tokenizer_model: str
+    tokenizer: TokenizerSpec
     json_key: str
     append_eod: bool
     skip_bad_lines: bool
@@ -57,7 +57,7 @@ _STATE: dict = {}
 
 def init_worker(opts: Options) -> None:
     _STATE["opts"] = opts
-    _STATE["tok"] = Tokenizer(opts.tokenizer_model)
+    _STATE["tok"] = load_tokenizer(opts.tokenizer)
 
 
 def _decode(raw: bytes, stats: Stats) -> str:
@@ -113,7 +113,7 @@ def _texts(chunk: Chunk, opts: Options, stats: Stats) -> list[str]:
     return texts
 
 
-def _encode(tok: Tokenizer, texts: list[str], stats: Stats) -> list[list[int]]:
+def _encode(tok: TextTokenizer, texts: list[str], stats: Stats) -> list[list[int]]:
     try:
         return tok.encode(texts)
     except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON escapes): replace, count
@@ -131,7 +131,7 @@ def _encode(tok: Tokenizer, texts: list[str], stats: Stats) -> list[list[int]]:
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, Stats]:
     """(flat tokens, int32 lengths, stats) of the non-empty documents of a chunk, in order."""
     opts: Options = _STATE["opts"]
-    tok: Tokenizer = _STATE["tok"]
+    tok: TextTokenizer = _STATE["tok"]
     stats = Stats(text_bytes=chunk.nbytes)
     raw_texts = _texts(chunk, opts, stats)
     texts = [t for t in raw_texts if t.strip()]

@@ -2,6 +2,11 @@
 
     python -m data_tools.preprocess --input PATH [PATH ...] --output-prefix OUT \\
         --tokenizer-model TOK.model [--json-keys text] [--workers N] [--num-shards K] [--append-eod]
+    python -m data_tools.preprocess ... --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR
+
+The tokenizer flags are pretrain.py's (Megatron's): --tokenizer-type HuggingFaceTokenizer,
+GPT2BPETokenizer (--vocab-file, --merge-file), TikTokenizer, NullTokenizer or sentencepiece
+(default); the manifest records them with the vocab size and EOD, which training checks.
 
 Inputs: JSONL (one JSON object per line), plain text (one document per file, or documents
 separated by blank lines with --split-on-blank-lines), directories of those, `.gz` of any.
@@ -39,7 +44,8 @@ from megatron_lite.data.format import (
     write_manifest,
 )
 from tokenizer.corpus import expand_inputs
-from tokenizer.tokenizer import Tokenizer
+from tokenizer.spec import add_tokenizer_flags, load_tokenizer, record, spec_from_args
+from tokenizer.tokenizer import TokenizerError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="files or directories")
     p.add_argument("--output-prefix", required=True, help="writes OUT_<i>.bin/.idx, OUT" +
                    MANIFEST_SUFFIX)
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
     p.add_argument("--json-keys", default="text", help="JSONL field holding the document text")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (default: all cores)")
@@ -60,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip and count malformed JSONL lines instead of stopping")
     p.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
                    help="input bytes per worker task (tuning; does not change the output)")
+    add_tokenizer_flags(p)
     add_debug_flag(p)
     args = p.parse_args(argv)
     if args.workers < 1 or args.num_shards < 1:
@@ -136,10 +142,13 @@ def preprocess(args: argparse.Namespace, argv: list[str]) -> dict:
     """Run the whole pipeline; returns the manifest written."""
     t0 = time.time()
     files = expand_inputs(args.input)
-    tok = Tokenizer(args.tokenizer_model)
+    spec = spec_from_args(args)
+    tok = load_tokenizer(spec)
+    if args.append_eod and tok.eod_id is None:
+        raise TokenizerError(f"--append-eod: {spec.flags()} names no end-of-document token "
+                             "(HuggingFaceTokenizer: an eos_token in tokenizer_config.json)")
     dtype = optimal_dtype(tok.vocab_size)
-    opts = Options(args.tokenizer_model, args.json_keys, args.append_eod, args.skip_bad_lines,
-                   dtype.str)
+    opts = Options(spec, args.json_keys, args.append_eod, args.skip_bad_lines, dtype.str)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     shards = ShardSet(args.output_prefix, args.num_shards, dtype)
     bar = tqdm(unit="doc", unit_scale=True, desc="preprocess", disable=None, file=sys.stderr,
@@ -157,9 +166,7 @@ def preprocess(args: argparse.Namespace, argv: list[str]) -> dict:
         "shards": entries, "num_shards": len(entries),
         "total_documents": stats.documents, "total_tokens": stats.tokens,
         "dtype": dtype.name, "append_eod": args.append_eod,
-        "tokenizer": {"model": str(Path(args.tokenizer_model).resolve()),
-                      "sha256": tok.sha256(), "vocab_size": tok.vocab_size,
-                      "eod_id": tok.eos_id, "bos_id": tok.bos_id, "pad_id": tok.pad_id},
+        "tokenizer": record(tok, spec),
         "skipped": {"empty_documents": stats.empty, "bad_lines": stats.bad_lines,
                     "invalid_utf8_documents_replaced": stats.invalid_utf8},
         "command": "python -m data_tools.preprocess " + shlex.join(argv),

@@ -151,7 +151,7 @@ def _add_megatron_group(parser: argparse.ArgumentParser) -> None:
         "other Megatron-LM flags",
         f"{len(table)} more flags of Megatron-LM's pretrain_gpt.py are understood; each one's "
         "class is in megatron_lite/megatron_flags.tsv. A flag that describes this model (e.g. "
-        "--swiglu, --normalization RMSNorm, --kv-channels equal to hidden/heads) is accepted "
+        "--swiglu, --normalization RMSNorm, --rotary-percent 1.0) is accepted "
         "when its value matches; a feature not implemented here (e.g. --fp8-format) is "
         "refused by name, with the flag that does the job here where there is one.")
     for row in table:
@@ -162,14 +162,12 @@ def _add_megatron_group(parser: argparse.ArgumentParser) -> None:
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def _matches(rule: str, values: list[str], cfg: Config) -> bool:
+def _matches(rule: str, values: list[str]) -> bool:
     if rule in ("set", "any"):
         return True
     if len(values) != 1:
         return False
     value = values[0]
-    if rule == "head_dim":
-        return value.isdigit() and int(value) == cfg.model.head_dim
     for want in rule.removeprefix("in:").removeprefix("=").split(","):
         try:
             if float(value) == float(want):
@@ -191,11 +189,10 @@ def check_megatron_flags(ns: argparse.Namespace, cfg: Config) -> list[str]:
         option, values = given
         row = by_flag[key.removeprefix(_MEGATRON_DEST)]
         written = " ".join([option, *values])
-        if row.kind == "fixed" and _matches(row.rule, values, cfg):
+        if row.kind == "fixed" and _matches(row.rule, values):
             taken.append(written)
         elif row.kind == "fixed":
-            want = (f"{cfg.model.head_dim} (hidden/heads)" if row.rule == "head_dim"
-                    else row.rule.removeprefix("in:").removeprefix("=").replace(",", " or "))
+            want = row.rule.removeprefix("in:").removeprefix("=").replace(",", " or ")
             problems.append(f"{written}: this model takes only {option} {want}: {row.note}")
         else:
             problems.append(f"{option}: {row.note}")

@@ -38,7 +38,22 @@ class ModelConfig:
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention; default = num_attention_heads (plain MHA)."""
+    """Key/value heads for grouped-query attention; default = num_attention_heads (plain MHA),
+    or 1 with --group-query-attention (Megatron's default there)."""
+    group_query_attention: bool = False
+    """Megatron's switch for grouped-query attention: with it an omitted --num-query-groups is
+    1, as in Megatron. Here --num-query-groups alone also takes effect (Megatron ignores it
+    without this switch and runs plain MHA)."""
+    kv_channels: int | None = None
+    """Head dim d: the q/k/v projections are heads x d and groups x d wide and the attention
+    output projection maps heads x d back to --hidden-size (Qwen3: d = 128 at any width);
+    default --hidden-size / --num-attention-heads."""
+    add_qkv_bias: bool = False
+    """A bias on the q, k and v projections only (Qwen2.5); column-parallel like their
+    weights, initialised to zero, no weight decay."""
+    qk_layernorm: bool = False
+    """RMSNorm over each head's d channels of q and of k, before RoPE (Qwen3, OLMo-2); one
+    d-wide weight each per layer, its gradient summed over TP as in Megatron."""
     seq_length: int = 64
     """Training sequence length in tokens."""
     max_position_embeddings: int | None = None
@@ -47,6 +62,11 @@ class ModelConfig:
     """Tokenizer vocabulary size (before padding); taken from the tokenizer when one is given."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+    padded_vocab: int | None = field(default=None, metadata={"flag": "--padded-vocab-size"})
+    """Rows of the embedding and output layer, replacing the --make-vocab-size-divisible-by
+    rounding (Megatron's meaning; Qwen2.5 sets 151936). Must be >= the vocabulary and
+    divisible by the TP size; rows past the vocabulary start at zero and are masked in the
+    loss, like any padding here."""
     init_method_std: float = 0.02
     """Std of the normal weight init; output projections use std / sqrt(2 * num_layers)."""
     untie_embeddings_and_output_weights: bool = False
@@ -55,12 +75,20 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rotary_base: float = 10000.0
     """RoPE base frequency theta."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling: wavelengths above the original 8192-token context
+    are stretched by --rope-scaling-factor, those below 8192/4 kept, and the band between
+    interpolated smoothly (low_freq_factor 1, high_freq_factor 4, as Megatron fixes them)."""
+    rope_scaling_factor: float = 8.0
+    """With --use-rope-scaling: the stretch of the low frequencies (Llama 3.1: 8, 3.2: 32)."""
     triton_kernels: str = field(default="auto", metadata={"choices": ["auto", "on", "off"]})
     """Fused Triton kernels: auto = on with CUDA, off on CPU; on = also on CPU (interpreter)."""
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            self.num_query_groups = 1 if self.group_query_attention else self.num_attention_heads
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads == 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None:
@@ -70,12 +98,23 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_dash(name)} must be positive, got {getattr(self, name)}")
 
+        if self.rope_scaling_factor <= 0:
+            raise ConfigError(f"--rope-scaling-factor must be positive, got "
+                              f"{self.rope_scaling_factor}")
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """--kv-channels (None only for a config that `validate` refuses)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp_size: int) -> int:
-        """Vocab rounded up so each TP rank holds an equal, aligned slice."""
+        """Vocab rounded up so each TP rank holds an equal, aligned slice (--padded-vocab-size
+        when given)."""
+        if self.padded_vocab is not None:
+            if self.padded_vocab < self.vocab_size:  # a tokenizer read after `validate`
+                raise ConfigError(f"--padded-vocab-size {self.padded_vocab} is smaller than "
+                                  f"the vocabulary ({self.vocab_size} tokens); raise it")
+            return self.padded_vocab
         multiple = self.make_vocab_size_divisible_by * tp_size
         return multiple * math.ceil(self.vocab_size / multiple)
 
@@ -294,14 +333,25 @@ class TrainConfig:
     """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
     dry_run: bool = False
     """Validate the config, print the rank grid, stage partition, parameters per rank and the
-    memory estimate, and exit without creating process groups (see --world-size); with
-    --dry-run-ranks, also run one real training step of those ranks on the meta device."""
+    memory estimate, and exit without creating process groups (see --world-size); then the
+    summary: iters (steps), grad_acc (micro-batches per step per DP rank), tokens_per_step,
+    mem_gib (the planner's largest rank plus allowance) against device_gib with fits, and
+    data_errors (each --data-path / --*-data-path prefix or manifest and tokenizer file must
+    exist and --split parse; none is read; a problem exits 2). With --dry-run-ranks, also run
+    one real training step of those ranks on the meta device."""
     dry_run_ranks: list[str] = field(default_factory=list)
     """With --dry-run: global ranks (or `all`) whose real model, optimizer and training step
     run on the meta device under a fake process group of --world-size ranks: collectives
     checked and matched, memory measured against the planner."""
+    dry_run_device_memory_gb: float | None = None
+    """With --dry-run: memory of one device in GiB (2^30 bytes), which the planner's bytes per
+    rank (plus its allowance for CUDA context, NCCL and fragmentation) must fit; default 80,
+    the planner's device (H100 SXM 80 GB)."""
 
     def __post_init__(self) -> None:
+        if self.dry_run_device_memory_gb is not None and self.dry_run_device_memory_gb <= 0:
+            raise ConfigError("--dry-run-device-memory-gb must be positive (GiB of one device), "
+                              f"got {self.dry_run_device_memory_gb:g}")
         if self.step_batch_size_schedule is not None:
             if self.global_batch_size is not None or self.rampup_batch_size:
                 raise ConfigError("--step-batch-size-schedule sets the global batch; drop "
@@ -501,12 +551,30 @@ class DataConfig:
     split: str = "969,30,1"
     """Train,valid,test proportions of the documents."""
     tokenizer_model: str | None = None
-    """sentencepiece .model file; sets the vocab size and EOD id."""
+    """The tokenizer file: a sentencepiece .model, a Hugging Face tokenizer.json or its directory
+    (HuggingFaceTokenizer) or Megatron's tiktoken .json (TikTokenizer); sets vocab size and EOD."""
     tokenizer_type: str | None = field(default=None, metadata={"choices": [
         "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-        "NullTokenizer"]})
-    """Megatron's tokenizer names: the three sentencepiece ones load --tokenizer-model;
-    NullTokenizer has no file (vocab = --vocab-size, EOD = vocab - 1, as Megatron's)."""
+        "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer", "NullTokenizer"]})
+    """Megatron's tokenizer names (default: sentencepiece). HuggingFaceTokenizer: EOD = the
+    eos_token of tokenizer_config.json; GPT2BPETokenizer: --vocab-file + --merge-file, EOD =
+    <|endoftext|>; TikTokenizer: EOD = </s> (id 2); NullTokenizer has no file (vocab =
+    --vocab-size, EOD = --null-tokenizer-eod-id). tokenizer/spec.py has the details."""
+    vocab_file: str | None = None
+    """GPT2BPETokenizer's vocab.json."""
+    merge_file: str | None = None
+    """GPT2BPETokenizer's merges.txt."""
+    tiktoken_pattern: str | None = field(default=None, metadata={"choices": ["v1", "v2"]})
+    """TikTokenizer's pre-tokenizer regex (Megatron's v1 or v2; default v2)."""
+    tiktoken_num_special_tokens: int = 1000
+    """TikTokenizer: ids below this are special tokens; the BPE ranks follow."""
+    special_tokens: list[str] = field(default_factory=list,
+                                      metadata={"flag": "--tokenizer-special-tokens"})
+    """TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)."""
+    null_tokenizer_eod_id: int | None = None
+    """NullTokenizer's end-of-document id (default vocab - 1; Llama-3 shards: 128001)."""
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode without the post-processor's special tokens (e.g. BOS)."""
     train_data_path: list[str] = field(default_factory=list)
     """Training data only (blend syntax as --data-path), instead of --data-path + --split."""
     valid_data_path: list[str] = field(default_factory=list)
@@ -535,9 +603,10 @@ class DataConfig:
         if self.tokenizer_type == "NullTokenizer" and self.tokenizer_model:
             raise ConfigError("--tokenizer-type NullTokenizer reads no file (vocab = "
                               "--vocab-size); drop --tokenizer-model")
-        if self.tokenizer_type not in (None, "NullTokenizer") and not self.tokenizer_model:
-            raise ConfigError(f"--tokenizer-type {self.tokenizer_type} loads a sentencepiece "
-                              "model: pass its .model file with --tokenizer-model")
+        if (self.tokenizer_type not in (None, "NullTokenizer", "GPT2BPETokenizer")
+                and not self.tokenizer_model):
+            raise ConfigError(f"--tokenizer-type {self.tokenizer_type} loads --tokenizer-model: "
+                              "pass its file")
         if self.data_path and (self.train_data_path or self.valid_data_path
                                or self.test_data_path):
             raise ConfigError("--data-path (split by --split) and --train/valid/test-data-path "
@@ -833,14 +902,16 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     errors += _context_parallel_errors(cfg)
     errors += _fp64_errors(cfg)
-    if model.hidden_size % model.num_attention_heads:
+    if model.kv_channels is None:
         errors.append(
             f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
-            f"{model.num_attention_heads}; pick heads that divide the width"
+            f"{model.num_attention_heads}; pick heads that divide the width or set the head "
+            "dim with --kv-channels"
         )
-    elif model.head_dim % 2:
-        errors.append(f"head dim {model.head_dim} (= --hidden-size / --num-attention-heads) "
-                      "must be even for rotary embeddings")
+    elif model.kv_channels <= 0 or model.kv_channels % 2:
+        errors.append(f"head dim {model.kv_channels} (--kv-channels, default --hidden-size / "
+                      "--num-attention-heads) must be even and positive for rotary embeddings")
+    errors += _padded_vocab_errors(model, tp)
     if model.num_attention_heads % model.num_query_groups:
         errors.append(
             f"--num-attention-heads {model.num_attention_heads} is not divisible by "
@@ -887,6 +958,22 @@ def validate(cfg: Config, world_size: int) -> None:
     errors += _sharding_errors(parallel, train.compile)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _padded_vocab_errors(model: ModelConfig, tp: int) -> list[str]:
+    """--padded-vocab-size is the row count itself: it must hold the vocabulary and split
+    evenly over TP."""
+    rows = model.padded_vocab
+    if rows is None:
+        return []
+    if rows < model.vocab_size:
+        return [f"--padded-vocab-size {rows} is smaller than the vocabulary ({model.vocab_size} "
+                "tokens, --vocab-size or the tokenizer's); raise it or drop it"]
+    if rows % tp:
+        return [f"--padded-vocab-size {rows} is not divisible by --tensor-model-parallel-size "
+                f"{tp}; use a multiple of {tp} (or drop it: --make-vocab-size-divisible-by "
+                "pads for the TP size)"]
+    return []
 
 
 def _context_parallel_errors(cfg: Config) -> list[str]:

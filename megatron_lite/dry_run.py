@@ -11,6 +11,11 @@ reductions, an evaluation, a checkpoint save into a scratch directory (meta writ
 The same code as a real run; meta tensors carry shapes and no values, so a 70B rank costs
 seconds and no memory. Each record's `phases` says which of those parts ran.
 
+Before any rank, the run's summary (`Summary`: iterations, accumulation steps, tokens per step,
+the planner's largest rank against the device's memory) and a check of the data flags that reads
+no shard (`data_problems`: each path and tokenizer file exists, --split and the blends parse); a
+problem there ends the dry run with every one listed.
+
 What it shows per rank: the bytes of the real allocations (parameters, gradients, optimizer
 state, peak activations of the step) beside the planner's, every collective and p2p op
 (refused when a tensor is not on the run's device, as NCCL would), and, with
@@ -28,14 +33,30 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from megatron_lite.checkpoint import Checkpointer
-from megatron_lite.config import Config, dry_run_rank_list, validate
+from megatron_lite.config import (
+    Config,
+    ConfigError,
+    dry_run_rank_list,
+    global_batch_at,
+    num_microbatches,
+    validate,
+)
 from megatron_lite.data.builder import build_loaders
+from megatron_lite.data.dataset import parse_blend, split_ranges
+from megatron_lite.data.format import (
+    MANIFEST_SUFFIX,
+    REGENERATE_HINT,
+    ShardError,
+    find_manifest,
+    load_manifest,
+)
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.data.mock import MockDataset
 from megatron_lite.kernels import resolve_use_triton
@@ -45,7 +66,15 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
 from megatron_lite.parallel.host_syncs import HostSyncCounter
-from megatron_lite.planner import Cluster, Layout, _recompute_from, estimate_memory, evaluate
+from megatron_lite.planner import (
+    DEFAULT_DEVICE,
+    GIB,
+    Cluster,
+    Layout,
+    _recompute_from,
+    estimate_memory,
+    evaluate,
+)
 from megatron_lite.profiling import StepHooks
 from megatron_lite.reliability import Guard
 from megatron_lite.training import (
@@ -61,12 +90,179 @@ from megatron_lite.training import (
     train_step,
 )
 
-JSONL_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
-              "optimizer_bytes", "activation_bytes", "planner_params_bytes",
-              "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
-              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
-              "host_syncs_per_step", "host_step_s")
-"""The fields of one `--log-jsonl` record per dry-run rank, in order."""
+SUMMARY_KEYS = ("iters", "grad_acc", "tokens_per_step", "mem_gib", "device_gib", "fits",
+                "data_errors")
+"""The run's summary fields (`Summary`), in order, in each `--log-jsonl` record."""
+
+RANK_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_bytes",
+             "optimizer_bytes", "activation_bytes", "planner_params_bytes",
+             "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
+             "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
+             "host_syncs_per_step", "host_step_s")
+"""A dry-run rank's own fields of its `--log-jsonl` record, in order."""
+
+JSONL_KEYS = RANK_KEYS + SUMMARY_KEYS
+"""The fields of one `--log-jsonl` record per dry-run rank, in order: the rank's, then the
+run's summary (without --dry-run-ranks, or when the data check fails, the file holds one
+record of `SUMMARY_KEYS` alone)."""
+
+
+@dataclass
+class Summary:
+    """What the whole run will do and need, from the flags alone (no tensor, no shard read)."""
+
+    iters: int
+    """Optimizer steps: --train-iters, or derived from --train-samples (and the ramp-up)."""
+    grad_acc: int
+    """Gradient-accumulation steps: micro-batches per step per DP rank, at the full global
+    batch."""
+    grad_acc_start: int
+    """The same at the first step (differs under --rampup-batch-size or
+    --step-batch-size-schedule, whose largest batch `grad_acc` counts)."""
+    tokens_per_step: int
+    """Global batch x sequence length, at the full global batch."""
+    mem_gib: float
+    """The planner's bytes of the largest rank (its stage's states and peak activations) plus
+    its allowance (CUDA context, NCCL buffers, fragmentation), in GiB."""
+    device_gib: float
+    """Memory of one device: --dry-run-device-memory-gb, or the planner's device."""
+    device: str
+    fits: bool
+    data_errors: list[str]
+    """`data_problems`: what a run would refuse in the data flags."""
+    iters_source: str = "--train-iters"
+    stage: int = 0
+
+    def record(self) -> dict:
+        return {k: getattr(self, k) for k in SUMMARY_KEYS}
+
+
+def summarize(cfg: Config, world_size: int) -> Summary:
+    """The run's iterations, batch, tokens and memory against the device; the data check."""
+    t = cfg.train
+    mbs_per_step = num_microbatches(cfg, world_size)
+    varies = t.rampup_batch_size or t.step_batch_size_schedule is not None
+    first = global_batch_at(t, 0, cfg.model.seq_length) if varies else None
+    per_micro = t.micro_batch_size * (world_size // _replica(cfg))
+    est = estimate_memory(cfg, world_size)
+    cluster = Cluster(gpus=world_size)
+    given = t.dry_run_device_memory_gb
+    device_gib = given or cluster.gpu_memory_gib
+    need = est.total_bytes / GIB + cluster.allowance_gib
+    gbs = mbs_per_step * per_micro
+    return Summary(
+        t.train_iters, mbs_per_step, first // per_micro if first else mbs_per_step,
+        gbs * cfg.model.seq_length, round(need, 2), device_gib,
+        "--dry-run-device-memory-gb" if given else DEFAULT_DEVICE, need <= device_gib,
+        data_problems(cfg),
+        f"from --train-samples {t.train_samples:,}" if t.train_samples is not None
+        else "--train-iters", est.stage)
+
+
+def _replica(cfg: Config) -> int:
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+            * p.context_parallel_size)
+
+
+def format_summary(s: Summary) -> str:
+    """The summary as the dry run prints it (field names as in `SUMMARY_KEYS`)."""
+    acc = (f"{s.grad_acc_start} -> {s.grad_acc} (batch ramp)"
+           if s.grad_acc_start != s.grad_acc else f"{s.grad_acc}")
+    spare = s.device_gib - s.mem_gib
+    verdict = (f"fits, {spare:.2f} GiB spare" if s.fits
+               else f"DOES NOT FIT by {-spare:.2f} GiB")
+    data = (f"{len(s.data_errors)} problem(s) in the data flags" if s.data_errors
+            else "data flags ok (paths and split checked, no shard read)")
+    return (f"dry run: iters {s.iters:,} ({s.iters_source}) | grad_acc {acc} micro-batches "
+            f"per step per DP rank | tokens_per_step {s.tokens_per_step:,}\n"
+            f"dry run: mem_gib {s.mem_gib:.2f} (planner, stage {s.stage}, with allowance) of "
+            f"device_gib {s.device_gib:g} ({s.device}): {verdict} | {data}")
+
+
+TOKENIZER_FILE_FLAGS = ("tokenizer_model", "vocab_file", "merge_file")
+"""Config fields naming a tokenizer file the run opens (those the config has)."""
+
+
+def _tokenizer_files(cfg: Config) -> list[tuple[str, str]]:
+    """(flag, path) of every tokenizer file given, wherever config.py keeps its field."""
+    found = []
+    for section in dataclasses.fields(cfg):
+        for name in TOKENIZER_FILE_FLAGS:
+            value = getattr(getattr(cfg, section.name), name, None)
+            if value:
+                found.append(("--" + name.replace("_", "-"), value))
+    return found
+
+
+def _split_problem(split: str) -> str | None:
+    """--split as the data module parses it (the one call that checks it here)."""
+    try:
+        split_ranges(split, 0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _path_problems(flag: str, path: str, node_local: bool) -> list[str]:
+    """One blend entry: its manifest (and, unless node-local, the shards it lists), or its
+    .bin/.idx pair, as `format.resolve_prefixes` resolves it; existence only."""
+    manifest_path = find_manifest(path)
+    if manifest_path is None:
+        missing = [path + ext for ext in (".bin", ".idx") if not Path(path + ext).is_file()]
+        if len(missing) == 2:
+            return [f"{flag} {path}: neither {path}{MANIFEST_SUFFIX} nor {path}.bin/.idx "
+                    "exists; give the prefix (without .bin/.idx) or its manifest, or "
+                    f"{REGENERATE_HINT}"]
+        return [f"{flag} {path}: {missing[0]} is missing beside its pair; {REGENERATE_HINT}"
+                ] if missing else []
+    try:
+        manifest = load_manifest(manifest_path)
+    except ShardError as err:
+        return [f"{flag} {path}: {err}"]
+    if node_local:  # the shards are on each node's local disk, not here
+        return []
+    missing = [p + ext for p in (manifest.shard_prefix(i) for i in range(len(manifest.shards)))
+               for ext in (".bin", ".idx") if not Path(p + ext).is_file()]
+    if not missing:
+        return []
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    return [f"{flag} {path}: {len(missing)} shard file(s) listed in {manifest_path} are "
+            f"missing: {', '.join(missing[:3])}{more}; {manifest.hint()}"]
+
+
+def data_problems(cfg: Config) -> list[str]:
+    """What a real run would refuse in the data flags, found without reading any shard:
+    tokenizer files that do not exist, blends that do not parse, prefixes without their
+    .bin/.idx or manifest (and the shard files a manifest lists), a --split that does not
+    parse. With --mock-data the paths are not read, so only the tokenizer files count; with
+    no data flag at all the dry run has nothing to check (it runs mock batches)."""
+    d = cfg.data
+    problems = [f"{flag} {path}: no such file or directory; pass the tokenizer's file"
+                for flag, path in _tokenizer_files(cfg) if not Path(path).exists()]
+    if d.mock_data:
+        return problems
+    for flag, blend in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                        ("--valid-data-path", d.valid_data_path),
+                        ("--test-data-path", d.test_data_path)):
+        if not blend:
+            continue
+        try:
+            pairs = parse_blend(blend)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        for _, path in pairs:
+            problems += _path_problems(flag, path, d.data_sharding == "node-local")
+    split = _split_problem(d.split) if d.data_path else None
+    return problems + ([split] if split else [])
+
+
+def _write_jsonl(cfg: Config, records: list[dict]) -> None:
+    if cfg.logging.log_jsonl:
+        with open(cfg.logging.log_jsonl, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
 
 
 @dataclass
@@ -107,7 +303,7 @@ class RankResult:
     """Phase -> the (first, end) slice of `ops` it issued."""
 
     def record(self) -> dict:
-        return {k: getattr(self, k) for k in JSONL_KEYS}
+        return {k: getattr(self, k) for k in RANK_KEYS}
 
 
 PHASES = ("startup", "epoch_plan", "train_step", "guard", "log", "eval", "checkpoint",
@@ -384,8 +580,15 @@ def dry_run(cfg: Config, world_size: int) -> int:
     """The whole --dry-run: planner report, then the listed ranks; exit status."""
     validate(cfg, world_size)
     print(dry_run_report(cfg, world_size), flush=True)
+    summary = summarize(cfg, world_size)
+    print(format_summary(summary), flush=True)
+    if summary.data_errors:
+        _write_jsonl(cfg, [summary.record()])
+        raise ConfigError("the data flags would stop the run (checked without reading a "
+                          "shard):\n  " + "\n  ".join(summary.data_errors))
     ranks = dry_run_rank_list(cfg, world_size)
     if not ranks:
+        _write_jsonl(cfg, [summary.record()])
         print("(add --dry-run-ranks 0 ... or `all` to run those ranks' real training step on "
               "the meta device)")
         return 0
@@ -396,10 +599,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print(group_creations_line(results[-1]), flush=True)
         print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
     print(format_table(results))
-    if cfg.logging.log_jsonl:
-        with open(cfg.logging.log_jsonl, "w") as f:
-            for r in results:
-                f.write(json.dumps(r.record()) + "\n")
+    _write_jsonl(cfg, [{**r.record(), **summary.record()} for r in results])
     if len(ranks) < world_size:
         print(f"collectives not matched: {len(ranks)} of {world_size} ranks were dry-run "
               "(--dry-run-ranks all matches them)")

@@ -1,4 +1,4 @@
-"""Hugging Face Llama export and import of megatron_lite checkpoints.
+"""Hugging Face export and import of megatron_lite checkpoints (Llama, Qwen2, Qwen3).
 
     python -m megatron_lite.export --load CKPT_DIR --output HF_DIR [--tokenizer-model TOK.model]
         [--dtype bf16|fp32] [--ckpt-step N] [--max-shard-size 5GB]
@@ -6,11 +6,22 @@
 
 Export gathers a checkpoint of any parallel layout into full tensors (no processes needed)
 and writes `config.json`, `model.safetensors` (or shards + `model.safetensors.index.json`
-above --max-shard-size) and `tokenizer.model`. Our RoPE is the rotate-half convention that
-`transformers`' Llama uses, so the conversion is a rename plus splitting the fused
-[Q; K; V] and [gate; up] weights; no row permutation. Import is the reverse and writes a
-model-only checkpoint (TP=PP=1, iteration 0) that any layout loads, with fresh Adam state.
-Only safetensors is read: pickled `pytorch_model.bin` files are refused, never unpickled.
+above --max-shard-size) and the run's tokenizer: `tokenizer.model` (sentencepiece), or
+`tokenizer.json` + `tokenizer_config.json` (HuggingFaceTokenizer, GPT2BPETokenizer, and
+TikTokenizer converted to the same ids), which AutoTokenizer loads. Our RoPE is the
+rotate-half convention that `transformers`' Llama uses, so the conversion is a rename plus
+splitting the fused [Q; K; V] and [gate; up] weights; no row permutation. Import is the
+reverse and writes a model-only checkpoint (TP=PP=1, iteration 0) that any layout loads,
+with fresh Adam state. Only safetensors is read: pickled `pytorch_model.bin` files are
+refused, never unpickled.
+
+The architecture follows the variant flags: `LlamaForCausalLM` (with `rope_type: llama3`
+under --use-rope-scaling), `Qwen2ForCausalLM` for --add-qkv-bias, `Qwen3ForCausalLM` for
+--qk-layernorm (with --add-qkv-bias too: Qwen3's `attention_bias`, whose o_proj bias is
+written as zeros and must be zero on import). `head_dim` is --kv-channels. With
+--padded-vocab-size the vocabulary tensors keep all their rows (the padding ones zero) and
+`vocab_size` is that row count, as Qwen2.5's configs have it; an import takes every row as
+vocabulary (Hugging Face has no padding count).
 """
 
 from __future__ import annotations
@@ -32,11 +43,13 @@ from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
 from megatron_lite.config import Config, ConfigError, ModelConfig
 from megatron_lite.errors import add_debug_flag, run_cli
+from megatron_lite.kernels import rope as rope_kernels
 from megatron_lite.layers import tags
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Our per-layer weight suffix -> Hugging Face's (the fused ones are split first).
 _LAYER_NAMES = {"attention_norm.weight": "input_layernorm.weight",
@@ -45,6 +58,12 @@ _LAYER_NAMES = {"attention_norm.weight": "input_layernorm.weight",
                 "mlp.down.weight": "mlp.down_proj.weight"}
 _TOP_NAMES = {"embedding.weight": "model.embed_tokens.weight",
               "final_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_QK_NORM_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight",
+                  "attention.k_norm.weight": "self_attn.k_norm.weight"}
+_LLAMA3_ROPE = {"low_freq_factor": rope_kernels.LLAMA3_LOW_FREQ_FACTOR,
+                "high_freq_factor": rope_kernels.LLAMA3_HIGH_FREQ_FACTOR,
+                "original_max_position_embeddings": rope_kernels.LLAMA3_ORIGINAL_CONTEXT}
+"""Llama 3.1's fixed scaling constants (only the factor is a flag, as in Megatron)."""
 
 
 def _qkv_rows(model_cfg: ModelConfig) -> list[int]:
@@ -69,22 +88,49 @@ def canonical_tags(model_cfg: ModelConfig) -> dict[str, tags.TpSplit | None]:
                    f"layers.{i}.mlp_norm.weight": None,
                    f"layers.{i}.mlp.gate_up.weight": gate_up,
                    f"layers.{i}.mlp.down.weight": tags.row_split()}
+        if model_cfg.add_qkv_bias:
+            splits[f"layers.{i}.attention.qkv.bias"] = qkv
+        if model_cfg.qk_layernorm:
+            splits |= {f"layers.{i}.{ours}": None for ours in _QK_NORM_NAMES}
     return splits
 
 
+def hf_architecture(model_cfg: ModelConfig) -> tuple[str, str]:
+    """(architecture, model_type) of the Hugging Face class that computes our variant."""
+    if model_cfg.qk_layernorm:
+        return "Qwen3ForCausalLM", "qwen3"
+    if model_cfg.add_qkv_bias:
+        return "Qwen2ForCausalLM", "qwen2"
+    return "LlamaForCausalLM", "llama"
+
+
+def _o_proj_bias(model_cfg: ModelConfig) -> bool:
+    """Qwen3's (and Llama's) `attention_bias` also puts a bias on o_proj; ours is zero."""
+    return model_cfg.add_qkv_bias and hf_architecture(model_cfg)[1] != "qwen2"
+
+
 def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our full (unsharded, unpadded) weights -> Hugging Face Llama state dict."""
+    """Our full (unsharded, unpadded) weights -> Hugging Face state dict (`hf_architecture`);
+    vocabulary tensors padded to --padded-vocab-size rows when it is set."""
     out: dict[str, Tensor] = {}
     for name, w in full.items():
         layer = _LAYER.match(name)
         if layer is None:
+            if name != "final_norm.weight" and model_cfg.padded_vocab is not None:
+                w = torch.cat([w, w.new_zeros(model_cfg.padded_vocab - w.shape[0], w.shape[1])])
             out[_TOP_NAMES[name]] = w
             continue
         prefix, rest = f"model.layers.{layer.group(1)}.", layer.group(2)
-        if rest == "attention.qkv.weight":
+        if rest in ("attention.qkv.weight", "attention.qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
             q, k, v = w.split(_qkv_rows(model_cfg))
-            out |= {prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-                    prefix + "self_attn.v_proj.weight": v}
+            out |= {prefix + f"self_attn.q_proj.{kind}": q,
+                    prefix + f"self_attn.k_proj.{kind}": k,
+                    prefix + f"self_attn.v_proj.{kind}": v}
+            if kind == "bias" and _o_proj_bias(model_cfg):
+                out[prefix + "self_attn.o_proj.bias"] = w.new_zeros(model_cfg.hidden_size)
+        elif rest in _QK_NORM_NAMES:
+            out[prefix + _QK_NORM_NAMES[rest]] = w
         elif rest == "mlp.gate_up.weight":
             gate, up = w.chunk(2)
             out |= {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
@@ -101,10 +147,20 @@ def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
         if theirs in hf and (ours != "output.weight" or untied):
             out[ours] = hf[theirs]
     inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if model_cfg.qk_layernorm:
+        inverse |= {v: k for k, v in _QK_NORM_NAMES.items()}
     for i in range(model_cfg.num_layers):
         prefix = f"model.layers.{i}."
         out[f"layers.{i}.attention.qkv.weight"] = torch.cat(
             [hf[prefix + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if model_cfg.add_qkv_bias:
+            out[f"layers.{i}.attention.qkv.bias"] = torch.cat(
+                [hf[prefix + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        o_bias = hf.get(prefix + "self_attn.o_proj.bias")
+        if o_bias is not None and bool(o_bias.any()):
+            raise ckpt_files.CheckpointError(
+                f"{prefix}self_attn.o_proj.bias is not zero: megatron_lite's attention output "
+                "projection has no bias (--add-qkv-bias covers q, k and v only)")
         out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
             [hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]])
         for theirs, ours in inverse.items():
@@ -115,43 +171,79 @@ def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
     return out
 
 
+def hf_rope_parameters(model_cfg: ModelConfig) -> dict:
+    """transformers 5's `rope_parameters`: the default type, or llama3 with Megatron's
+    --use-rope-scaling constants."""
+    rope = {"rope_type": "default", "rope_theta": model_cfg.rotary_base}
+    if model_cfg.use_rope_scaling:
+        rope |= {"rope_type": "llama3", "factor": model_cfg.rope_scaling_factor, **_LLAMA3_ROPE}
+    return rope
+
+
 def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None
               ) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
+    architecture, model_type = hf_architecture(model_cfg)
+    rope = hf_rope_parameters(model_cfg)
+    legacy_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"}
+                      if model_cfg.use_rope_scaling else None)  # what transformers 4 reads
+    return {"architectures": [architecture], "model_type": model_type,
+            "vocab_size": model_cfg.padded_vocab or model_cfg.vocab_size,
+            "hidden_size": model_cfg.hidden_size,
             "intermediate_size": model_cfg.ffn_hidden_size,
             "num_hidden_layers": model_cfg.num_layers,
             "num_attention_heads": model_cfg.num_attention_heads,
             "num_key_value_heads": model_cfg.num_query_groups, "head_dim": model_cfg.head_dim,
             "max_position_embeddings": model_cfg.max_position_embeddings,
             "rms_norm_eps": model_cfg.norm_epsilon, "rope_theta": model_cfg.rotary_base,
+            "rope_parameters": rope, "rope_scaling": legacy_scaling,
             "tie_word_embeddings": not model_cfg.untie_embeddings_and_output_weights,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "hidden_act": "silu", "attention_bias": _o_proj_bias(model_cfg), "mlp_bias": False,
+            "use_sliding_window": False,
             "initializer_range": model_cfg.init_method_std, "bos_token_id": bos,
             "eos_token_id": eos,
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
+def _rope_scaling_from_hf(config: dict, unsupported: list[str]) -> float | None:
+    """The --rope-scaling-factor of a llama3-type RoPE (None for the default type); other
+    types, and llama3 constants Megatron's flags cannot express, go to `unsupported`."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    fixed = all(float(rope.get(k, -1)) == float(v) for k, v in _LLAMA3_ROPE.items())
+    if kind != "llama3" or not fixed:
+        unsupported.append(f"rope_type {kind} {rope} (only llama3 with "
+                           f"{_LLAMA3_ROPE} imports, as --use-rope-scaling)")
+        return None
+    return float(rope["factor"])
+
+
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face Llama config.json; refuses what we cannot run."""
-    if config.get("model_type") != "llama":
+    """Our ModelConfig for a Hugging Face Llama, Qwen2 or Qwen3 config.json; refuses what we
+    cannot run."""
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "qwen2", "qwen3"):
         raise ckpt_files.CheckpointError(
-            f"model_type {config.get('model_type')!r}: only 'llama' imports")
+            f"model_type {model_type!r}: only 'llama', 'qwen2' and 'qwen3' import")
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    unsupported = [k for k in ("attention_bias", "mlp_bias") if config.get(k)]
+    unsupported = ["mlp_bias"] if config.get("mlp_bias") else []
     if config.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={config['hidden_act']}")
-    if (config.get("rope_scaling") or {}).get("rope_type", "default") != "default" or \
-            rope.get("rope_type", "default") != "default":
-        unsupported.append("rope scaling")
-    heads = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        unsupported.append("head_dim != hidden_size / num_attention_heads")
+    if config.get("use_sliding_window"):
+        unsupported.append("use_sliding_window")
+    factor = _rope_scaling_from_hf(config, unsupported)
     if unsupported:
-        raise ckpt_files.CheckpointError(f"this Llama config uses {unsupported}, which "
+        raise ckpt_files.CheckpointError(f"this {model_type} config uses {unsupported}, which "
                                          "megatron_lite's model does not implement")
+    heads = config["num_attention_heads"]
     return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                       kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+                       add_qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
+                       qk_layernorm=model_type == "qwen3",
+                       use_rope_scaling=factor is not None,
+                       rope_scaling_factor=factor if factor is not None else 8.0,
                        ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
                        num_query_groups=config.get("num_key_value_heads", heads),
                        seq_length=min(config.get("max_position_embeddings", 2048), 4096),
@@ -236,19 +328,34 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)
     write_safetensors_dir(output, to_hf(full, model_cfg), parse_size(max_shard_size))
-    tok_path = tokenizer_model or reader.meta["config"]["data"].get("tokenizer_model")
-    bos = eos = None
-    if tok_path and Path(tok_path).is_file():
-        from tokenizer.tokenizer import Tokenizer
-
-        tok = Tokenizer(tok_path)
-        bos, eos = tok.bos_id, tok.eos_id
-        shutil.copyfile(tok_path, output / "tokenizer.model")
-    elif tokenizer_model:
-        raise ckpt_files.CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
+    bos, eos = _write_tokenizer(output, reader.meta["config"]["data"], model_cfg.vocab_size,
+                                tokenizer_model)
     config = hf_config(model_cfg, DTYPES[dtype], bos, eos)
     (output / "config.json").write_text(json.dumps(config, indent=1))
     return reader.dir
+
+
+def _write_tokenizer(output: Path, data: dict, vocab_size: int, override: str | None
+                     ) -> tuple[int | None, int | None]:
+    """Write the run's tokenizer (its --tokenizer-type; `override` replaces --tokenizer-model)
+    as Hugging Face files; (BOS, EOS) ids for config.json. Files the run read that are gone
+    now: no tokenizer (a warning), unless `override` was given."""
+    from tokenizer.spec import TokenizerSpec, load_tokenizer
+    from tokenizer.tokenizer import TokenizerError
+
+    data = {**data, "tokenizer_model": override or data.get("tokenizer_model")}
+    spec = TokenizerSpec.from_data_config(data, vocab_size)
+    if spec is None:
+        return None, None
+    try:
+        tok = load_tokenizer(spec)
+    except TokenizerError as e:
+        if override:
+            raise ckpt_files.CheckpointError(f"--tokenizer-model {override}: {e}") from None
+        print(f"warning: exported without tokenizer files: {e}", file=sys.stderr)
+        return None, None
+    tok.save_hf(output)
+    return tok.bos_id, tok.eod_id
 
 
 def import_hf(hf_dir: Path, save_dir: Path) -> Path:
@@ -261,8 +368,12 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     splits = canonical_tags(model_cfg)
     cfg = Config(model=model_cfg)
     tok = hf_dir / "tokenizer.model"
+    hf_tok = [hf_dir / n for n in _HF_TOKENIZER_FILES if (hf_dir / n).is_file()]
     if tok.is_file():
         cfg.data.tokenizer_model = str(save_dir / "tokenizer.model")
+    elif hf_tok and hf_tok[0].name == "tokenizer.json":  # a fast tokenizer: ours to load
+        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.data.tokenizer_model = str(save_dir / "tokenizer")
     save_dir.mkdir(parents=True, exist_ok=True)
     ckpt_files.clear_stale(save_dir)
     tmp = Path(tempfile.mkdtemp(prefix=ckpt_files.iter_dir_name(0) + ".", suffix=".tmp",
@@ -280,6 +391,10 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     final = ckpt_files.commit(save_dir, tmp, 0, meta, None)
     if tok.is_file():
         shutil.copyfile(tok, save_dir / "tokenizer.model")
+    elif cfg.data.tokenizer_type == "HuggingFaceTokenizer":
+        (save_dir / "tokenizer").mkdir(exist_ok=True)
+        for file in hf_tok:
+            shutil.copyfile(file, save_dir / "tokenizer" / file.name)
     return final
 
 
@@ -313,12 +428,13 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--load", help="checkpoint directory to export (latest or --ckpt-step)")
     parser.add_argument("--output", help="Hugging Face directory to write")
     parser.add_argument("--ckpt-step", type=int, help="export this iteration instead of latest")
-    parser.add_argument("--tokenizer-model", help="sentencepiece model to ship (default: the "
-                        "checkpoint's --tokenizer-model when the file exists)")
+    parser.add_argument("--tokenizer-model", help="tokenizer file to ship instead of the "
+                        "checkpoint's --tokenizer-model (same --tokenizer-type)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split model.safetensors above this size (default: 5GB)")
-    parser.add_argument("--from-hf", help="import this Hugging Face Llama directory instead")
+    parser.add_argument("--from-hf", help="import this Hugging Face Llama, Qwen2 or Qwen3 "
+                        "directory instead")
     parser.add_argument("--save", help="with --from-hf: checkpoint directory to write")
     add_debug_flag(parser)
     args = parser.parse_args(argv)

@@ -174,7 +174,8 @@ def sharding_summary(cfg: Config, dp: int, params: int, state_bytes: float | Non
     """The DP sharding strategy's bytes-per-parameter formula at this DP size, and (given the
     states' bytes) the B/param measured on this rank beside it."""
     strategy = cfg.parallel.data_parallel_sharding_strategy
-    form, per_param = sharding_formula(strategy, dp, cfg.train.bf16)
+    form, per_param = sharding_formula(strategy, dp, cfg.train.bf16,
+                                       cfg.parallel.grad_reduce_in_bf16)
     line = (f"sharding {strategy} over d={dp}: {form} = {per_param:.3f} B/param x "
             f"{params:,} = {fmt_bytes(per_param * params)}")
     if state_bytes is not None:

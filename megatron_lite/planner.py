@@ -13,16 +13,20 @@ FLOPs per token (`training_flops_per_token`, the one count): 6·N + 12·l·q·s,
 `matmul_params`, every weight that takes part in a matmul (per layer QKV h·(q + 2k), attention
 output q·h, MLP 3·h·f; plus the output layer V·h over the vocabulary padded for the run's TP
 size; the input embedding is a lookup, so a tied one counts once, as the output layer), with
-l layers, q = heads·head_dim, s = sequence length. The 12·l·q·s term counts the attention
-scores and values as if not causal (PaLM / nanoGPT / torchtitan): that is the log's `mfu` and
-the planner's MFU. `causal=True` halves it (Megatron-LM since 2025): the log's `mfu_causal`, and
-the work the step-time model charges, since flash attention skips the masked half.
+l layers, q = heads·head_dim (head_dim = --kv-channels), s = sequence length; the
+--add-qkv-bias biases and the --qk-layernorm weights are elementwise work, not matmuls, so
+they are parameters (`layer_params`) but not in N, as in Megatron's count. The 12·l·q·s term
+counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): that
+is the log's `mfu` and the planner's MFU. `causal=True` halves it (Megatron-LM since 2025):
+the log's `mfu_causal`, and the work the step-time model charges, since flash attention skips
+the masked half.
 Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
 params (2), an fp32 gradient buffer (4), fp32 master weights (4) and Adam m, v (8) = 18; fp32
 runs hold fp32 params (4), fp32 grads (4) and a separate fp32 master + m + v (12) = 20 (the
-optimizer keeps its own master copy so ZeRO-1 can shard it).
+optimizer keeps its own master copy so ZeRO-1 can shard it). --grad-reduce-in-bf16 makes the
+gradient (buffer, ZeRO-2/3 shard and buckets) 2 bytes (`grad_state_bytes`).
 --data-parallel-sharding-strategy splits more of it over d DP ranks (`state_bytes`, bf16):
 optim (ZeRO-1, `--use-distributed-optimizer`) master + m + v: 2 + 4 + 12/d; optim_grads
 (ZeRO-2) also the fp32 gradient: 2 + 16/d; optim_grads_params (ZeRO-3) also the parameters:
@@ -53,6 +57,15 @@ GIB = 2**30
 
 STATE_BYTES = {True: (2, 4, 12), False: (4, 4, 12)}
 """bf16 -> (param, grad, optimizer) bytes per parameter; optimizer = master (bf16 only) + m + v."""
+
+
+
+def grad_state_bytes(bf16: bool, grad_bf16: bool = False) -> tuple[int, int, int]:
+    """`STATE_BYTES` with the gradient in bf16 under --grad-reduce-in-bf16 (the optimizer's
+    buffers, shards and buckets then hold bf16; the masters and moments stay fp32)."""
+    pb, gb, ob = STATE_BYTES[bf16]
+    return pb, 2 if grad_bf16 else gb, ob
+
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
@@ -145,9 +158,15 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, causal: bool = 
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP,
-    plus the two RMSNorm weights every rank holds whole."""
-    return 2 * model.hidden_size + matmul_params_per_layer(ModelShape.from_config(model)) // tp
+    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP
+    (with --kv-channels d the attention ones are h·(heads + 2·groups)·d and heads·d·h), the
+    --add-qkv-bias biases (heads + 2·groups)·d split likewise, plus the RMSNorm weights every
+    rank holds whole: two h-wide, and two d-wide with --qk-layernorm."""
+    d = model.head_dim
+    bias = (model.num_attention_heads + 2 * model.num_query_groups) * d if model.add_qkv_bias \
+        else 0
+    norms = 2 * model.hidden_size + (2 * d if model.qk_layernorm else 0)
+    return norms + (matmul_params_per_layer(ModelShape.from_config(model)) + bias) // tp
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int,
@@ -214,16 +233,18 @@ SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
-                full_grad_accumulator: bool = False) -> tuple[int, int, int]:
+                full_grad_accumulator: bool = False, grad_bf16: bool = False
+                ) -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes on one rank, as megatron_lite stores them.
 
     Sharded parts are ceil(n/dp) elements (bucket padding aside); ZeRO-3's gathered units
     come and go within the step (`gathered_unit_bytes`). ZeRO-2 with
     --sharded-grad-accumulation full-buffer adds a full-size accumulator in the parameter
     dtype (bucket tensors in flight are not counted, as for the other strategies).
+    `grad_bf16`: --grad-reduce-in-bf16.
     """
     stage = SHARDING.index(sharding)
-    pb, gb, ob = STATE_BYTES[bf16]
+    pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
     owned = math.ceil(num_params / dp) if stage >= 1 else num_params
     params = owned * pb if stage >= 3 else num_params * pb
     grads = owned * gb if stage >= 2 else num_params * gb
@@ -232,10 +253,11 @@ def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
     return params, grads, owned * ob
 
 
-def sharding_formula(sharding: str, dp: int, bf16: bool = True) -> tuple[str, float]:
+def sharding_formula(sharding: str, dp: int, bf16: bool = True, grad_bf16: bool = False
+                     ) -> tuple[str, float]:
     """The issue's bytes-per-parameter formula of a strategy and its value at `dp` (the
     gathered ZeRO-3 unit is not in it), e.g. ("2 + 16/d", 2.25) for optim_grads at d = 64."""
-    pb, gb, ob = STATE_BYTES[bf16]
+    pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
     forms = {"no_shard": (f"{pb} + {gb} + {ob}", pb + gb + ob),
              "optim": (f"{pb} + {gb} + {ob}/d", pb + gb + ob / dp),
              "optim_grads": (f"{pb} + {gb + ob}/d", pb + (gb + ob) / dp),
@@ -281,10 +303,12 @@ def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
     return units * STATE_BYTES[bf16][0]
 
 
-def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
+def zero3_step_bytes(model: ModelConfig, tp: int, bf16: bool, grad_bf16: bool = False) -> int:
     """What ZeRO-3 holds on top of the activations during a step: the gathered units and
-    `ZERO3_GRAD_BUCKETS` fp32 gradient buckets of the largest owned unit."""
-    grads = ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp)) * STATE_BYTES[bf16][1]
+    `ZERO3_GRAD_BUCKETS` gradient buckets (fp32, bf16 with --grad-reduce-in-bf16) of the
+    largest owned unit."""
+    grads = (ZERO3_GRAD_BUCKETS * max(zero3_units(model, tp))
+             * grad_state_bytes(bf16, grad_bf16)[1])
     return gathered_unit_bytes(model, tp, bf16) + grads
 
 
@@ -348,6 +372,11 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
                                                      fp32 gate, up and silu(gate) copies
 
     With bf16 reference kernels add 4h per norm (fp32 weight copy) and 8·s·d (fp32 RoPE tables).
+    --qk-layernorm adds, over the q and k heads (q + k channels, heads + groups rows):
+    (c'·sb·(q + k) + 4·sb·(heads + groups))/t, c' = e fused (the kernel's contiguous copy of
+    the strided q/k input), e reference fp32 (x·rstd), 8 reference bf16 (fp32 x and x·rstd,
+    plus 2 x 4d for the weights' fp32 copies); the 4 bytes are rstd per head row. Selective
+    recompute drops it with the core.
     bf16 on CPU runs SDPA in fp32 (`fp32_attention_core`): attention is then
     4·sb·(2q + 2k)/t (fp32 q, k, v, out) + e·sb·q/t (projection input) + log-sum-exp.
     For MHA, f = 8h/3, fused bf16: about 34.7·sbh without TP, vs 34·sbh + 5·a·s²·b in the paper.
@@ -367,6 +396,12 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
         # qkv output, so nothing keeps that alive.
         qkv_out, rotated = 0, 4 * s * b * (2 * q + 2 * k)
     attn = (qkv_out + out + (0 if selective else rotated + lse)) / t
+    if model.qk_layernorm and not selective:
+        per_channel = e if a.fused_kernels or not a.bf16 else 8
+        rows = model.num_attention_heads + model.num_query_groups
+        attn += (per_channel * s * b * (q + k) + 4 * s * b * rows) / t
+        if not a.fused_kernels and a.bf16:
+            attn += 8 * model.head_dim
     if not a.fused_kernels and a.bf16 and not selective:
         attn += 8 * s * model.head_dim
     mlp = (3 * e if a.fused_kernels else 12 + e) * s * b * f / t
@@ -487,6 +522,8 @@ class StageSpec:
     stage 0."""
     full_grad_accumulator: bool = False
     """--sharded-grad-accumulation full-buffer (ZeRO-2 only)."""
+    grad_bf16: bool = False
+    """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -494,7 +531,8 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     v_shape = spec.schedule == "zbv"
     n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
-                             spec.full_grad_accumulator and spec.microbatches > 1)
+                             spec.full_grad_accumulator and spec.microbatches > 1,
+                             spec.grad_bf16)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     holds_head = stage == (0 if v_shape else spec.pp - 1)
@@ -510,7 +548,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     if holds_head:
         working += head_transient_bytes(model, spec.act)
     if spec.sharding == "optim_grads_params":
-        working += zero3_step_bytes(model, spec.tp, spec.act.bf16)
+        working += zero3_step_bytes(model, spec.tp, spec.act.bf16, spec.grad_bf16)
     peak = flying * per_chunk + head + ids * min(flying, spec.microbatches) + working
     return MemoryEstimate(stage, n, pb, gb, ob, spec.chunks * per_chunk + head + ids, flying,
                           peak)
@@ -550,7 +588,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
-                     parallel.sharded_grad_accumulation == "full-buffer")
+                     parallel.sharded_grad_accumulation == "full-buffer",
+                     parallel.grad_reduce_in_bf16)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]
@@ -561,10 +600,14 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
 # Cluster, layouts and step time
 
 
+DEFAULT_DEVICE = "H100 SXM 80 GB"
+"""The device `Cluster`'s defaults describe."""
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """Hardware and efficiency assumptions (defaults: H100 SXM 80 GB, 8 per node, 400 Gb/s NIC
-    per GPU)."""
+    """Hardware and efficiency assumptions (defaults: `DEFAULT_DEVICE`, 8 per node, 400 Gb/s
+    NIC per GPU)."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -788,18 +831,19 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     """Structurally valid layouts without recompute (the memory search adds recompute).
 
-    TP is a power of two within a node dividing heads, query groups and ffn; PP divides the
-    layers; v divides the layers per stage, needs pp > 1 and micro-batches a multiple of pp;
-    micro-batches m >= pp; every sharding strategy with dp x cp > 1 (optim_grads_params only
-    with pp = 1, as the run refuses it with PP); SP always on with TP (same traffic, less
-    memory). With pp > 1 also the zero-bubble schedules: ZB-H1, and ZBV where 2p divides the
-    layers. CP (a power of two) only for long sequences: each rank keeps at least 8192 tokens
-    (so seq 8192 never splits), and 2·cp·tp divides the sequence.
+    TP is a power of two within a node dividing heads, query groups, ffn and any
+    --padded-vocab-size; PP divides the layers; v divides the layers per stage, needs pp > 1
+    and micro-batches a multiple of pp; micro-batches m >= pp; every sharding strategy with
+    dp x cp > 1 (optim_grads_params only with pp = 1, as the run refuses it with PP); SP always
+    on with TP (same traffic, less memory). With pp > 1 also the zero-bubble schedules: ZB-H1,
+    and ZBV where 2p divides the layers. CP (a power of two) only for long sequences: each rank
+    keeps at least 8192 tokens (so seq 8192 never splits), and 2·cp·tp divides the sequence.
     """
     out = []
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(c.gpus_per_node, c.gpus)
            and not (model.num_attention_heads % t or model.num_query_groups % t
-                    or model.ffn_hidden_size % t)]
+                    or model.ffn_hidden_size % t
+                    or (model.padded_vocab is not None and model.padded_vocab % t))]
     cps = [cp for cp in (1, 2, 4, 8, 16, 32, 64) if cp == 1 or model.seq_length // cp >= 8192]
     for tp, cp, pp in ((tp, cp, pp) for tp in tps for cp in cps
                        for pp in _divisors(model.num_layers)):
@@ -855,6 +899,21 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.need_gib))
 
 
+def variant_flags(model: ModelConfig) -> list[str | int | float]:
+    """The flags of the dense variants a model uses (head dim, biases, qk-norm, padded rows;
+    RoPE scaling changes no cost but is part of the model)."""
+    flags: list[str | int | float] = []
+    if model.kv_channels != model.hidden_size // model.num_attention_heads:
+        flags += ["--kv-channels", model.head_dim]
+    flags += [flag for flag, on in (("--add-qkv-bias", model.add_qkv_bias),
+                                    ("--qk-layernorm", model.qk_layernorm)) if on]
+    if model.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", model.rope_scaling_factor]
+    if model.padded_vocab is not None:
+        flags += ["--padded-vocab-size", model.padded_vocab]
+    return flags
+
+
 def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[str]:
     """The plan as pretrain.py flags (Megatron names)."""
     lay = plan.layout
@@ -867,6 +926,7 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
              "--micro-batch-size", lay.micro_batch, "--global-batch-size", global_batch]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += variant_flags(model)
     if lay.schedule is not None:
         flags += ["--pipeline-schedule", lay.schedule]
     elif lay.chunks > 1:

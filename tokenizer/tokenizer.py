@@ -74,6 +74,10 @@ class Tokenizer:
     def piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
+    def save_hf(self, out: Path) -> None:
+        """Hugging Face's Llama tokenizers load the sentencepiece file as `tokenizer.model`."""
+        (out / "tokenizer.model").write_bytes(self.model_path.read_bytes())
+
 
 def _optional(token_id: int) -> int | None:
     return None if token_id < 0 else token_id

@@ -46,7 +46,8 @@ REDACTED = "<redacted>"
 # run with the same values (parallel layout, batch sizes, schedule may all change).
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "vocab_size", "untie_embeddings_and_output_weights",
-                "norm_epsilon", "rotary_base")
+                "norm_epsilon", "rotary_base", "kv_channels", "add_qkv_bias", "qk_layernorm",
+                "use_rope_scaling", "rope_scaling_factor")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -346,10 +347,11 @@ def read_metadata(ckpt_dir: Path) -> dict:
 
 
 def model_mismatches(saved_model: dict, running_model: dict) -> list[str]:
-    """'--flag: checkpoint X, this run Y' for each model-shape field that differs."""
+    """'--flag: checkpoint X, this run Y' for each model-shape field that differs (a field a
+    checkpoint predates is not compared: it was saved before the option existed)."""
     return [f"--{k.replace('_', '-')}: checkpoint {saved_model.get(k)!r}, this run "
             f"{running_model.get(k)!r}" for k in MODEL_FIELDS
-            if saved_model.get(k) != running_model.get(k)]
+            if k in saved_model and saved_model[k] != running_model.get(k)]
 
 
 def remove_tree(path: Path) -> None:

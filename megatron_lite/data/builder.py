@@ -11,15 +11,22 @@ On several ranks one rank does the validation and index building for the others
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
-from megatron_lite.config import Config, ConfigError, global_batch_at
+from megatron_lite.config import Config, ConfigError, ModelConfig, global_batch_at
 from megatron_lite.data.dataset import Prep, build_datasets, parse_blend
 from megatron_lite.data.format import ShardError, find_manifest, load_manifest
 from megatron_lite.data.loader import MicroBatchLoader, SequenceLayout
 from megatron_lite.data.mock import MockDataset
+
+if TYPE_CHECKING:
+    from tokenizer.spec import TokenizerSpec
+
+_DEFAULT_VOCAB = ModelConfig.vocab_size
 
 
 @dataclass
@@ -40,38 +47,48 @@ def resolve_tokenizer(cfg: Config) -> TokenizerInfo:
     return info
 
 
+def tokenizer_spec(cfg: Config) -> TokenizerSpec | None:
+    """The run's tokenizer flags (None: none given, the manifests say)."""
+    from tokenizer.spec import TokenizerSpec
+
+    vocab: int | None = cfg.model.vocab_size
+    if cfg.data.tokenizer_type == "TikTokenizer" and vocab == _DEFAULT_VOCAB:
+        vocab = None  # --vocab-size not given: Megatron's TikTokenizer default
+    return TokenizerSpec.from_data_config(dataclasses.asdict(cfg.data), vocab)
+
+
 def tokenizer_info(cfg: Config) -> TokenizerInfo:
     """What resolve_tokenizer finds, without changing cfg."""
     d = cfg.data
     if d.mock_data or not d.all_paths():
         return TokenizerInfo(cfg.model.vocab_size, None, "--vocab-size")
     found: list[tuple[str, int, int | None, str | None]] = []
-    if d.tokenizer_type == "NullTokenizer":  # Megatron's: ids are the text, EOD the last id
-        found.append(("--tokenizer-type NullTokenizer --vocab-size", cfg.model.vocab_size,
-                      cfg.model.vocab_size - 1, None))
-    elif d.tokenizer_model:
-        from tokenizer.tokenizer import Tokenizer
+    spec = tokenizer_spec(cfg)
+    if spec is not None:
+        from tokenizer.spec import load_tokenizer
 
-        tok = Tokenizer(d.tokenizer_model)
-        found.append((f"--tokenizer-model {d.tokenizer_model}", tok.vocab_size, tok.eos_id,
-                      tok.sha256()))
+        tok = load_tokenizer(spec)
+        found.append((spec.flags(), tok.vocab_size, tok.eod_id, tok.sha256()))
     for _, path in [pair for paths in d.all_paths() for pair in parse_blend(paths)]:
         manifest_path = find_manifest(path)
         if manifest_path is not None:
             t = load_manifest(manifest_path).tokenizer
             if t.get("vocab_size") is not None:
-                found.append((f"manifest {manifest_path}", int(t["vocab_size"]),
+                made = f" (made with {t['flags']})" if t.get("flags") else ""
+                found.append((f"manifest {manifest_path}{made}", int(t["vocab_size"]),
                               t.get("eod_id"), t.get("sha256")))
     if not found:
-        raise ConfigError("--data-path without a manifest needs --tokenizer-model to know the "
-                          "vocabulary size and EOD id")
+        raise ConfigError("--data-path without a manifest needs the tokenizer flags "
+                          "(--tokenizer-type, --tokenizer-model; NullTokenizer: --vocab-size, "
+                          "--null-tokenizer-eod-id) to know the vocabulary size and EOD id")
     ref = found[0]
     for other in found[1:]:
         if (other[1], other[2]) != (ref[1], ref[2]):
             raise ConfigError(
                 f"tokenizer mismatch: {ref[0]} has vocab {ref[1]}, EOD {ref[2]} but {other[0]} "
                 f"has vocab {other[1]}, EOD {other[2]}; the shards were made with another "
-                "tokenizer: pass the one used by data_tools.preprocess or re-preprocess")
+                "tokenizer: pass the tokenizer flags data_tools.preprocess was given (the "
+                "manifest records them) or re-preprocess")
     warnings = [
         f"{other[0]} was made with a tokenizer file of sha256 {other[3][:12]}, not {ref[0]}'s "
         f"{ref[3][:12]}; vocab size and EOD agree, so training goes on, but the same id may "
@@ -222,9 +239,12 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
     if tok.vocab_size != model_cfg.vocab_size:
         raise ConfigError(f"the model has --vocab-size {model_cfg.vocab_size} but {tok.source} has "
                           f"{tok.vocab_size} tokens; pass --vocab-size {tok.vocab_size}")
-    if documents and tok.eod_id is None:
-        raise ConfigError(f"--reset-position-ids / --reset-attention-mask need an end-of-document"
-                          f" id, and {tok.source} gives none; pass --tokenizer-model")
+    if (documents or d.eod_mask_loss) and tok.eod_id is None:
+        raise ConfigError("--eod-mask-loss / --reset-position-ids / --reset-attention-mask need "
+                          f"an end-of-document id, and {tok.source} gives none; pass a tokenizer "
+                          "with one (an eos_token in tokenizer_config.json for "
+                          "HuggingFaceTokenizer), or --tokenizer-type NullTokenizer "
+                          "--null-tokenizer-eod-id N")
     train, valid, test = _real_datasets(cfg, dp_rank, dp_size, gbs, coordinator)
     common.update(eod_id=tok.eod_id, eod_mask_loss=cfg.data.eod_mask_loss,
                   node_local=cfg.data.data_sharding == "node-local")

@@ -3,18 +3,36 @@
 The rotate-half layout is the one Hugging Face Llama uses: dim i pairs with dim i + d/2, and
     y = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[d/2:], x[:d/2])
 with cos/sin tables of shape [s, d] whose two halves repeat the same d/2 frequencies
-theta_j = base^(-2j/d). Backward is the rotation by minus the angle:
+theta_j = base^(-2j/d) (Llama 3.1 rescales them first: `llama3_scaled_frequencies`; only the
+table changes, so the kernel is the same). Backward is the rotation by minus the angle:
     dx = g * cos - rotate_half(g) * sin.
 Layout is sequence-first: q [s, b, n_q, d], k [s, b, n_kv, d].
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from megatron_lite.kernels._launch import load_triton_module, next_power_of_2, rows_per_program
 from megatron_lite.kernels._precision import upcast
+
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+"""Llama 3.1's frequency-scaling constants, which Megatron's --use-rope-scaling fixes too."""
+
+
+def llama3_scaled_frequencies(inv_freq: Tensor, factor: float) -> Tensor:
+    """Llama 3.1's rule: a frequency that turns fewer than `low` = 1 times over the original
+    8192-token context is divided by `factor`, one that turns more than `high` = 4 times is
+    kept, and in between the two are mixed linearly in the number of turns r:
+        w = clamp((r - low) / (high - low), 0, 1),   f' = (1 - w) f / factor + w f.
+    """
+    turns = LLAMA3_ORIGINAL_CONTEXT * inv_freq / (2 * math.pi)
+    weight = ((turns - LLAMA3_LOW_FREQ_FACTOR)
+              / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)).clamp(0.0, 1.0)
+    return (1 - weight) * inv_freq / factor + weight * inv_freq
 
 
 def rope_tables(
@@ -24,17 +42,21 @@ def rope_tables(
     device: torch.device | str | None,
     dtype: torch.dtype = torch.float32,
     offset: int = 0,
+    scaling_factor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """cos, sin of shape [seq_len, head_dim] for positions offset .. offset + seq_len - 1.
 
     `offset` serves chunked or sequence-parallel sequences whose first token is not position 0.
+    `scaling_factor` (--use-rope-scaling) rescales the frequencies as Llama 3.1 does.
     Angles are formed in fp64 so long positions keep their precision before the cast to `dtype`.
     """
     if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head dim, got {head_dim} (check --hidden-size / "
-                         "--num-attention-heads)")
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim} (check --kv-channels or "
+                         "--hidden-size / --num-attention-heads)")
     exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
     inv_freq = 1.0 / (base**exponent)
+    if scaling_factor is not None:
+        inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
     positions = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)

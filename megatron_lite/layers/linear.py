@@ -1,4 +1,4 @@
-"""Column- and row-parallel linear layers (no bias, as in Llama).
+"""Column- and row-parallel linear layers (no bias, as in Llama; a column layer may take one).
 
 ColumnParallelLinear: Y = X A with A split along its output columns; each rank computes its
 block of Y from the full X. RowParallelLinear: Y = X A with A split along its input rows;
@@ -206,12 +206,18 @@ def column_parallel_linear(x: Tensor, weight: Tensor, group: comms.Group,
 
 
 class ColumnParallelLinear(nn.Module):
-    """Weight [sum(partitions)/t, in]; input [s(/t), b, in] -> output [s, b, sum(partitions)/t]."""
+    """Weight [sum(partitions)/t, in]; input [s(/t), b, in] -> output [s, b, sum(partitions)/t].
+
+    With `bias` (--add-qkv-bias) a bias [sum(partitions)/t] is added to the output: split over
+    TP like the weight's rows, so each rank adds the slice of its own output columns. It
+    starts at zero (Megatron's init) and, being outside the matmul, gets its gradient from
+    plain autograd even when the weight's is deferred to a W step.
+    """
 
     def __init__(self, in_features: int, partitions: Sequence[int], pstate: ParallelState,
                  *, sequence_parallel: bool, std: float, seed: int, name: str,
                  dtype: torch.dtype = torch.float32,
-                 weight_grads: WeightGradQueue | None = None) -> None:
+                 weight_grads: WeightGradQueue | None = None, bias: bool = False) -> None:
         super().__init__()
         for rows in partitions:
             if rows % pstate.tp_size:
@@ -224,13 +230,17 @@ class ColumnParallelLinear(nn.Module):
             (sum(partitions), in_features), split, std=std, seed=seed, name=name,
             tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
             dtype=dtype)), split)
+        self.bias = (tags.mark_tp_split(nn.Parameter(torch.zeros(
+            sum(partitions) // pstate.tp_size, device=pstate.device, dtype=dtype)), split)
+            if bias else None)
         self.weight_grads = weight_grads
         if weight_grads is not None:
             weight_grads.register(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
-                                      self.weight_grads)
+        out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
+                                     self.weight_grads)
+        return out if self.bias is None else out + self.bias
 
 
 class RowParallelLinear(nn.Module):

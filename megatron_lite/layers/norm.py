@@ -15,6 +15,7 @@ class RMSNorm(nn.Module):
     Its weight is replicated over TP. Under sequence parallelism (`sequence_parallel`: the
     flag in effect, False at TP=1) each TP rank sees a different slice of the sequence, so the
     weight's gradient is partial and must be summed over TP after backward: its tag says so.
+    The q/k norms of --qk-layernorm pass True at any TP > 1: each rank sees its own heads.
     """
 
     def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool,

@@ -14,7 +14,8 @@ tags are plain attributes of the `nn.Parameter`:
   ("cols",)             row-parallel: the input columns are split over TP
   None                  replicated over TP (norm weights), also for a parameter never marked
 - sequence-parallel gradient: a replicated weight that sees only this rank's sequence slice
-  under SP, so its gradient is partial and must be summed over TP after backward.
+  under SP (or only its heads: the q/k norms of --qk-layernorm), so its gradient is partial
+  and must be summed over TP after backward.
 - shared embedding: one of the two copies of a tied embedding, on the first and on the last
   pipeline stage; their gradients are summed over the embedding group.
 

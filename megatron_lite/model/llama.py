@@ -1,5 +1,9 @@
 """The Llama-style decoder: RMSNorm pre-norm, RoPE, grouped-query attention, SwiGLU, no biases.
 
+Variants of the dense models trained today, by Megatron's flags: --kv-channels (a head dim
+other than hidden/heads, Qwen3), --add-qkv-bias (Qwen2.5), --qk-layernorm (RMSNorm of each
+q and k head before RoPE, Qwen3 / OLMo-2), --use-rope-scaling (Llama 3.1's frequencies).
+
 Shapes are sequence-first everywhere inside the stack: hidden states are [s, b, h], or
 [s/t, b, h] between TP regions under sequence parallelism (so the SP split is a contiguous
 dim-0 slice). Token ids and labels stay [b, s] at the edges.
@@ -61,7 +65,13 @@ class BuildOptions:
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention; each TP rank owns heads/t query and groups/t KV heads."""
+    """Causal GQA self-attention; each TP rank owns heads/t query and groups/t KV heads.
+
+    With --qk-layernorm, q and k are RMS-normed over each head's d channels before RoPE. The
+    two d-wide weights are whole on every TP rank, but each rank's heads give only part of
+    their gradient, so it is summed over TP (the tag the SP norms carry; Megatron does the
+    same in its finalize step).
+    """
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, layer: int,
                  opts: BuildOptions, weight_grads: WeightGradQueue | None = None) -> None:
@@ -74,12 +84,20 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.num_query_groups * d],
-            pstate, std=cfg.init_method_std, name=f"layers.{layer}.attention.qkv", **common)
+            pstate, std=cfg.init_method_std, name=f"layers.{layer}.attention.qkv",
+            bias=cfg.add_qkv_bias, **common)
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, pstate,
             std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
             name=f"layers.{layer}.attention.proj", **common)
         self.use_triton = opts.use_triton
+        if cfg.qk_layernorm:
+            norm = dict(sequence_parallel=pstate.tp_size > 1, device=pstate.device,
+                        dtype=opts.dtype, use_triton=opts.use_triton)
+            self.q_norm = RMSNorm(d, cfg.norm_epsilon, **norm)
+            self.k_norm = RMSNorm(d, cfg.norm_epsilon, **norm)
+        else:
+            self.q_norm = self.k_norm = None
         self.selective_recompute = opts.recompute_granularity == "selective"
         self.ring = (Ring(pstate.cp_group, pstate.cp_ranks, pstate.cp_rank)
                      if pstate.cp_size > 1 else None)
@@ -93,8 +111,10 @@ class Attention(nn.Module):
         s, b = qkv.shape[:2]
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
-        q, k = apply_rotary(q.view(s, b, self.heads, d), k.view(s, b, self.groups, d),
-                            cos[:s], sin[:s], use_triton=self.use_triton)
+        q, k = q.view(s, b, self.heads, d), k.view(s, b, self.groups, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos[:s], sin[:s], use_triton=self.use_triton)
         v = v.view(s, b, self.groups, d)
         # SDPA wants [b, heads, s, d]
         q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (q, k, v))
@@ -208,7 +228,9 @@ class LlamaChunk(nn.Module):
         if tied and pre_process and not post_process and not head_on_stage:
             tags.mark_shared_embedding(self.embedding.weight)
         cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
-                               device=pstate.device)
+                               device=pstate.device,
+                               scaling_factor=(cfg.rope_scaling_factor if cfg.use_rope_scaling
+                                               else None))
         self.register_buffer("rope_cos", cos.to(opts.dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(opts.dtype), persistent=False)
 
