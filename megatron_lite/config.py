@@ -502,13 +502,11 @@ def lr_schedule_errors(optim: OptimConfig, train: TrainConfig, global_batch_size
                       f"{'a --train-samples' if by_samples else 'an iteration-based'} run; use "
                       f"the {'*-samples' if by_samples else '*-iters'} flags")
     lengths = schedule_lengths(optim, train, global_batch_size)
+    # Megatron also refuses a warm-up as long as the decay; allowed here (the LR then only
+    # warms up), so a short smoke run of a script with a long warm-up still starts
     if lengths.decay <= 0:
         errors.append("the LR decay length must be positive (--lr-decay-iters / "
                       "--lr-decay-samples)")
-    elif lengths.warmup >= lengths.decay:
-        errors.append(f"the LR warm-up ({lengths.warmup:g} samples) must be shorter than the "
-                      f"decay ({lengths.decay} samples); shorten --lr-warmup-* or lengthen "
-                      "--lr-decay-*")
     if optim.lr_decay_style == "WSD" and lengths.wsd is None:
         errors.append("--lr-decay-style WSD needs the length of its final decay: "
                       f"--lr-wsd-decay-{'samples' if by_samples else 'iters'}")
