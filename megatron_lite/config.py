@@ -13,6 +13,8 @@ This module imports only megatron_lite.errors from megatron_lite (stdlib only).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -223,7 +225,7 @@ class OptimConfig:
     min_lr: float = 0.0
     """Learning rate at the end of decay."""
     lr_warmup_iters: int = 0
-    """Iterations of linear warm-up from --lr-warmup-init to --lr."""
+    """Iterations of linear warm-up from --lr-warmup-init (the first step's LR) to --lr."""
     lr_decay_iters: int | None = None
     """Iterations over which the LR decays to --min-lr; default = --train-iters."""
     lr_warmup_samples: int = 0
@@ -231,22 +233,27 @@ class OptimConfig:
     lr_decay_samples: int | None = None
     """Sample-based schedule: samples over which the LR decays; default = --train-samples."""
     lr_wsd_decay_samples: int | None = None
-    """Sample-based schedule, --lr-decay-style wsd: samples of the final decay phase."""
+    """Sample-based schedule, --lr-decay-style WSD: samples of the final decay phase."""
     lr_warmup_fraction: float | None = None
-    """Warm-up length as this fraction of the decay length (iterations or samples); replaces
-    --lr-warmup-iters / --lr-warmup-samples."""
+    """Warm-up length as this fraction of the decay length (a fractional sample count, not
+    rounded); replaces --lr-warmup-iters / --lr-warmup-samples."""
     lr_warmup_init: float = 0.0
-    """LR the warm-up starts from (it rises linearly to --lr)."""
+    """LR of the first step; the warm-up rises linearly from it to --lr."""
     decoupled_lr: float | None = None
     """Peak LR of the embedding and output weights (same schedule shape); default --lr."""
     decoupled_min_lr: float | None = None
     """With --decoupled-lr: their LR at the end of decay; default --min-lr."""
-    lr_decay_style: str = field(
-        default="cosine", metadata={"choices": ["cosine", "linear", "constant", "wsd"]}
-    )
-    """Shape of the decay after warm-up."""
+    lr_decay_style: str = field(default="linear", metadata={
+        "choices": ["constant", "linear", "cosine", "inverse-square-root", "WSD", "wsd"]})
+    """Shape of the decay after warm-up (Megatron's OptimizerParamScheduler): inverse-square-root
+    = --lr x sqrt(warm-up / samples), at least --min-lr; WSD = --lr until the last
+    --lr-wsd-decay-iters/-samples, then --lr-wsd-decay-style down to --min-lr (wsd = WSD)."""
+    lr_wsd_decay_style: str = field(default="exponential", metadata={
+        "choices": ["exponential", "linear", "cosine", "minus_sqrt"]})
+    """WSD's final decay, at fraction r of it: exponential 2 x 0.5^r - 1, linear 1 - r, cosine
+    (1 + cos(pi r)) / 2, minus_sqrt 1 - sqrt(r), scaling --lr - --min-lr."""
     lr_wsd_decay_iters: int | None = None
-    """For --lr-decay-style wsd: length of the final decay phase (default 10% of decay iters)."""
+    """Iteration-based schedule, --lr-decay-style WSD: iterations of the final decay phase."""
     weight_decay: float = 0.01
     """Decoupled weight decay, applied to weights with >= 2 dims only (not norms)."""
     adam_beta1: float = 0.9
@@ -257,6 +264,8 @@ class OptimConfig:
     """Adam epsilon."""
 
     def __post_init__(self) -> None:
+        if self.lr_decay_style == "wsd":
+            self.lr_decay_style = "WSD"
         if self.lr_warmup_fraction is not None:
             if not 0 <= self.lr_warmup_fraction <= 1:
                 raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
@@ -283,7 +292,14 @@ class TrainConfig:
     LR then follows --lr-warmup-samples / --lr-decay-samples); needs --global-batch-size."""
     rampup_batch_size: list[int] = field(default_factory=list)
     """START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT in
-    equal steps over the first SAMPLES samples, up to --global-batch-size."""
+    equal steps over the first SAMPLES samples, up to --global-batch-size (Megatron's meaning
+    before it deprecated the flag for --step-batch-size-schedule)."""
+    step_batch_size_schedule: str | None = None
+    """Global batch by position, Megatron's syntax: "THRESHOLD:BATCH ..." (space or comma
+    separated; K/M/B/T suffixes = 1e3/1e6/1e9/1e12), thresholds in tokens (floor-divided by
+    --seq-length into samples), the first 0: a step takes the batch of the last threshold at or
+    below the samples consumed before it. Replaces --global-batch-size; with --train-iters the
+    LR's iteration lengths count micro x dp samples per iteration, as in Megatron."""
     seed: int = 1234
     """Seed for weights, data order and mock data."""
     bf16: bool = False
@@ -343,13 +359,19 @@ class TrainConfig:
         if self.dry_run_device_memory_gb is not None and self.dry_run_device_memory_gb <= 0:
             raise ConfigError("--dry-run-device-memory-gb must be positive (GiB of one device), "
                               f"got {self.dry_run_device_memory_gb:g}")
+        if self.step_batch_size_schedule is not None:
+            if self.global_batch_size is not None or self.rampup_batch_size:
+                raise ConfigError("--step-batch-size-schedule sets the global batch; drop "
+                                  "--global-batch-size / --rampup-batch-size")
+            batch_schedule(self.step_batch_size_schedule, None)  # its syntax errors, early
         if self.train_samples is not None:
             if self.train_iters is not None:
                 raise ConfigError("--train-samples replaces --train-iters; pass only one")
-            if not self.global_batch_size:
+            if not self.global_batch_size and self.step_batch_size_schedule is None:
                 raise ConfigError("--train-samples needs --global-batch-size (its iteration "
                                   "count depends on it)")
-            self.train_iters = iterations_for_samples(self, self.train_samples)
+            if self.step_batch_size_schedule is None:  # else Config sets it (--seq-length)
+                self.train_iters = iterations_for_samples(self, self.train_samples)
         elif self.train_iters is None:
             self.train_iters = 20
         if self.rampup_batch_size:
@@ -375,14 +397,64 @@ class TrainConfig:
                 "--recompute-granularity full or drop them")
 
 
-def global_batch_at(train: TrainConfig, consumed_samples: int) -> int:
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+@functools.cache
+def batch_schedule(text: str, seq_length: int | None) -> tuple[tuple[int, int], ...]:
+    """--step-batch-size-schedule as (threshold in samples, batch) pairs, sorted; thresholds
+    are tokens divided by `seq_length` (None: already samples)."""
+    def number(word: str) -> int:
+        word = word.strip().upper()
+        scale = _SUFFIXES.get(word[-1:], 1)
+        try:
+            return int(float(word[:-1] if scale > 1 else word) * scale)
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: {word!r} is not a "
+                              "number (K/M/B/T suffixes allowed)") from None
+
+    pairs = []
+    for entry in text.replace(",", " ").split():
+        threshold, colon, batch = entry.partition(":")
+        if not colon:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: entry {entry!r} is not "
+                              "THRESHOLD:BATCH, e.g. \"0:256 100B:512\"")
+        tokens = number(threshold)
+        pairs.append((tokens if seq_length is None else tokens // seq_length, number(batch)))
+    pairs.sort(key=lambda pair: pair[0])
+    if not pairs or pairs[0][0] != 0:
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: the first threshold must be 0")
+    for (before, _), (after, _) in itertools.pairwise(pairs):
+        if after <= before:
+            raise ConfigError(f"--step-batch-size-schedule {text!r}: thresholds must increase "
+                              f"(in samples of --seq-length tokens: {before} then {after})")
+    if any(batch < 1 for _, batch in pairs):
+        raise ConfigError(f"--step-batch-size-schedule {text!r}: every batch must be positive")
+    return tuple(pairs)
+
+
+def largest_global_batch(train: TrainConfig) -> int | None:
+    """The largest global batch of a --step-batch-size-schedule (None without one)."""
+    if train.step_batch_size_schedule is None:
+        return None
+    return max(batch for _, batch in batch_schedule(train.step_batch_size_schedule, None))
+
+
+def global_batch_at(train: TrainConfig, consumed_samples: int, seq_length: int | None = None
+                    ) -> int:
     """The global batch of the step that starts after `consumed_samples` samples.
+
+    --step-batch-size-schedule: the batch of the last threshold at or below the position
+    (thresholds in tokens, `seq_length` tokens a sample; None: in samples).
 
     Megatron's ramp-up: with --rampup-batch-size START INCREMENT SAMPLES the batch is START,
     then grows by INCREMENT every SAMPLES / ((GBS - START) / INCREMENT) samples, and is GBS
     once more than SAMPLES samples are consumed. A pure function of the position, so a
     resumed run takes exactly the batches it would have taken.
     """
+    if train.step_batch_size_schedule is not None:
+        return [batch for threshold, batch in batch_schedule(
+            train.step_batch_size_schedule, seq_length) if threshold <= consumed_samples][-1]
     gbs = train.global_batch_size
     if not train.rampup_batch_size or gbs is None:
         return gbs or 0
@@ -393,14 +465,81 @@ def global_batch_at(train: TrainConfig, consumed_samples: int) -> int:
     return min(gbs, start + int(consumed_samples / per_increment) * increment)
 
 
-def iterations_for_samples(train: TrainConfig, samples: int) -> int:
-    """Steps --train-samples takes: the ramp-up's steps, then whole global batches (as
-    Megatron counts them)."""
+@dataclass(frozen=True)
+class Lengths:
+    """The schedule's lengths in samples: warm-up (fractional with --lr-warmup-fraction),
+    decay, and WSD's final decay phase (None unless set)."""
+
+    warmup: float
+    decay: int
+    wsd: int | None
+
+
+def schedule_lengths(optim: OptimConfig, train: TrainConfig, global_batch_size: int) -> Lengths:
+    """Lengths in samples: --train-samples runs take the *-samples flags, iteration runs the
+    *-iters flags times `global_batch_size` (--global-batch-size, the batch after a ramp-up)."""
+    if train.train_samples is not None:
+        decay = optim.lr_decay_samples or train.train_samples
+        warmup: float = optim.lr_warmup_samples
+        wsd = optim.lr_wsd_decay_samples
+    else:
+        decay = (optim.lr_decay_iters or train.train_iters or 0) * global_batch_size
+        warmup = optim.lr_warmup_iters * global_batch_size
+        wsd = None if optim.lr_wsd_decay_iters is None else (
+            optim.lr_wsd_decay_iters * global_batch_size)
+    if optim.lr_warmup_fraction is not None:
+        warmup = optim.lr_warmup_fraction * decay
+    return Lengths(warmup, decay, wsd)
+
+
+def lr_schedule_errors(optim: OptimConfig, train: TrainConfig, global_batch_size: int
+                    ) -> list[str]:
+    """What Megatron's scheduler refuses, as messages naming the flags."""
+    errors = []
+    by_samples = train.train_samples is not None
+    mixed = ([f for f, v in (("--lr-decay-iters", optim.lr_decay_iters),
+                             ("--lr-warmup-iters", optim.lr_warmup_iters),
+                             ("--lr-wsd-decay-iters", optim.lr_wsd_decay_iters)) if v]
+             if by_samples else
+             [f for f, v in (("--lr-decay-samples", optim.lr_decay_samples),
+                             ("--lr-warmup-samples", optim.lr_warmup_samples),
+                             ("--lr-wsd-decay-samples", optim.lr_wsd_decay_samples)) if v])
+    if mixed:
+        errors.append(f"{', '.join(mixed)} {'do' if len(mixed) > 1 else 'does'} not apply to "
+                      f"{'a --train-samples' if by_samples else 'an iteration-based'} run; use "
+                      f"the {'*-samples' if by_samples else '*-iters'} flags")
+    lengths = schedule_lengths(optim, train, global_batch_size)
+    # Megatron also refuses a warm-up as long as the decay; allowed here (the LR then only
+    # warms up), so a short smoke run of a script with a long warm-up still starts
+    if lengths.decay <= 0:
+        errors.append("the LR decay length must be positive (--lr-decay-iters / "
+                      "--lr-decay-samples)")
+    if optim.lr_decay_style == "WSD" and lengths.wsd is None:
+        errors.append("--lr-decay-style WSD needs the length of its final decay: "
+                      f"--lr-wsd-decay-{'samples' if by_samples else 'iters'}")
+    if not 0.0 <= optim.min_lr <= optim.lr:
+        errors.append(f"--min-lr {optim.min_lr} must be in [0, --lr {optim.lr}]")
+    if optim.lr_warmup_init > optim.lr:
+        errors.append(f"--lr-warmup-init {optim.lr_warmup_init} must not exceed --lr {optim.lr}")
+    return errors
+
+
+def iterations_for_samples(train: TrainConfig, samples: int, seq_length: int | None = None
+                           ) -> int:
+    """Steps --train-samples takes, as Megatron counts them: the ramp-up's steps while neither
+    its samples nor `samples` are used up (the last one may overshoot `samples`), then whole
+    global batches; under --step-batch-size-schedule, steps until `samples` are consumed."""
+    if train.step_batch_size_schedule is not None:
+        iterations = consumed = 0
+        while consumed < samples:
+            consumed += global_batch_at(train, consumed, seq_length)
+            iterations += 1
+        return iterations
     gbs = train.global_batch_size or 1
     if not train.rampup_batch_size:
         return samples // gbs
     iterations = consumed = 0
-    while consumed <= train.rampup_batch_size[2]:
+    while consumed <= train.rampup_batch_size[2] and consumed <= samples:
         consumed += global_batch_at(train, consumed)
         iterations += 1
     return iterations + max(0, samples - consumed) // gbs
@@ -764,6 +903,13 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
+    def __post_init__(self) -> None:
+        t = self.train
+        if t.step_batch_size_schedule is not None:
+            batch_schedule(t.step_batch_size_schedule, self.model.seq_length)  # increasing?
+            if t.train_samples is not None:
+                t.train_iters = iterations_for_samples(t, t.train_samples, self.model.seq_length)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -792,9 +938,11 @@ def model_replica_size(parallel: ParallelConfig) -> int:
 
 
 def num_microbatches(cfg: Config, world_size: int) -> int:
-    """Gradient-accumulation steps = global batch / (micro batch x dp)."""
+    """Gradient-accumulation steps = global batch / (micro batch x dp); the largest one of a
+    --step-batch-size-schedule."""
     dp = data_parallel_size(cfg, world_size)
-    gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
+    gbs = (largest_global_batch(cfg.train) or cfg.train.global_batch_size
+           or cfg.train.micro_batch_size * dp)
     return gbs // (cfg.train.micro_batch_size * dp)
 
 
@@ -874,6 +1022,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if not world_size % replica:
         errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
         errors += _rampup_errors(cfg, world_size // replica)
+        errors += lr_schedule_errors(cfg.optim, train, gbs)
     errors += _schedule_errors(cfg)
     errors += _dry_run_errors(cfg, world_size)
     if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
@@ -936,9 +1085,19 @@ def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:
     """Every batch of a ramp-up must split into whole micro-batches on every DP rank."""
     train, pp = cfg.train, cfg.parallel.pipeline_model_parallel_size
+    unit = train.micro_batch_size * dp
+    if train.step_batch_size_schedule is not None:
+        batches = [b for _, b in batch_schedule(train.step_batch_size_schedule, None)]
+        if any(b % unit for b in batches):
+            return [f"--step-batch-size-schedule batches {batches} must be multiples of "
+                    f"--micro-batch-size x data-parallel size = {unit}"]
+        if pp > 1 and min(batches) // unit < pp:
+            return [f"--step-batch-size-schedule batch {min(batches)} gives "
+                    f"{min(batches) // unit} micro-batches per step, fewer than "
+                    f"--pipeline-model-parallel-size {pp}; raise it"]
+        return []
     if not train.rampup_batch_size:
         return []
-    unit = train.micro_batch_size * dp
     start, increment, _ = train.rampup_batch_size
     if start % unit or increment % unit:
         return [f"--rampup-batch-size START {start} and INCREMENT {increment} must be multiples "

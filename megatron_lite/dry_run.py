@@ -117,7 +117,8 @@ class Summary:
     """Gradient-accumulation steps: micro-batches per step per DP rank, at the full global
     batch."""
     grad_acc_start: int
-    """The same at the first step (differs under --rampup-batch-size)."""
+    """The same at the first step (differs under --rampup-batch-size or
+    --step-batch-size-schedule, whose largest batch `grad_acc` counts)."""
     tokens_per_step: int
     """Global batch x sequence length, at the full global batch."""
     mem_gib: float
@@ -140,7 +141,8 @@ def summarize(cfg: Config, world_size: int) -> Summary:
     """The run's iterations, batch, tokens and memory against the device; the data check."""
     t = cfg.train
     mbs_per_step = num_microbatches(cfg, world_size)
-    first = global_batch_at(t, 0) if t.rampup_batch_size else None
+    varies = t.rampup_batch_size or t.step_batch_size_schedule is not None
+    first = global_batch_at(t, 0, cfg.model.seq_length) if varies else None
     per_micro = t.micro_batch_size * (world_size // _replica(cfg))
     est = estimate_memory(cfg, world_size)
     cluster = Cluster(gpus=world_size)
@@ -165,7 +167,7 @@ def _replica(cfg: Config) -> int:
 
 def format_summary(s: Summary) -> str:
     """The summary as the dry run prints it (field names as in `SUMMARY_KEYS`)."""
-    acc = (f"{s.grad_acc_start} -> {s.grad_acc} (--rampup-batch-size)"
+    acc = (f"{s.grad_acc_start} -> {s.grad_acc} (batch ramp)"
            if s.grad_acc_start != s.grad_acc else f"{s.grad_acc}")
     spare = s.device_gib - s.mem_gib
     verdict = (f"fits, {spare:.2f} GiB spare" if s.fits

@@ -179,7 +179,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         trainer.hooks.before_step(iteration)
         started = time.perf_counter()
         plan = guard.before_step(iteration, loader.consumed_samples)
-        lr, decoupled_lr = _learning_rates(trainer, iteration, plan.lr_scale)
+        lr, decoupled_lr = _learning_rates(trainer, plan.lr_scale)
         if plan.skip_data:
             samples = loader.current_global_batch_size
             loader.next_step()
@@ -189,6 +189,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
                               guard, decoupled_lr)
             _phase_done(trainer, "train_step")
         skipped += step.skipped
+        if not step.skipped:
+            loader.scheduler_samples += step.samples
         window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
                        loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
         if iteration == start_iteration + 1 and trainer.startup is not None:
@@ -417,13 +419,11 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
 
 
-def _learning_rates(trainer: Trainer, iteration: int, scale: float
-                    ) -> tuple[float, float | None]:
+def _learning_rates(trainer: Trainer, scale: float) -> tuple[float, float | None]:
     """This step's LR and --decoupled-lr's (None without it), both times the guard's scale."""
     loader = trainer.train_loader
-    lr, decoupled = step_lrs(iteration - 1, loader.consumed_samples,
-                             loader.current_global_batch_size, trainer.cfg.optim,
-                             trainer.cfg.train)
+    lr, decoupled = step_lrs(loader.scheduler_samples, loader.global_batch_size,
+                             trainer.cfg.optim, trainer.cfg.train)
     return lr * scale, None if decoupled is None else decoupled * scale
 
 
@@ -459,9 +459,13 @@ def _log_window(trainer: Trainer, iteration: int, lr: float,
         grad_norm=sum(w[0].grad_norm for w in window) / n,
         iter_time_s=sum(w[1] for w in window) / n,
         tokens=sum(w[0].samples for w in window) // n * trainer.cfg.model.seq_length,
-        global_batch_size=window[-1][0].samples if trainer.cfg.train.rampup_batch_size else None,
+        global_batch_size=window[-1][0].samples if _variable_batch(trainer.cfg) else None,
         skipped=skipped, compute_time_s=sum(w[2] for w in window) / n,
         data_wait_s=sum(w[3] for w in window) / n, comm_wait_s=sum(w[4] for w in window) / n)
+
+
+def _variable_batch(cfg: Config) -> bool:
+    return bool(cfg.train.rampup_batch_size) or cfg.train.step_batch_size_schedule is not None
 
 
 def plan_epochs(cfg: Config, pstate: ParallelState, loader: MicroBatchLoader) -> int:

@@ -317,6 +317,7 @@ class Checkpointer:
         pstate, parallel = self.pstate, self.cfg.parallel
         return {
             "consumed_samples": self.loader.consumed_samples,
+            "scheduler_samples": self.loader.scheduler_samples,  # the LR's position
             "data_stream_dp": self.loader.stream_dp,  # node-local: the streams' DP layout
             "has_optimizer": True,
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
@@ -570,6 +571,8 @@ class Checkpointer:
         # node-local data at another DP size: the loader takes over the saved layout's
         # streams where it can and says what changes (data/loader.py)
         self.loader.load_state_dict({"consumed_samples": reader.meta["consumed_samples"],
+                                     "scheduler_samples": reader.meta.get(
+                                         "scheduler_samples", reader.meta["consumed_samples"]),
                                      "stream_dp": reader.meta.get(
                                          "data_stream_dp", reader.dp // saved.get("cp", 1))})
         if self.loader.resume_note and pstate.rank == 0:
@@ -606,6 +609,7 @@ def apply_checkpoint_args(cfg: Config) -> None:
     saved = ckpt_files.read_metadata(ckpt_dir)["config"]
     if ckpt_cfg.use_checkpoint_args:
         cfg.model = ModelConfig(**saved["model"])
+        cfg.__post_init__()  # a --step-batch-size-schedule counts the saved --seq-length
     if ckpt_cfg.use_checkpoint_opt_param_scheduler:
         schedule = {k: v for k, v in saved["optim"].items()
                     if k.startswith(("lr", "min_lr", "decoupled"))}

@@ -254,7 +254,8 @@ def build_loaders(cfg: Config, dp_rank: int, dp_size: int, consumed_train_sample
                             d.reset_position_ids, separate_documents(cfg))
     common = dict(micro_batch_size=train_cfg.micro_batch_size, global_batch_size=gbs,
                   dp_rank=dp_rank, dp_size=dp_size, layout=layout)
-    ramp = partial(global_batch_at, train_cfg) if train_cfg.rampup_batch_size else None
+    ramp = (partial(global_batch_at, train_cfg, seq_length=model_cfg.seq_length)
+            if train_cfg.rampup_batch_size or train_cfg.step_batch_size_schedule else None)
     documents = layout.reset_position_ids or layout.reset_attention_mask
     if cfg.data.mock_data and documents:
         raise ConfigError("--reset-position-ids / --reset-attention-mask split samples at "
@@ -312,13 +313,13 @@ def samples_per_epoch_of(dataset: object) -> int:
 
 def planned_samples(cfg: Config, global_batch_size: int) -> int:
     """Training samples the run will draw: --train-samples, or --train-iters global batches
-    (summed over a batch-size ramp-up)."""
+    (summed over a ramp-up or --step-batch-size-schedule, whose last step may overshoot
+    --train-samples)."""
     t = cfg.train
-    if t.train_samples is not None:
-        return t.train_samples
-    if not t.rampup_batch_size:
-        return t.train_iters * global_batch_size
+    if not t.rampup_batch_size and t.step_batch_size_schedule is None:
+        return t.train_samples if t.train_samples is not None else (
+            t.train_iters * global_batch_size)
     consumed = 0
     for _ in range(t.train_iters):
-        consumed += global_batch_at(t, consumed)
+        consumed += global_batch_at(t, consumed, cfg.model.seq_length)
     return consumed

@@ -123,6 +123,9 @@ class MicroBatchLoader:
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
+        self.scheduler_samples = consumed_samples
+        """Samples of the steps that updated the weights: the LR schedule's position. Megatron's
+        scheduler counts these, so a skipped step consumes its data without moving the LR."""
         self.eod_id, self.eod_mask_loss = eod_id, eod_mask_loss
         self.node_local = node_local
         self.layout = layout
@@ -205,8 +208,11 @@ class MicroBatchLoader:
         return {"consumed_samples": self.consumed_samples, "stream_dp": self.stream_dp}
 
     def load_state_dict(self, state: dict) -> None:
-        """The position; node-local, also the streams of the saved DP layout (`stream_dp`)."""
+        """The position (and the LR's, `scheduler_samples`, which the checkpoint's metadata
+        keeps; default the position); node-local, also the streams of the saved DP layout
+        (`stream_dp`)."""
         self.consumed_samples = int(state["consumed_samples"])
+        self.scheduler_samples = int(state.get("scheduler_samples", self.consumed_samples))
         self.resume_note = None
         saved = int(state.get("stream_dp", self.stream_dp))
         if self.node_local and saved != self.stream_dp:

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.config import ConfigError, OptimConfig, TrainConfig, global_batch_at
-from megatron_lite.optim.lr import lr_at, lr_at_samples
+from megatron_lite.config import (
+    ConfigError,
+    OptimConfig,
+    TrainConfig,
+    global_batch_at,
+    schedule_lengths,
+)
+from megatron_lite.optim.lr import lr_at
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count, run
@@ -30,14 +36,19 @@ def test_sample_based_lr_equals_iteration_based_where_they_coincide(style: str) 
     by_sample = replace(by_iter, lr_warmup_iters=0, lr_decay_iters=None,
                         lr_warmup_samples=10 * batch, lr_decay_samples=90 * batch,
                         lr_wsd_decay_samples=20 * batch)
+    iter_lengths = schedule_lengths(by_iter, TrainConfig(train_iters=iters), batch)
+    sample_lengths = schedule_lengths(
+        by_sample, TrainConfig(train_samples=iters * batch, global_batch_size=batch), batch)
     for i in range(iters):
-        assert abs(lr_at_samples(i * batch, batch, by_sample, iters * batch)
-                   - lr_at(i, by_iter, iters)) <= 1e-12
+        assert abs(lr_at(i * batch, by_sample, sample_lengths)
+                   - lr_at(i * batch, by_iter, iter_lengths)) <= 1e-12
 
 
 def test_warmup_fraction_and_init() -> None:
     cfg = OptimConfig(lr=1.0, lr_warmup_fraction=0.1, lr_warmup_init=0.5, lr_decay_iters=100)
-    assert lr_at(0, cfg, 100) == pytest.approx(0.55) and lr_at(9, cfg, 100) == 1.0
+    lengths = schedule_lengths(cfg, TrainConfig(train_iters=100), 1)
+    assert lr_at(0, cfg, lengths) == 0.5 and lr_at(1, cfg, lengths) == pytest.approx(0.55)
+    assert lr_at(10, cfg, lengths) == 1.0
     with pytest.raises(ConfigError, match="--lr-warmup-fraction replaces"):
         OptimConfig(lr_warmup_fraction=0.1, lr_warmup_iters=5)
 

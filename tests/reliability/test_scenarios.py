@@ -12,12 +12,16 @@ import re
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_lite.arguments import parse_config
+from megatron_lite.optim.lr import step_lrs
 from tests.reliability.common import (
     BASE,
     CORRUPTED,
+    TINY,
     Outcome,
     jsonl_losses,
     torchrun,
@@ -141,8 +145,11 @@ def test_reliability_state_survives_resume(runs) -> None:
         assert _ok(r["rollback_resumed"]).losses == r["rollback"].losses[-1:]
     full, resumed = _lrs(tmp / "rb.jsonl"), _lrs(tmp / "rb2.jsonl")
     assert resumed[16] == full[16]
-    plain = _lrs(tmp / "skip.jsonl")  # same 16-iteration schedule, no rollback
-    assert plain[16] > 0 and full[16] == 0.5 * plain[16]
+    # the schedule's position is back at iteration 10's 40 samples after the rollback (the
+    # skipped samples do not advance it, as in Megatron), + 5 trained steps of 4 = 60
+    cfg = parse_config([*TINY, "--train-iters", "16"])
+    plain = step_lrs(60, 4, cfg.optim, cfg.train)[0]
+    assert plain > 0 and full[16] == pytest.approx(0.5 * plain, rel=1e-12)
     states = [json.loads((tmp / d / "iter_0000016" / "metadata.json").read_text())
               ["extra_state"]["reliability"] for d in ("rb", "rb2")]
     assert states[0] == states[1]
