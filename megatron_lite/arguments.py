@@ -110,6 +110,13 @@ class MegatronFlag:
     rule: str
     note: str
     """fixed: what this model is; refused: why, or the flag to use instead."""
+    megatron_default: str
+    """Megatron's parser default, as a Python literal (`ast.literal_eval` reads it)."""
+
+    @property
+    def default(self) -> object:
+        """The Megatron default as a value: None, a bool, a number, a string or a list."""
+        return ast.literal_eval(self.megatron_default)
 
 
 @cache
@@ -117,7 +124,8 @@ def megatron_flags() -> tuple[MegatronFlag, ...]:
     lines = [line for line in MEGATRON_TABLE.read_text().splitlines() if not line.startswith("#")]
     rows = list(csv.reader(lines, delimiter="\t"))[1:]
     return tuple(MegatronFlag(flag, tuple(filter(None, aliases.split(","))), kind, nargs, rule,
-                              note) for flag, aliases, kind, nargs, rule, note in rows)
+                              note, default)
+                 for flag, aliases, kind, nargs, rule, note, default in rows)
 
 
 class _MegatronAction(argparse.Action):
