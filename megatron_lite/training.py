@@ -378,7 +378,8 @@ def _learning_rates(trainer: Trainer, iteration: int, scale: float
 
 def _evaluation_due(cfg: Config, iteration: int) -> bool:
     t = cfg.train
-    return t.eval_iters > 0 and (iteration % t.eval_interval == 0 or iteration == t.train_iters)
+    periodic = t.eval_interval is not None and iteration % t.eval_interval == 0
+    return t.eval_iters > 0 and (periodic or iteration == t.train_iters)
 
 
 def _pop_comm_wait(trainer: Trainer) -> float:
