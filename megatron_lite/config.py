@@ -296,6 +296,13 @@ class TrainConfig:
     checkpoint only the first --recompute-num-layers layers of each model chunk."""
     recompute_num_layers: int | None = None
     """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
+    deterministic_mode: bool = False
+    """Bit-identical reruns on GPU (CPU runs already are): torch's deterministic algorithms
+    (flash / memory-efficient attention take their deterministic backward, no cuDNN attention,
+    an op with no deterministic kernel stops the run by name), CUBLAS_WORKSPACE_CONFIG=:4096:8
+    and NCCL_ALGO=Ring unless set to another deterministic value. Costs: a slower attention
+    backward (dQ accumulated in a fixed order, more workspace) and Ring-only collectives, which
+    lose NCCL's faster tree/NVLS algorithms across nodes."""
     dry_run: bool = False
     """Validate the config, print the rank grid, stage partition, parameters per rank and the
     memory estimate, and exit without creating process groups (see --world-size); with
