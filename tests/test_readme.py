@@ -93,7 +93,7 @@ COMMANDS: dict[str, Cheap] = {
     "python scripts/plot_run.py demo/metrics.jsonl --out docs/images/demo_curves.png": Cheap(
         "wrote curves.png (1 run)", "--out curves.png",
         env="python pretrain.py --mock-data --train-iters 4 --eval-interval 2 --eval-iters 1 "
-            "--log-jsonl demo/metrics.jsonl > /dev/null &&"),
+            "--log-interval 1 --log-jsonl demo/metrics.jsonl > /dev/null &&"),
     "python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline "
     "docs/images/pipeline_schedules.png --timeline-microbatches 8": Cheap(
         "wrote schedules.png", "--timeline schedules.png"),
