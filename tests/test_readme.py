@@ -61,7 +61,7 @@ COMMANDS: dict[str, Cheap] = {
     "torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 "
     "--sequence-parallel --mock-data --train-iters 20": Cheap("launch: torchrun, world size 2"),
     "srun python pretrain.py ...": Cheap("launch: slurm, world size 1",
-                                         "--mock-data --train-iters 2"),
+                                         "--mock-data --train-iters 2 --eval-iters 10"),
     "python pretrain.py --dry-run --world-size 1024 ...": Cheap(
         "world size 1024 = pp 2 x dp 64 x tp 8", LAYOUT_1024),
     "python pretrain.py --dry-run --world-size 1024 --dry-run-ranks 0 1023 ...": Cheap(
