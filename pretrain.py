@@ -13,7 +13,7 @@ from __future__ import annotations
 import faulthandler
 import sys
 
-from megatron_lite.arguments import parse
+from megatron_lite.arguments import parse_with_notes
 from megatron_lite.dry_run import dry_run
 from megatron_lite.errors import run_cli
 from megatron_lite.parallel.launch import detect_launch_env
@@ -21,10 +21,13 @@ from megatron_lite.training import run
 
 
 def _main(argv: list[str]) -> int:
-    cfg, taken = parse(argv)
-    if taken and detect_launch_env().rank == 0:
-        print("Megatron-LM flags taken (they describe this model): " + " ".join(taken),
-              flush=True)
+    cfg, taken, notes = parse_with_notes(argv)
+    if detect_launch_env().rank == 0:
+        if taken:
+            print("Megatron-LM flags taken (they describe this model): " + " ".join(taken),
+                  flush=True)
+        for note in notes:
+            print(note, flush=True)
     if cfg.train.dry_run:
         return dry_run(cfg, cfg.parallel.world_size or detect_launch_env().world_size)
     run(cfg)

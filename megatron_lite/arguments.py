@@ -110,6 +110,13 @@ class MegatronFlag:
     rule: str
     note: str
     """fixed: what this model is; refused: why, or the flag to use instead."""
+    megatron_default: str
+    """Megatron's parser default, as a Python literal (`ast.literal_eval` reads it)."""
+
+    @property
+    def default(self) -> object:
+        """The Megatron default as a value: None, a bool, a number, a string or a list."""
+        return ast.literal_eval(self.megatron_default)
 
 
 @cache
@@ -117,7 +124,8 @@ def megatron_flags() -> tuple[MegatronFlag, ...]:
     lines = [line for line in MEGATRON_TABLE.read_text().splitlines() if not line.startswith("#")]
     rows = list(csv.reader(lines, delimiter="\t"))[1:]
     return tuple(MegatronFlag(flag, tuple(filter(None, aliases.split(","))), kind, nargs, rule,
-                              note) for flag, aliases, kind, nargs, rule, note in rows)
+                              note, default)
+                 for flag, aliases, kind, nargs, rule, note, default in rows)
 
 
 class _MegatronAction(argparse.Action):
@@ -202,6 +210,50 @@ def check_megatron_flags(ns: argparse.Namespace, cfg: Config) -> list[str]:
     return taken
 
 
+_NOT_MEGATRON_DEFAULT = {
+    "--normalization": None, "--position-embedding-type": None, "--swiglu": "GeLU MLP",
+    "--disable-bias-linear": "linear biases", "--hidden-dropout": None,
+    "--attention-dropout": None,
+}
+"""The fixed flags where this model is not what Megatron builds by default: flag -> Megatron's
+default in words (None: the table's megatron_default, for a flag with a value)."""
+
+
+def _rerun_note(cfg: Config) -> str:
+    """What this run does where Megatron's --rerun-mode validate_results would re-run a step."""
+    rel = cfg.reliability
+    if not rel.check_for_nan_in_loss_and_grad:
+        return "no NaN/Inf check (--no-check-for-nan-in-loss-and-grad), no re-run"
+    action = "skips the step on every rank" if rel.on_nan == "skip" else "stops the run"
+    return f"a NaN/Inf loss or gradient {action} (--on-nan {rel.on_nan}), no re-run"
+
+
+def startup_notes(ns: argparse.Namespace, cfg: Config) -> list[str]:
+    """Lines start-up prints about Megatron's defaults and modes this run does not follow:
+    the model's own choices for the flags not given, and --rerun-mode validate_results."""
+    rows = {row.flag: row for row in megatron_flags()}
+    given = {key.removeprefix(_MEGATRON_DEST): value for key, value in vars(ns).items()
+             if key.startswith(_MEGATRON_DEST)}
+    instead = []
+    for flag, words in _NOT_MEGATRON_DEFAULT.items():
+        if flag in given:
+            continue
+        ours = rows[flag].rule.removeprefix("=")
+        instead.append(f"{flag} (Megatron: {words})" if words
+                       else f"{flag} {ours} (Megatron: {rows[flag].default})")
+    rerun = given.get("--rerun-mode")
+    if rerun is None:
+        instead.append(f"--rerun-mode: {_rerun_note(cfg)} (Megatron: validate_results)")
+    notes = ["Megatron-LM defaults not taken (this model's instead): " + ", ".join(instead)]
+    if rerun is not None and rerun[1] == ["validate_results"]:
+        notes.append(f"--rerun-mode validate_results: {_rerun_note(cfg)}; Megatron's re-run of "
+                     "the step to tell a faulty GPU from a real divergence is not done here")
+    elif rerun is not None and cfg.reliability.on_nan == "skip":
+        notes.append(f"--rerun-mode disabled: {_rerun_note(cfg)}, where Megatron stops the run "
+                     "(--on-nan stop does that)")
+    return notes if instead else notes[1:]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pretrain.py", allow_abbrev=False,
@@ -231,9 +283,15 @@ def args_to_config(ns: argparse.Namespace) -> Config:
 
 def parse(argv: list[str] | None = None) -> tuple[Config, list[str]]:
     """(config, the Megatron-LM flags taken because they describe this model)."""
+    cfg, taken, _ = parse_with_notes(argv)
+    return cfg, taken
+
+
+def parse_with_notes(argv: list[str] | None = None) -> tuple[Config, list[str], list[str]]:
+    """`parse` plus the start-up lines of `startup_notes`."""
     ns = build_parser().parse_args(argv)
     cfg = args_to_config(ns)
-    return cfg, check_megatron_flags(ns, cfg)
+    return cfg, check_megatron_flags(ns, cfg), startup_notes(ns, cfg)
 
 
 def parse_config(argv: list[str] | None = None) -> Config:

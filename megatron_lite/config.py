@@ -36,7 +36,8 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width h."""
     ffn_hidden_size: int | None = None
-    """SwiGLU inner width; default 8h/3 rounded up to a multiple of 64 (Llama's sizing)."""
+    """SwiGLU inner width; default 8h/3 rounded down to a multiple of 64 (Megatron's --swiglu
+    sizing: h=4096 gives 10880; Llama's own widths are set explicitly)."""
     num_attention_heads: int = 4
     """Number of query heads."""
     num_query_groups: int | None = None
@@ -94,7 +95,11 @@ class ModelConfig:
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+            self.ffn_hidden_size = swiglu_ffn_size(self.hidden_size)
+            if self.ffn_hidden_size <= 0:
+                raise ConfigError(f"--hidden-size {self.hidden_size}: the default SwiGLU width "
+                                  "(8h/3 rounded down to a multiple of 64) is 0; pass "
+                                  "--ffn-hidden-size")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "vocab_size", "ffn_hidden_size", "num_query_groups"):
             if getattr(self, name) <= 0:
@@ -119,6 +124,20 @@ class ModelConfig:
             return self.padded_vocab
         multiple = self.make_vocab_size_divisible_by * tp_size
         return multiple * math.ceil(self.vocab_size / multiple)
+
+
+def swiglu_ffn_size(hidden: int) -> int:
+    """Megatron's --swiglu width without --ffn-hidden-size: 2/3 of 4h (the parameters of a
+    4h GeLU MLP), floored to a multiple of 64."""
+    return int(4 * hidden * 2 / 3 / 64) * 64
+
+
+def ddp_bucket_size(parallel: ParallelConfig, dp_size: int) -> int:
+    """Gradient bucket size in elements: --ddp-bucket-size, else Megatron's
+    max(40M, 1M x data-parallel size)."""
+    if parallel.ddp_bucket_size is not None:
+        return parallel.ddp_bucket_size
+    return max(40_000_000, 1_000_000 * dp_size)
 
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -173,8 +192,8 @@ class ParallelConfig:
     """Start each gradient bucket's reduction as soon as its gradients are ready."""
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the next forward."""
-    ddp_bucket_size: int = 40_000_000
-    """Gradient bucket size in elements."""
+    ddp_bucket_size: int | None = None
+    """Gradient bucket size in elements; default max(40M, 1M x data-parallel size) (Megatron's)."""
     grad_reduce_in_bf16: bool = False
     """Reduce gradients in bf16 instead of fp32 (halves DP traffic, loses precision)."""
     distributed_backend: str = field(
@@ -258,8 +277,8 @@ class OptimConfig:
     """Decoupled weight decay, applied to weights with >= 2 dims only (not norms)."""
     adam_beta1: float = 0.9
     """Adam beta1."""
-    adam_beta2: float = 0.95
-    """Adam beta2."""
+    adam_beta2: float = 0.999
+    """Adam beta2 (Megatron's default; Llama recipes set 0.95)."""
     adam_eps: float = 1e-8
     """Adam epsilon."""
 
@@ -314,9 +333,10 @@ class TrainConfig:
     reference kernels): exact math, so a layout can be checked against one process far below
     fp32's rounding noise (the equivalence tests run this way). Slow; for checking, not
     training."""
-    eval_interval: int = 1000
-    """Evaluate on the validation split every this many iterations (and at the end)."""
-    eval_iters: int = 10
+    eval_interval: int | None = None
+    """Evaluate on the validation split every this many iterations; None = only once, at the
+    end of training (Megatron's default)."""
+    eval_iters: int = 100
     """Global batches per evaluation; 0 = no evaluation."""
     manual_gc: bool = False
     """Turn off Python's automatic garbage collector and collect every --manual-gc-interval
@@ -338,6 +358,13 @@ class TrainConfig:
     checkpoint only the first --recompute-num-layers layers of each model chunk."""
     recompute_num_layers: int | None = None
     """Full recompute: layers per group (uniform) or layers recomputed per chunk (block)."""
+    deterministic_mode: bool = False
+    """Bit-identical reruns on GPU (CPU runs already are): torch's deterministic algorithms
+    (flash / memory-efficient attention take their deterministic backward, no cuDNN attention,
+    an op with no deterministic kernel stops the run by name), CUBLAS_WORKSPACE_CONFIG=:4096:8
+    and NCCL_ALGO=Ring unless set to another deterministic value. Costs: a slower attention
+    backward (dQ accumulated in a fixed order, more workspace) and Ring-only collectives, which
+    lose NCCL's faster tree/NVLS algorithms across nodes."""
     dry_run: bool = False
     """Validate the config, print the rank grid, stage partition, parameters per rank and the
     memory estimate, and exit without creating process groups (see --world-size); then the
@@ -654,7 +681,7 @@ class DataConfig:
     expect_full_pass: bool = False
     """The run is meant to see all of its training data: warn at start-up when the planned
     samples cover less than one epoch (it prints the planned epochs either way)."""
-    num_workers: int = 1
+    num_workers: int = 2
     """Training steps of micro-batches a background thread prepares ahead (0 = none)."""
     data_cache_path: str | None = None
     """Directory for cached sample/shuffle indices (default: next to the data)."""
@@ -697,8 +724,8 @@ class DataConfig:
 class LoggingConfig:
     """What is printed and recorded."""
 
-    log_interval: int = 1
-    """Print a log line every this many iterations."""
+    log_interval: int = 100
+    """Print a log line every this many iterations (and at the last one)."""
     log_rank_grid: bool = False
     """Print every group of the rank grid at start-up and in --dry-run (summarized beyond a
     screenful otherwise)."""
@@ -738,8 +765,9 @@ class LoggingConfig:
     """First profiled iteration."""
     profile_step_end: int = 12
     """Iteration at which profiling stops (not profiled itself)."""
-    profile_ranks: list[int] = field(default_factory=lambda: [0])
-    """Global ranks that profile; each writes its own trace file named by rank."""
+    profile_ranks: list[int] = field(default_factory=list)
+    """Global ranks that profile (default: all of them); each writes its own trace file named
+    by rank."""
     profile_dir: str | None = None
     """Directory for the traces; default --tensorboard-dir."""
     straggler_threshold: float = 0.10

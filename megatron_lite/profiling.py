@@ -27,7 +27,7 @@ class StepHooks:
         lg, train = cfg.logging, cfg.train
         self.cfg, self.rank, self.cuda = cfg, rank, device.type == "cuda"
         self.trace_dir = Path(lg.profile_dir or lg.tensorboard_dir or ".")
-        self.profiling = lg.profile and rank in lg.profile_ranks
+        self.profiling = lg.profile and (not lg.profile_ranks or rank in lg.profile_ranks)
         self.profiler: torch.profiler.profile | None = None
         if train.manual_gc:
             gc.disable()

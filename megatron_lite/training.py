@@ -43,7 +43,7 @@ from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.optim.lr import step_lrs
 from megatron_lite.optim.optimizer import Optimizer
-from megatron_lite.parallel import comms
+from megatron_lite.parallel import comms, determinism
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.launch import detect_launch_env
 from megatron_lite.parallel.state import ParallelState, format_grid
@@ -81,6 +81,8 @@ def run(cfg: Config) -> TrainResult:
         for warning in tokenizer.warnings:
             print(f"warning: {warning}", flush=True)
     validate(cfg, env.world_size)
+    if cfg.train.deterministic_mode:  # before the first cuBLAS handle and NCCL communicator
+        determinism.enable()
     startup = StartupTimes()
     with startup.timed("rendezvous"):  # launch checks first: refused by name, not a hang
         pstate = parallel_state.initialize(cfg, env)
@@ -429,7 +431,8 @@ def _learning_rates(trainer: Trainer, scale: float) -> tuple[float, float | None
 
 def _evaluation_due(cfg: Config, iteration: int) -> bool:
     t = cfg.train
-    return t.eval_iters > 0 and (iteration % t.eval_interval == 0 or iteration == t.train_iters)
+    periodic = t.eval_interval is not None and iteration % t.eval_interval == 0
+    return t.eval_iters > 0 and (periodic or iteration == t.train_iters)
 
 
 def _pop_comm_wait(trainer: Trainer) -> float:

@@ -79,12 +79,12 @@ ml_tiny_override() {
     [[ "${MEGATRON_LITE_TINY:-0}" == 1 ]] || return 0
     echo "MEGATRON_LITE_TINY=1: tiny model, mock data, gloo"
     MODEL_ARGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
-                --seq-length 32 --vocab-size 250)
+                --ffn-hidden-size 192 --seq-length 32 --vocab-size 250)
     PARALLEL_ARGS=(--tensor-model-parallel-size "${TINY_TP:-2}" --sequence-parallel
                    --distributed-backend gloo --distributed-timeout-minutes 1)
     DATA_ARGS=(--mock-data)
     TRAINING_ARGS=(--micro-batch-size 2 --train-iters "${TINY_ITERS:-2}" --lr 1e-3 --seed 1234
-                   --eval-iters 1)
+                   --lr-decay-style cosine --adam-beta2 0.95 --eval-iters 1)
     CHECKPOINT_ARGS=()
     LOGGING_ARGS=(--log-interval 1 --log-jsonl "$RUN_DIR/metrics.jsonl" --wandb-mode disabled
                   --peak-tflops 1)

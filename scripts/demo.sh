@@ -47,7 +47,7 @@ rm -rf "$OUT/ckpt" "$OUT/metrics.jsonl"  # a fresh run each time (a kept checkpo
     --split 98,2,0 \
     --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 16 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4 \
-    --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
+    --lr-decay-style cosine --adam-beta2 0.95 --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
     --log-jsonl "$OUT/metrics.jsonl" --save "$OUT/ckpt"
 
 "$PYTHON" - "$OUT/metrics.jsonl" "$VOCAB" <<'PY'

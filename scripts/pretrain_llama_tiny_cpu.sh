@@ -18,7 +18,7 @@ source "$REPO_DIR/scripts/common.sh"
 TP=${TP:-2} MBS=${MBS:-4} GBS=${GBS:-8} TRAIN_ITERS=${TRAIN_ITERS:-30}
 
 MODEL_ARGS=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2
-            --seq-length 128)
+            --ffn-hidden-size 384 --seq-length 128)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend gloo
                --distributed-timeout-minutes 2)
 if [[ -n "${DATA_PATH:-}" ]]; then
@@ -28,7 +28,8 @@ else
 fi
 TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
                --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine
-               --weight-decay 0.1 --clip-grad 1.0 --eval-interval 10 --eval-iters 2 --seed 1234)
+               --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+               --eval-interval 10 --eval-iters 2 --seed 1234)
 CHECKPOINT_ARGS=()
 LOGGING_ARGS=(--log-interval 5 --log-jsonl "$RUN_DIR/metrics.jsonl" --wandb-mode disabled)
 

@@ -74,8 +74,8 @@ rm -f "$METRICS"
 START=$(date +%s.%N)
 "$PYTHON" pretrain.py --data-path "$OUT/shakespeare" --tokenizer-model "$OUT/char.model" \
     --vocab-size "$VOCAB" --split 1,1,0 --data-cache-path "$OUT/cache" \
-    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
-    --micro-batch-size 12 --train-iters 2000 --seed 1337 \
+    --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 384 \
+    --seq-length 64 --micro-batch-size 12 --train-iters 2000 --seed 1337 \
     --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 100 --lr-decay-style cosine \
     --adam-beta1 0.9 --adam-beta2 0.99 --weight-decay 0.1 --clip-grad 1.0 \
     --eval-interval 500 --eval-iters 200 --log-interval 1 --log-jsonl "$METRICS" \

@@ -31,7 +31,7 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
          "4", "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "97",
          "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "2e-3", "--train-iters", "4", "--eval-iters", "0",
-         "--peak-tflops", "1", "--fp64"]
+         "--peak-tflops", "1", "--fp64", "--log-interval", "1"]
 LAYOUTS = {  # name: (flags, tp, pp)
     "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1),
     "pp2": (["--pipeline-model-parallel-size", "2"], 1, 2),

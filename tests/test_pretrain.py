@@ -37,7 +37,8 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
          "4", "--num-query-groups", "4", "--ffn-hidden-size", "64", "--seq-length", "16",
          "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "2",
-         "--train-iters", "10", "--eval-iters", "0", "--peak-tflops", "1", "--fp64"]
+         "--train-iters", "10", "--eval-iters", "0", "--peak-tflops", "1", "--fp64",
+         "--log-interval", "1"]
 # Evaluation after 5 and 10 steps runs the forward-only schedule of every layout.
 EVALUATION = ["--eval-iters", "1", "--eval-interval", "5"]
 

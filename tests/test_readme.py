@@ -61,7 +61,7 @@ COMMANDS: dict[str, Cheap] = {
     "torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 "
     "--sequence-parallel --mock-data --train-iters 20": Cheap("launch: torchrun, world size 2"),
     "srun python pretrain.py ...": Cheap("launch: slurm, world size 1",
-                                         "--mock-data --train-iters 2"),
+                                         "--mock-data --train-iters 2 --eval-iters 10"),
     "python pretrain.py --dry-run --world-size 1024 ...": Cheap(
         "world size 1024 = pp 2 x dp 64 x tp 8", LAYOUT_1024),
     "python pretrain.py --dry-run --world-size 1024 --dry-run-ranks 0 1023 ...": Cheap(
@@ -93,7 +93,7 @@ COMMANDS: dict[str, Cheap] = {
     "python scripts/plot_run.py demo/metrics.jsonl --out docs/images/demo_curves.png": Cheap(
         "wrote curves.png (1 run)", "--out curves.png",
         env="python pretrain.py --mock-data --train-iters 4 --eval-interval 2 --eval-iters 1 "
-            "--log-jsonl demo/metrics.jsonl > /dev/null &&"),
+            "--log-interval 1 --log-jsonl demo/metrics.jsonl > /dev/null &&"),
     "python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline "
     "docs/images/pipeline_schedules.png --timeline-microbatches 8": Cheap(
         "wrote schedules.png", "--timeline schedules.png"),

@@ -39,8 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "tests/assets/loss_curve_tiny.json"
 FLAGS = ["--mock-data", "--seed", "1234", "--train-iters", "30", "--lr", "3e-3",
          "--lr-warmup-iters", "5", "--eval-iters", "0", "--log-interval", "10",
-         "--peak-tflops", "1"]
-"""Pretrain's default (tiny) model: 2 layers, width 64, 4 heads, context 64, vocab 256."""
+         "--peak-tflops", "1", "--ffn-hidden-size", "192", "--adam-beta2", "0.95",
+         "--lr-decay-style", "cosine"]
+"""Pretrain's default (tiny) model: 2 layers, width 64, 4 heads, context 64, vocab 256; the
+SwiGLU width, beta2 and decay style the asset was recorded with (defaults before they became
+Megatron's)."""
 REGENERATE = "python -m tests.test_regression --regenerate"
 
 

@@ -25,7 +25,7 @@ from tests.distributed import run_ranks
 FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
          "4", "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "96",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
-         "--eval-iters", "0", "--peak-tflops", "1"]
+         "--eval-iters", "0", "--peak-tflops", "1", "--log-interval", "1"]
 
 
 def _live(kind: type) -> int:

@@ -14,7 +14,8 @@ from megatron_lite.config import ConfigError
 from megatron_lite.profiling import StepHooks
 from megatron_lite.training import run
 
-TINY = ["--mock-data", "--eval-iters", "2", "--eval-interval", "10", "--peak-tflops", "1"]
+TINY = ["--mock-data", "--eval-iters", "2", "--eval-interval", "10", "--peak-tflops", "1",
+        "--log-interval", "1"]
 
 
 @pytest.mark.quick

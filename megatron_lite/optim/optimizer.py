@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ddp_bucket_size
 from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
 from megatron_lite.optim import zero1, zero3
@@ -221,7 +221,8 @@ class Optimizer:
                 groups = [2 * units[id(p)] for _, p, _ in members]
             layout = build_layout([p.numel() for _, p, _ in members], groups,
                                   list(reversed(range(len(members)))),
-                                  self.cfg.parallel.ddp_bucket_size, pstate.dp_size)
+                                  ddp_bucket_size(self.cfg.parallel, pstate.dp_size),
+                                  pstate.dp_size)
             b = len(self.buffers)
             if units is not None:
                 buffer = zero3.ShardedParamBuffer([p for _, p, _ in members], layout,

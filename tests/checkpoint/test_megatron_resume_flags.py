@@ -6,7 +6,8 @@ from __future__ import annotations
 from megatron_lite.arguments import parse_config
 from megatron_lite.training import run
 
-TINY = ["--mock-data", "--seed", "3", "--lr", "3e-3", "--eval-iters", "0", "--peak-tflops", "1"]
+TINY = ["--mock-data", "--seed", "3", "--lr", "3e-3", "--eval-iters", "0", "--peak-tflops", "1",
+        "--log-interval", "1"]
 
 
 def test_finetune_loads_weights_only_and_starts_at_iteration_0(tmp_path) -> None:

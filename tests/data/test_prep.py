@@ -26,7 +26,7 @@ VOCAB = 97
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--vocab-size", str(VOCAB), "--micro-batch-size", "1",
         "--eval-iters", "0", "--train-iters", "2", "--num-workers", "0",
-        "--tokenizer-type", "NullTokenizer"]
+        "--tokenizer-type", "NullTokenizer", "--ffn-hidden-size", "64"]
 
 
 def bare_shard(prefix: Path, docs: int = 30, top: int = VOCAB, seed: int = 0) -> None:

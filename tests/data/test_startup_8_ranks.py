@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--vocab-size", "97", "--make-vocab-size-divisible-by", "8",
         "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
-        "--num-workers", "0", "--peak-tflops", "1", "--tokenizer-type", "NullTokenizer"]
+        "--num-workers", "0", "--peak-tflops", "1", "--tokenizer-type", "NullTokenizer",
+        "--ffn-hidden-size", "64"]
 PHASES = re.compile(r"^startup: rendezvous [\d.]+ s, data validation [\d.]+ s, index [\d.]+ s, "
                     r"model build [\d.]+ s, checkpoint load [\d.]+ s, first step [\d.]+ s "
                     r"\(slowest of 8 ranks each\)$", re.M)

@@ -19,7 +19,7 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "48", "--num-atten
          "--num-query-groups", "2", "--ffn-hidden-size", "80", "--seq-length", "16",
          "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2",
-         "--train-iters", "10", "--eval-iters", "0", "--peak-tflops", "1"]
+         "--train-iters", "10", "--eval-iters", "0", "--peak-tflops", "1", "--log-interval", "1"]
 
 
 def _losses(flags: tuple[str, ...]) -> list[float]:

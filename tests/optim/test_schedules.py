@@ -25,7 +25,7 @@ from tests.numerics import assert_all_close
 from tests.optim.common import make_config, step_batches
 
 TINY = ["--mock-data", "--seed", "7", "--lr", "3e-3", "--eval-iters", "0", "--peak-tflops", "1",
-        "--micro-batch-size", "2"]
+        "--micro-batch-size", "2", "--log-interval", "1"]
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant", "wsd"])

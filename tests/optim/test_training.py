@@ -15,7 +15,8 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
          "4", "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "97",
          "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
-         "--train-iters", "6", "--eval-iters", "0", "--peak-tflops", "1", "--fp64"]
+         "--train-iters", "6", "--eval-iters", "0", "--peak-tflops", "1", "--fp64",
+         "--log-interval", "1"]
 ZERO1 = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
          "--ddp-bucket-size", "3000"]
 

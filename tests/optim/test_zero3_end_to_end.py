@@ -27,7 +27,7 @@ FLAGS = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
          "4", "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
          "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "1",
          "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
-         "--eval-iters", "0", "--peak-tflops", "1", "--fp64"]
+         "--eval-iters", "0", "--peak-tflops", "1", "--fp64", "--log-interval", "1"]
 """float64 (equivalence, tests/numerics.py: EXACT); odd vocabulary (padded), GQA; 8 samples:
 2 or 4 micro-batches per rank at DP 4 or 2."""
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]

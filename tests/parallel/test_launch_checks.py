@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "tests" / "scripts" / "slurm_stubs"
 TINY = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "4",
         "--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1",
-        "--train-iters", "1", "--eval-iters", "0"]
+        "--train-iters", "1", "--eval-iters", "0", "--ffn-hidden-size", "64"]
 
 
 def _env(rank: int = 0, world: int = 8, per_node: int = 4, port: int = 29500) -> LaunchEnv:

@@ -24,7 +24,8 @@ from megatron_lite.training import train
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "97", "--make-vocab-size-divisible-by", "8",
-        "--micro-batch-size", "2", "--lr", "2e-3", "--eval-iters", "0", "--peak-tflops", "1"]
+        "--micro-batch-size", "2", "--lr", "2e-3", "--eval-iters", "0", "--peak-tflops", "1",
+        "--log-interval", "1"]
 """Two DP ranks, global batch 4 samples."""
 BASE = ["--train-iters", "20", "--save-interval", "5"]
 """The uninterrupted reference run (and the interrupted ones' schedule)."""

@@ -22,7 +22,8 @@ from megatron_lite.training import train
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "64",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "2",
-        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--peak-tflops", "1"]
+        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--peak-tflops", "1",
+        "--log-interval", "1"]
 
 
 def png_size(path: Path) -> tuple[int, int]:
