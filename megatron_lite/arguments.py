@@ -251,6 +251,12 @@ def startup_notes(ns: argparse.Namespace, cfg: Config) -> list[str]:
     elif rerun is not None and cfg.reliability.on_nan == "skip":
         notes.append(f"--rerun-mode disabled: {_rerun_note(cfg)}, where Megatron stops the run "
                      "(--on-nan stop does that)")
+    model = cfg.model
+    if not model.group_query_attention and model.num_query_groups != model.num_attention_heads:
+        notes.append(f"--num-query-groups {model.num_query_groups} without "
+                     "--group-query-attention: this run uses those K/V heads, where Megatron "
+                     "ignores the flag (one K/V head per query head); add "
+                     "--group-query-attention to make the script mean the same in both")
     return notes if instead else notes[1:]
 
 

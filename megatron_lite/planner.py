@@ -53,6 +53,7 @@ from megatron_lite.config import (
     ConfigError,
     ModelConfig,
     ParallelConfig,
+    ddp_bucket_size,
     num_microbatches,
     pipeline_schedule,
 )
@@ -632,7 +633,7 @@ class StageSpec:
     """--sharded-grad-accumulation full-buffer (ZeRO-2 only)."""
     grad_bf16: bool = False
     """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
-    bucket_size: int = ParallelConfig.ddp_bucket_size
+    bucket_size: int = ddp_bucket_size(ParallelConfig(), 1)
     """--ddp-bucket-size (ZeRO-3's gradient buckets in flight)."""
 
 
@@ -716,7 +717,7 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
                      parallel.sharded_grad_accumulation == "full-buffer",
                      parallel.grad_reduce_in_bf16,
-                     parallel.ddp_bucket_size)
+                     ddp_bucket_size(parallel, world_size // (tp * cp * pp)))
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if stage is not None:
         return estimates[stage]

@@ -559,6 +559,8 @@ def eval_start(cfg: Config, iteration: int, global_batch_size: int) -> int:
     start), so evaluation k (from 0) reads batches k*E .. k*E+E-1. A function of the
     iteration, so a resumed run reads what the uninterrupted one would have."""
     t = cfg.train
+    if t.eval_interval is None:
+        return 0  # evaluated once, at the end
     done_before = iteration // t.eval_interval - (iteration % t.eval_interval == 0)
     return done_before * t.eval_iters * global_batch_size
 

@@ -78,7 +78,8 @@ ml_log_run_info() {
 ml_tiny_override() {
     [[ "${MEGATRON_LITE_TINY:-0}" == 1 ]] || return 0
     echo "MEGATRON_LITE_TINY=1: tiny model, mock data, gloo"
-    MODEL_ARGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
+    MODEL_ARGS=(--num-layers 2 --hidden-size 64 --num-attention-heads 4
+                --group-query-attention --num-query-groups 2
                 --ffn-hidden-size 192 --seq-length 32 --vocab-size 250)
     PARALLEL_ARGS=(--tensor-model-parallel-size "${TINY_TP:-2}" --sequence-parallel
                    --distributed-backend gloo --distributed-timeout-minutes 1)

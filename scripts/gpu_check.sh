@@ -79,7 +79,7 @@ part kernel_bench kernel_bench 30 "$PYTHON" bench/kernels.py --dtype bf16 --toke
 
 # ~0.4B-parameter Llama on mock data: 20 steps each way.
 TRAIN=(--mock-data --vocab-size 32000 --num-layers 8 --hidden-size 2048 --num-attention-heads 16
-       --num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4
+       --group-query-attention --num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4
        --global-batch-size 8 --train-iters 20 --lr 3e-4 --lr-warmup-iters 5
        --lr-decay-style cosine --adam-beta2 0.95 --bf16 --eval-iters 0 --log-interval 1 --wandb-mode disabled --seed 1)
 ran_both=1

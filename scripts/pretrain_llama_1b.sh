@@ -34,7 +34,8 @@ source "$REPO_DIR/scripts/common.sh"
 
 TP=${TP:-1} PP=${PP:-1} MBS=${MBS:-4} GBS=${GBS:-256} TRAIN_ITERS=${TRAIN_ITERS:-19073}
 
-MODEL_ARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8
+MODEL_ARGS=(--num-layers 16 --hidden-size 2048 --num-attention-heads 32
+            --group-query-attention --num-query-groups 8
             --ffn-hidden-size 8192 --seq-length 4096 --max-position-embeddings 4096
             --rotary-base 500000 --bf16)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

@@ -38,7 +38,8 @@ source "$REPO_DIR/scripts/common.sh"
 TP=${TP:-8} PP=${PP:-8} VP_LAYERS=${VP_LAYERS:-2} MBS=${MBS:-1} GBS=${GBS:-1024}
 TRAIN_ITERS=${TRAIN_ITERS:-333786}
 
-MODEL_ARGS=(--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --num-query-groups 8
+MODEL_ARGS=(--num-layers 80 --hidden-size 8192 --num-attention-heads 64
+            --group-query-attention --num-query-groups 8
             --ffn-hidden-size 28672 --seq-length 4096 --max-position-embeddings 4096
             --rotary-base 500000 --untie-embeddings-and-output-weights --bf16)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

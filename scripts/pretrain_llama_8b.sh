@@ -37,7 +37,8 @@ source "$REPO_DIR/scripts/common.sh"
 
 TP=${TP:-2} PP=${PP:-1} MBS=${MBS:-1} GBS=${GBS:-128} TRAIN_ITERS=${TRAIN_ITERS:-152588}
 
-MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8
+MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32
+            --group-query-attention --num-query-groups 8
             --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 8192
             --rotary-base 500000 --untie-embeddings-and-output-weights --bf16)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"

@@ -17,7 +17,8 @@ source "$REPO_DIR/scripts/common.sh"
 
 TP=${TP:-2} MBS=${MBS:-4} GBS=${GBS:-8} TRAIN_ITERS=${TRAIN_ITERS:-30}
 
-MODEL_ARGS=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2
+MODEL_ARGS=(--num-layers 4 --hidden-size 128 --num-attention-heads 4
+            --group-query-attention --num-query-groups 2
             --ffn-hidden-size 384 --seq-length 128)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend gloo
                --distributed-timeout-minutes 2)

@@ -55,8 +55,16 @@ def _split(ours: object) -> bool:
     return ours is not None and [int(p) for p in str(ours).split(",")] == [969, 30, 1]
 
 
+def _num_query_groups(ours: object) -> bool:
+    # Megatron's 1 is read only under --group-query-attention (else every head has its own
+    # K/V); ours resolves None to 1 there and to the head count without it.
+    return ours is None and ModelConfig(num_attention_heads=8).num_query_groups == 8 and \
+        ModelConfig(num_attention_heads=8, group_query_attention=True).num_query_groups == 1
+
+
 RESOLVED = {"--distributed-backend": _distributed_backend,
-            "--data-parallel-sharding-strategy": _sharding_strategy, "--split": _split}
+            "--data-parallel-sharding-strategy": _sharding_strategy, "--split": _split,
+            "--num-query-groups": _num_query_groups}
 """Megatron's parser value is only a placeholder that validate_args (or the flag it depends on)
 resolves; each check shows ours resolves to the same."""
 

@@ -185,7 +185,8 @@ def validation_samples(cfg: Config, global_batch_size: int) -> int:
     (--train-iters // --eval-interval + 1) evaluations, each reading the next ones
     (training.eval_start); the test set is one evaluation's."""
     t = cfg.train
-    return (t.train_iters // t.eval_interval + 1) * t.eval_iters * global_batch_size
+    evaluations = 1 if t.eval_interval is None else t.train_iters // t.eval_interval + 1
+    return evaluations * t.eval_iters * global_batch_size
 
 
 def _verify(cfg: Config, node_local: tuple[int, int] | None) -> None:

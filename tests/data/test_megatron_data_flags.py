@@ -88,7 +88,7 @@ def test_evaluation_k_reads_the_kth_group_of_batches() -> None:
 
 
 def _eval_losses(tmp_path, *extra: str) -> list[float]:
-    flags = ["--mock-data", "--num-layers", "1", "--hidden-size", "16",
+    flags = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--ffn-hidden-size", "64",
              "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "64",
              "--micro-batch-size", "2", "--train-iters", "4", "--eval-interval", "1",
              "--eval-iters", "1", "--fp64", "--peak-tflops", "1", "--log-interval", "100",
