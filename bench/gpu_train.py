@@ -47,7 +47,7 @@ from megatron_lite.arguments import parse_config  # noqa: E402
 from megatron_lite.config import Config, ModelConfig  # noqa: E402
 from megatron_lite.data.mock import MockDataset  # noqa: E402
 from megatron_lite.metrics import detect_peak_tflops  # noqa: E402
-from megatron_lite.optim.lr import lr_at  # noqa: E402
+from megatron_lite.optim.lr import step_lrs  # noqa: E402
 from megatron_lite.planner import (  # noqa: E402
     ModelShape,
     estimate_memory,
@@ -190,7 +190,7 @@ def train_plain(cfg: Config, device: torch.device, backend: str) -> dict:
     for step, (tokens, labels) in enumerate(batches):
         start = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, o, t.train_iters)
+            group["lr"] = step_lrs(step * t.micro_batch_size, t.micro_batch_size, o, t)[0]
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16):
             loss = model(tokens, labels)

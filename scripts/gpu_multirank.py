@@ -61,9 +61,10 @@ FLAGS = {
             "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
             "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--fp64"],
 }
-COMMON = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+COMMON = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
           "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--seed", "1",
-          "--distributed-timeout-minutes", "2"]
+          "--lr-decay-style", "cosine", "--adam-beta2", "0.95", "--distributed-timeout-minutes",
+          "2"]
 LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
            "pp2": ["--pipeline-model-parallel-size", "2"],
            "cp2": ["--context-parallel-size", "2"],

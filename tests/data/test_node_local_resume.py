@@ -97,7 +97,7 @@ def _cfg(data: str, tmp: str, save: str, load: str | None = None, step: int | No
     cfg.train.train_iters, cfg.train.eval_iters = ITERS, 0
     cfg.train.micro_batch_size, cfg.train.global_batch_size = MB, GBS
     cfg.train.fp64 = True
-    cfg.logging.peak_tflops = 1.0
+    cfg.logging.peak_tflops, cfg.logging.log_interval = 1.0, 1
     return cfg
 
 
