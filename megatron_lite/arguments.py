@@ -251,6 +251,11 @@ def startup_notes(ns: argparse.Namespace, cfg: Config) -> list[str]:
     elif rerun is not None and cfg.reliability.on_nan == "skip":
         notes.append(f"--rerun-mode disabled: {_rerun_note(cfg)}, where Megatron stops the run "
                      "(--on-nan stop does that)")
+    ignored = [flag for flag in ("--recompute-method", "--recompute-num-layers")
+               if getattr(ns, "train." + flag[2:].replace("-", "_")) is not None]
+    if ignored and cfg.train.recompute_granularity is None:
+        notes.append(f"{' and '.join(ignored)} ignored: without --recompute-granularity "
+                     "nothing is recomputed (as in Megatron)")
     model = cfg.model
     if not model.group_query_attention and model.num_query_groups != model.num_attention_heads:
         notes.append(f"--num-query-groups {model.num_query_groups} without "

@@ -411,12 +411,19 @@ class TrainConfig:
                     "START INCREMENT SAMPLES, all positive, with --global-batch-size "
                     f"({self.global_batch_size}) above START and reached from it in whole "
                     "INCREMENTs")
+        self._resolve_recompute()
+
+    def _resolve_recompute(self) -> None:
         if self.recompute_granularity == "full":
             self.recompute_method = self.recompute_method or "uniform"
             self.recompute_num_layers = self.recompute_num_layers or 1
             if self.recompute_num_layers < 1:
                 raise ConfigError("--recompute-num-layers must be >= 1, got "
                                   f"{self.recompute_num_layers}")
+        elif self.recompute_granularity is None:
+            # Megatron reads them only under --recompute-granularity full; without a
+            # granularity nothing is recomputed (start-up says they were ignored)
+            self.recompute_method = self.recompute_num_layers = None
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
             raise ConfigError(
                 "--recompute-method/--recompute-num-layers apply only with "
@@ -880,6 +887,16 @@ class ReliabilityConfig:
     max_skipped_iterations: int = 100
     """Save and stop the same way once this many steps were skipped in all, counted across
     resumes (--skip-iterations are not counted). 0 = no limit."""
+    error_injection_rate: int = 0
+    """Megatron's fault drill: on each step a rank draws (R + its rank) mod N, R uniform in
+    0..N-1, and on 0 its loss is made NaN, so the NaN guard's handling is exercised in a real
+    run (0 = never). Megatron re-runs such a step to diagnose it; the guard here skips or stops
+    it as --on-nan says."""
+    error_injection_type: str = field(default="transient_error", metadata={
+        "choices": ["correct_result", "transient_error", "persistent_error"]})
+    """What a drill fault is: transient_error and correct_result spoil one step's loss;
+    persistent_error (a faulty GPU) that step's and every later one's on that rank, so the
+    guard stops after --max-skipped-iterations-in-a-row."""
     spike_skip_samples: int | None = None
     """After a rollback, skip this many samples past the spike (default: the spiking steps')."""
     spike_lr_factor: float = 0.5
@@ -905,6 +922,9 @@ class ReliabilityConfig:
             raise ConfigError(f"--spike-skip-samples must be >= 0, got {self.spike_skip_samples}")
         if self.spike_lr_iters < 0:
             raise ConfigError(f"--spike-lr-iters must be >= 0, got {self.spike_lr_iters}")
+        if self.error_injection_rate < 0:
+            raise ConfigError("--error-injection-rate must be >= 0 (0 = no injection), got "
+                              f"{self.error_injection_rate}")
         for name in ("max_skipped_iterations_in_a_row", "max_skipped_iterations"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_dash(name)} must be >= 0 (0 = no limit), got "
@@ -1113,16 +1133,18 @@ def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:
     """Every batch of a ramp-up must split into whole micro-batches on every DP rank."""
     train, pp = cfg.train, cfg.parallel.pipeline_model_parallel_size
+    interleaved = cfg.parallel.num_layers_per_virtual_pipeline_stage is not None
     unit = train.micro_batch_size * dp
     if train.step_batch_size_schedule is not None:
         batches = [b for _, b in batch_schedule(train.step_batch_size_schedule, None)]
         if any(b % unit for b in batches):
             return [f"--step-batch-size-schedule batches {batches} must be multiples of "
                     f"--micro-batch-size x data-parallel size = {unit}"]
-        if pp > 1 and min(batches) // unit < pp:
-            return [f"--step-batch-size-schedule batch {min(batches)} gives "
-                    f"{min(batches) // unit} micro-batches per step, fewer than "
-                    f"--pipeline-model-parallel-size {pp}; raise it"]
+        odd = [b for b in batches if (b // unit) % pp]
+        if interleaved and odd:
+            return [f"--step-batch-size-schedule batch {odd[0]} gives {odd[0] // unit} "
+                    "micro-batches per step; the interleaved schedule needs a multiple of "
+                    f"--pipeline-model-parallel-size {pp}"]
         return []
     if not train.rampup_batch_size:
         return []
@@ -1131,9 +1153,11 @@ def _rampup_errors(cfg: Config, dp: int) -> list[str]:
         return [f"--rampup-batch-size START {start} and INCREMENT {increment} must be multiples "
                 f"of --micro-batch-size x data-parallel size = {unit}, so every batch of the "
                 "ramp splits into whole micro-batches"]
-    if pp > 1 and start // unit < pp:
-        return [f"--rampup-batch-size START {start} gives {start // unit} micro-batches per "
-                f"step, fewer than --pipeline-model-parallel-size {pp}; raise START"]
+    if interleaved and ((start // unit) % pp or (increment // unit) % pp):
+        return [f"--rampup-batch-size START {start} INCREMENT {increment} give "
+                f"{start // unit} + k x {increment // unit} micro-batches per step; the "
+                "interleaved schedule needs multiples of --pipeline-model-parallel-size "
+                f"{pp}"]
     return []
 
 
@@ -1247,13 +1271,7 @@ def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:
                 "virtual chunks per stage (--num-layers / (--pipeline-model-parallel-size x "
                 "--num-layers-per-virtual-pipeline-stage)); adjust the uneven stage sizes"
             )
-    if microbatches < pp:
-        errors.append(
-            f"{microbatches} micro-batches per step (--global-batch-size / (--micro-batch-size x "
-            f"data-parallel size)) is fewer than --pipeline-model-parallel-size {pp}; the "
-            f"pipeline would idle most of the step, raise --global-batch-size"
-        )
-    elif lpv is not None and microbatches % pp:
+    if lpv is not None and microbatches % pp:
         errors.append(
             f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage {lpv}) needs the "
             f"{microbatches} micro-batches per step to be a multiple of "

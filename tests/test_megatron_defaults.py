@@ -150,7 +150,7 @@ def test_megatron_noop_flags_are_taken_and_other_values_refused() -> None:
     for argv, named in ((["--rerun-mode", "report_determinism_stats"], "--rerun-mode"),
                         (["--timing-log-level", "3"], "--timing-log-level"),
                         (["--dist-ckpt-strictness", "strict"], "--dist-ckpt-strictness"),
-                        (["--error-injection-rate", "100"], "--error-injection-rate")):
+                        (["--export-kd-teacher-load", "t"], "--export-kd-teacher-load")):
         with pytest.raises(ConfigError, match=named):
             parse(argv)
 

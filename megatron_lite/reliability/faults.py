@@ -1,4 +1,5 @@
-"""Fault injection, for tests only: make one rank fail in a chosen way at a chosen iteration.
+"""Fault injection: make one rank fail in a chosen way at a chosen iteration (tests), and
+Megatron's --error-injection-rate drill (NaN losses at random steps, in a real run).
 
     MEGATRON_LITE_FAULT=rank1:iter13:exit            # rank 1 dies (os._exit(1)) at iteration 13
     MEGATRON_LITE_FAULT=rank0:iter12-14:spike        # an iteration range
@@ -14,12 +15,13 @@ that iteration, after its first file is written).
 The variable is read once, when the training loop starts. A fault fires at most once per
 process, and only on restart attempt `attemptN` (default 0; torchrun's
 TORCHELASTIC_RESTART_COUNT), so a restarted group does not meet the same fault again.
-Nothing here runs unless the variable is set.
+Nothing here runs unless the variable or --error-injection-rate is set.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import sys
@@ -63,13 +65,32 @@ def parse_faults(text: str) -> list[Fault]:
 class FaultInjector:
     """This rank's planned faults; every method is a no-op when none is planned."""
 
-    def __init__(self, rank: int, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, rank: int, environ: Mapping[str, str] | None = None,
+                 drill_rate: int = 0, drill_type: str = "transient_error",
+                 seed: int = 0) -> None:
         env = os.environ if environ is None else environ
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.rank = rank
         self.faults = [f for f in parse_faults(env.get(FAULT_ENV, ""))
                        if f.rank == rank and f.attempt == attempt]
         self._fired: set[tuple[Fault, int]] = set()
+        self.drill_rate, self.drill_type = drill_rate, drill_type
+        self._draws = random.Random(seed)  # the same stream on every rank, as Megatron's
+        self._broken_since: int | None = None
+
+    def drill(self, iteration: int) -> bool:
+        """--error-injection-rate: True when this step's loss is to be spoiled."""
+        if not self.drill_rate:
+            return False
+        if self._broken_since is not None:
+            return True
+        if (self._draws.randrange(self.drill_rate) + self.rank) % self.drill_rate:
+            return False
+        print(f"error injection: rank {self.rank} iteration {iteration}: {self.drill_type} "
+              "(--error-injection-rate)", file=sys.stderr, flush=True)
+        if self.drill_type == "persistent_error":
+            self._broken_since = iteration
+        return True
 
     def take(self, iteration: int, *kinds: str) -> bool:
         """True (once) when a fault of one of `kinds` is due at `iteration`."""
@@ -95,7 +116,7 @@ class FaultInjector:
                 time.sleep(3600)
 
     def corrupt_loss(self, iteration: int, local: Tensor) -> Tensor:
-        if self.take(iteration, "nan_loss"):
+        if self.drill(iteration) or self.take(iteration, "nan_loss"):
             return local * float("nan")
         if self.take(iteration, "spike"):
             return local * SPIKE_FACTOR

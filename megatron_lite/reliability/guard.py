@@ -118,7 +118,8 @@ class Guard:
             raise ConfigError("--on-spike rollback needs --save DIR (it reloads the last "
                               "checkpoint); add --save or use --on-spike skip")
         self.cfg, self.pstate, self.rel = cfg, pstate, r
-        self.faults = FaultInjector(pstate.rank)
+        self.faults = FaultInjector(pstate.rank, drill_rate=r.error_injection_rate,
+                                    drill_type=r.error_injection_type, seed=cfg.train.seed)
         self.exits = ExitMonitor(r.exit_duration_in_mins)
         self.watchdog = (Watchdog(r.hang_timeout_seconds, pstate.rank)
                          if r.hang_timeout_seconds else None)

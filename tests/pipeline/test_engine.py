@@ -289,6 +289,9 @@ FOUR_RANKS = {
     "pp4-1f1b": Run(1, 4), **{f"pp4-{k}": Run(1, 4, kind=k, microbatches=8, num_layers=8)
                               for k in ZERO_BUBBLE},
     "tp2pp2-sp-1f1b": Run(2, 2, microbatches=2, sp=True),
+    # fewer micro-batches than stages (Megatron runs them; the pipeline mostly idles)
+    "pp4-few-1f1b": Run(1, 4, microbatches=1),
+    **{f"pp4-few-{k}": Run(1, 4, kind=k, microbatches=2, num_layers=8) for k in ZERO_BUBBLE},
     **{f"tp2pp2-sp-{k}": Run(2, 2, kind=k, sp=True) for k in ZERO_BUBBLE},
     "broken-interleaved": Run(1, 2, v=2, breakage="swap-interleaved"),
     "broken-zb-h1": Run(1, 2, kind="zb-h1", breakage="drop-w"),
@@ -336,8 +339,9 @@ def _check_named(runs: dict, names: list[str]) -> None:
 
 @pytest.mark.quick
 def test_1f1b_matches_single_process(four) -> None:
-    """1F1B at PP=2 x DP=2 and PP=4: every loss and gradient of the single process."""
-    _check_named(four, ["pp2dp2-1f1b", "pp4-1f1b"])
+    """1F1B at PP=2 x DP=2 and PP=4 (also with one micro-batch): every loss and gradient of
+    the single process."""
+    _check_named(four, ["pp2dp2-1f1b", "pp4-1f1b", "pp4-few-1f1b"])
 
 
 @pytest.mark.quick
@@ -363,7 +367,7 @@ def test_live_activations_on_stage0_stay_within_1f1b_bound(four) -> None:
 
 
 @pytest.mark.parametrize("layout", [pytest.param("pp2dp2", marks=pytest.mark.quick), "pp4",
-                                    "tp2pp2-sp"])
+                                    "tp2pp2-sp", "pp4-few"])
 def test_zero_bubble_schedules_match_single_process(four, layout: str) -> None:
     """ZB-H1 and ZBV (B/W split, W's in the bubbles; ZBV's V with the tied embedding and head
     on stage 0) give the single process's losses and gradients; each chunk's DP hook runs

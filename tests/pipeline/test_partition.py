@@ -73,7 +73,7 @@ def _cfg(layers=8, pp=2, lpv=None, first=None, last=None, gbs=8) -> Config:
     ({"layers": 8, "pp": 1, "lpv": 2}, ["--pipeline-model-parallel-size > 1"]),
     ({"layers": 8, "pp": 2, "first": 3, "last": 3}, ["--decoder-first-pipeline-num-layers 3",
                                              "--num-layers 8"]),
-    ({"layers": 8, "pp": 2, "gbs": 1}, ["1 micro-batches", "--global-batch-size"]),
+    ({"layers": 8, "pp": 2, "lpv": 2, "gbs": 1}, ["1 micro-batches", "--global-batch-size"]),
     ({"layers": 8, "pp": 2, "lpv": 2, "gbs": 3}, ["multiple of --pipeline-model-parallel-size 2"]),
     ({"layers": 12, "pp": 3, "lpv": 2, "first": 1, "last": 5, "gbs": 6}, ["virtual chunks"]),
 ])
