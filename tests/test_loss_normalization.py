@@ -25,6 +25,7 @@ from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, loss_normalization, reduce_loss
 from tests.distributed import relayout, run_ranks
 from tests.numerics import EXACT, assert_all_close, assert_close
+from tests.optim.common import single_process_name
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                     ffn_hidden_size=48, seq_length=16, vocab_size=104,
@@ -55,14 +56,8 @@ def _batches(pstate: ParallelState) -> list[dict[str, torch.Tensor]]:
 
 def _named_grads(chunks: list) -> dict[str, torch.Tensor]:
     """This rank's gradients under single-process names (global layer numbers)."""
-    out = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[0] == "layers":
-                parts[1] = str(chunk.layer_ids[int(parts[1])])
-            out[".".join(parts)] = p.grad.clone()
-    return out
+    return {single_process_name(chunk, name): p.grad.clone()
+            for chunk in chunks for name, p in chunk.named_parameters()}
 
 
 def step(pstate: ParallelState, cfg: Config) -> dict:

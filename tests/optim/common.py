@@ -94,18 +94,23 @@ def run_steps(chunks: list, opt: Optimizer, pstate: ParallelState, cfg: Config,
             "splits": {n: tags.tp_split(p) for n, p in chunks[0].named_parameters()}}
 
 
+def single_process_name(chunk, name: str) -> str:
+    """A chunk's parameter name as the single process spells it (global layer numbers)."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        parts[1] = str(chunk.layer_ids[int(parts[1])])
+    return ".".join(parts)
+
+
 def model_parameters(chunks: list) -> dict[str, Tensor]:
     """This rank's weights under their single-process names (global layer numbers; the last
     stage's copy of a tied embedding under the embedding's name)."""
     out = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[0] == "layers":
-                parts[1] = str(chunk.layer_ids[int(parts[1])])
-            if tags.is_shared_embedding(p):
-                parts = ["embedding", "weight"]
-            out[".".join(parts)] = p.detach().clone()
+            key = ("embedding.weight" if tags.is_shared_embedding(p)
+                   else single_process_name(chunk, name))
+            out[key] = p.detach().clone()
     return out
 
 
