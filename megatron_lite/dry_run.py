@@ -46,10 +46,11 @@ from megatron_lite.config import (
     dry_run_rank_list,
     global_batch_at,
     num_microbatches,
+    parse_blend,
+    parse_split,
     validate,
 )
 from megatron_lite.data.builder import build_loaders
-from megatron_lite.data.dataset import parse_blend, split_ranges
 from megatron_lite.data.format import (
     MANIFEST_SUFFIX,
     REGENERATE_HINT,
@@ -198,7 +199,7 @@ def _tokenizer_files(cfg: Config) -> list[tuple[str, str]]:
 def _split_problem(split: str) -> str | None:
     """--split as the data module parses it (the one call that checks it here)."""
     try:
-        split_ranges(split, 0)
+        parse_split(split)
     except ValueError as err:
         return str(err)
     return None
