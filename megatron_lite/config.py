@@ -835,6 +835,12 @@ class CheckpointConfig:
         "flag": "--use-checkpoint-opt_param-scheduler",
         "aliases": ["--use-checkpoint-opt-param-scheduler"]})
     """Take the LR schedule (--lr*, --min-lr, --decoupled-*) from the checkpoint's config."""
+    override_opt_param_scheduler: bool = field(default=False, metadata={
+        "flag": "--override-opt_param-scheduler",
+        "aliases": ["--override-opt-param-scheduler"]})
+    """Resume on this run's LR and weight-decay schedule even where it differs from the
+    checkpoint's (without it, or --use-checkpoint-opt_param-scheduler, a resume whose
+    --lr, --min-lr, warm-up, decay length or style, or --weight-decay changed is refused)."""
     ckpt_fallback: bool = True
     """When the newest checkpoint fails verification (checksums, sizes, missing files), load
     the previous complete one; --no-ckpt-fallback stops with the error instead."""
@@ -852,6 +858,10 @@ class CheckpointConfig:
                               f"{self.ckpt_staging_buffer_gb}")
         if self.async_save and not self.save:
             raise ConfigError("--async-save needs --save DIR")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler (this run's schedule) and "
+                              "--use-checkpoint-opt_param-scheduler (the checkpoint's) "
+                              "contradict each other; pass one")
 
 
 @dataclass

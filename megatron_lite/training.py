@@ -75,7 +75,7 @@ class TrainResult:
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
-    apply_checkpoint_args(cfg)  # --use-checkpoint-args: the model shape comes from there
+    apply_checkpoint_args(cfg, env.world_size)  # the model shape may come from there
     tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     if env.rank == 0:
         for warning in tokenizer.warnings:

@@ -45,7 +45,14 @@ from megatron_lite.checkpoint.reshard import (
     local_slice,
     model_parameters,
 )
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.config import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    data_parallel_size,
+    schedule_lengths,
+)
 from megatron_lite.data.format import find_manifest
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.layers import tags
@@ -593,15 +600,19 @@ class Checkpointer:
         return True
 
 
-def apply_checkpoint_args(cfg: Config) -> None:
+def apply_checkpoint_args(cfg: Config, world_size: int) -> None:
     """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model section
     / the LR-schedule flags with those saved in the checkpoint --load (or --save) would load.
+    Without either schedule flag a resume must keep the saved schedule, as Megatron's does.
     Runs before the model is built (every rank reads the same small metadata file)."""
     ckpt_cfg = cfg.checkpoint
-    if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
-        return
     root = ckpt_cfg.load or ckpt_cfg.save
     ckpt_dir = ckpt_files.resolve_checkpoint_dir(Path(root), ckpt_cfg.ckpt_step) if root else None
+    if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
+        if ckpt_dir is not None and not ckpt_cfg.override_opt_param_scheduler:
+            _check_schedule_unchanged(cfg, world_size, ckpt_files.read_metadata(ckpt_dir),
+                                      ckpt_dir)
+        return
     if ckpt_dir is None:
         raise ckpt_files.CheckpointError(
             "--use-checkpoint-args / --use-checkpoint-opt_param-scheduler read the config of "
@@ -614,3 +625,39 @@ def apply_checkpoint_args(cfg: Config) -> None:
         schedule = {k: v for k, v in saved["optim"].items()
                     if k.startswith(("lr", "min_lr", "decoupled"))}
         cfg.optim = dataclasses.replace(cfg.optim, **schedule)
+
+
+def _schedule_values(optim: OptimConfig, train: TrainConfig, dp_size: int) -> dict[str, object]:
+    """What Megatron's scheduler checks on resume, in its units (lengths in samples)."""
+    lengths = schedule_lengths(optim, train,
+                               train.global_batch_size or train.micro_batch_size * dp_size)
+    return {"learning rate (--lr)": optim.lr, "minimum learning rate (--min-lr)": optim.min_lr,
+            "warm-up samples (--lr-warmup-*)": lengths.warmup,
+            "decay samples (--lr-decay-*, --train-iters/--train-samples)": lengths.decay,
+            "decay style (--lr-decay-style)": optim.lr_decay_style,
+            "weight decay (--weight-decay)": optim.weight_decay}
+
+
+def _check_schedule_unchanged(cfg: Config, world_size: int, meta: dict, ckpt_dir: Path) -> None:
+    """Refuse a resume whose LR or weight-decay schedule differs from the checkpoint's: the
+    run would silently continue on another curve. --finetune and --no-load-optim start the
+    schedule afresh, so they are not checked."""
+    if cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
+        return
+
+    def known(section: type, values: dict) -> dict:
+        names = {f.name for f in dataclasses.fields(section)}
+        return {k: v for k, v in values.items() if k in names}
+
+    saved = meta["config"]
+    then = _schedule_values(dataclasses.replace(cfg.optim, **known(OptimConfig, saved["optim"])),
+                            dataclasses.replace(cfg.train, **known(TrainConfig, saved["train"])),
+                            meta["layout"]["dp"])
+    now = _schedule_values(cfg.optim, cfg.train, data_parallel_size(cfg, world_size))
+    changed = [f"{name}: {then[name]} in the checkpoint, {now[name]} now"
+               for name in now if now[name] != then[name]]
+    if changed:
+        raise ckpt_files.CheckpointError(
+            f"the checkpoint {ckpt_dir} was trained on another schedule ({'; '.join(changed)}). "
+            "Pass --override-opt_param-scheduler to continue on this run's flags, or "
+            "--use-checkpoint-opt_param-scheduler to continue on the checkpoint's")
