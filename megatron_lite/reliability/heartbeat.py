@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -59,7 +60,7 @@ class Beat:
     pid: int
 
     def where(self) -> str:
-        return f"last in phase '{self.phase}' of iteration {self.iteration}"
+        return f"last heard from in phase '{self.phase}' of iteration {self.iteration}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Verdict:
     stuck: list[Beat]
     unreadable: str | None = None
     """Why the store could not be read (then nothing is known)."""
+    gone: frozenset[int] = frozenset()
+    """Stale ranks on this host whose process has exited (seen at once, no wait)."""
 
     def describe(self) -> str:
         """One sentence naming the stale ranks first, then the stuck ones."""
@@ -80,6 +83,9 @@ class Verdict:
         for rank, beat, age in self.stale[:MAX_NAMED]:
             if beat is None:
                 parts.append(f"rank {rank} never sent a heartbeat")
+            elif rank in self.gone:
+                parts.append(f"rank {rank} (host {beat.host}, pid {beat.pid}) has exited, "
+                             f"{beat.where()}")
             else:
                 parts.append(f"rank {rank} (host {beat.host}, pid {beat.pid}) stopped answering "
                              f"{age:.1f} s ago, {beat.where()}")
@@ -153,10 +159,21 @@ class Heartbeat:
 
     def verdict(self, stuck_after_s: float | None = None) -> Verdict:
         """Read the beats twice, `2 * interval_s` apart: stale ranks, and (with
-        `stuck_after_s`) live ranks in one phase for longer than that."""
+        `stuck_after_s`) live ranks in one phase for longer than that. A peer on this host
+        whose process has exited is stale at once: then the second read is not waited for."""
         try:
             first = self.read()
-            time.sleep(2 * self.interval_s)
+            local = [b for b in first.values() if b.host == self.host]
+            deadline = time.monotonic() + 2 * self.interval_s
+            while True:  # a killed process may take a moment to exit: look again meanwhile
+                gone = frozenset(b.rank for b in local if _exited(b.pid))
+                if gone:
+                    now = time.time()
+                    return Verdict([(r, first[r], now - first[r].time) for r in sorted(gone)],
+                                   [], gone=gone)
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
             second = self.read()
         except (RuntimeError, dist.DistError) as e:
             return Verdict([], [], unreadable=f"{type(e).__name__}: {str(e).splitlines()[0]}")
@@ -171,6 +188,17 @@ class Heartbeat:
             elif stuck_after_s is not None and beat.phase_s > stuck_after_s:
                 stuck.append(beat)
         return Verdict(stale, stuck)
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` of this host has exited (gone, or a zombie not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (not Linux) or not ours to read: not known to have exited
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
 def _own_connection(store: dist.Store, timeout_s: float) -> dist.Store:
