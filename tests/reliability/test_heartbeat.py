@@ -123,4 +123,5 @@ def test_sigstopped_rank_is_named_and_job_ends_within_timeout(tmp_path: Path) ->
     assert m, text[-3000:]
     assert m.group(1) != "start-up" and int(m.group(2)) >= 1, m.group(0)
     assert f"killed stale rank 1 (pid {ranks[1]})" in text, text[-3000:]
-    assert took < timeout_s + 6, (took, text[-3000:])
+    print(f"job ended {took:.1f} s after the SIGSTOP (--hang-timeout-seconds {timeout_s})")
+    assert took < timeout_s + 8, (took, text[-3000:])  # before: + torchrun's 30 s grace
