@@ -20,6 +20,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,14 @@ def test_chaos_kills_and_preemptions_resume_bit_exact(tmp_path: Path) -> None:
     data = ["--data-path", str(tmp_path / "corpus")]
 
     ref_log, log, save = tmp_path / "ref.jsonl", tmp_path / "chaos.jsonl", tmp_path / "ckpt"
-    start, outputs = 0, []
+    # the uninterrupted run: the same two ranks in forked processes (torchrun's equal), in a
+    # thread so that it uses the CPU the launches leave idle while they start
+    ref_runs: list = []
+    reference = threading.Thread(target=lambda: ref_runs.extend(run_ranks(
+        run_train, 2, tmp_path, cfg=Config(parallel=ParallelConfig(context_parallel_size=2)),
+        flags=[*RUN, *data, "--log-jsonl", str(ref_log), "--save", str(tmp_path / "ref")])))
+    reference.start()
+    start = 0
     for round_ in range(2):
         # attempt 0 dies at `kill`; attempt 1 resumes from the checkpoint before it and
         # is preempted at `term`
@@ -94,7 +102,6 @@ def test_chaos_kills_and_preemptions_resume_bit_exact(tmp_path: Path) -> None:
         fault = f"rank{victim}:iter{kill}:kill,rank{rng.randrange(2)}:iter{term}:" \
                 "sigterm_launcher:attempt1"
         code, out = _launch(["--save", str(save), *data], fault, log)
-        outputs.append(out)
         print(f"round {round_}: {fault} -> exit {code}, latest {_latest(save)}")
         assert code != 0, out[-3000:]  # torchrun reports the SIGTERM as a failure
         assert f"fault injection: rank {victim} iteration {kill}: kill" in out, out[-3000:]
@@ -111,10 +118,9 @@ def test_chaos_kills_and_preemptions_resume_bit_exact(tmp_path: Path) -> None:
     assert out.count(f"checkpoint: saved iteration {ITERS} ") == 1, out[-3000:]  # not twice
     assert f"checkpoint: loaded iteration {start} " in out
     assert "(saved with tp 1, pp 1, dp 1, cp 2)" in out, out[-3000:]
-    # the uninterrupted run: the same two ranks in forked processes (torchrun's equal)
-    for r in run_ranks(run_train, 2, tmp_path, cfg=Config(parallel=ParallelConfig(
-            context_parallel_size=2)), flags=[*RUN, *data, "--log-jsonl", str(ref_log),
-                                        "--save", str(tmp_path / "ref")]):
+    reference.join()
+    assert len(ref_runs) == 2, "the reference run failed (its error is printed above)"
+    for r in ref_runs:
         assert r.error is None, r.error + r.output[-3000:]
     ref = dict(_losses(ref_log))
     assert sorted(ref) == list(range(1, ITERS + 1))
