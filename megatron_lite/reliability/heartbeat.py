@@ -8,7 +8,9 @@ or the env:// store), every `interval_s` from a daemon thread. A rank that has t
 watchdog fired, or a collective failed) reads every rank's record twice, `2 * interval_s`
 apart: a rank whose `seq` did not move is stale (its process is stopped, frozen or gone) and
 is named with its host, pid, and the phase and iteration it was last in; a live rank that has
-sat in one phase for longer than the hang timeout is named as stuck.
+sat in one phase for longer than the hang timeout is named as stuck. A peer on this host whose
+process has exited (its pid gone from /proc, or a zombie) is named at once, without the wait,
+so a survivor of a killed rank fails within a second with that rank's number.
 
 The thread talks to the store over its own connection, with a short timeout, so a slow or
 frozen store host (rank 0 under env://) costs a failed beat, never a blocked training step.
