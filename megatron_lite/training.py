@@ -157,9 +157,10 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
-        result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader, valid_loader,
-                                    logger, checkpointer, guard, hooks, startup),
-                            start_iteration)
+        with guard.watch_peers():  # a lost peer is named, not a backend traceback
+            result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader,
+                                        valid_loader, logger, checkpointer, guard, hooks,
+                                        startup), start_iteration)
         if loaders.test is not None and cfg.train.eval_iters > 0:
             result.test_loss = evaluate(cfg, runner, loaders.test, pstate)
             logger.log_eval(result.iteration, result.test_loss, split="test")

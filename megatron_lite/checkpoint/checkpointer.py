@@ -438,8 +438,10 @@ class Checkpointer:
         return exit_now
 
     def finish(self, iteration: int) -> None:
-        """End of training: save the final state unless it is already on disk; wait."""
-        if self.save_dir is not None and self._on_disk != iteration:
+        """End of training: save the final state unless it is on disk or being written
+        (--async-save's save of the last interval); wait."""
+        in_flight = self._pending[1] if self._pending is not None else None
+        if self.save_dir is not None and iteration not in (self._on_disk, in_flight):
             self.save(iteration)
         self.wait()
 
@@ -484,8 +486,10 @@ class Checkpointer:
         seconds = time.perf_counter() - start
         if self.pstate.rank == 0:
             saved = reader.meta["layout"]
+            cp = saved.get("cp", 1)  # the layout's "dp" counts dp x cp ranks (its shards)
             print(f"checkpoint: loaded iteration {iteration} from {ckpt_dir} (saved with tp "
-                  f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp']}): {total / 1e9:.4f} GB "
+                  f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp'] // cp}"
+                  f"{f', cp {cp}' if cp > 1 else ''}): {total / 1e9:.4f} GB "
                   f"read in {seconds:.3f} s ({total / 1e9 / seconds:.3f} GB/s); RNG "
                   f"{'restored' if restored_rng else 'not restored'}"
                   f"{'' if restored_rng else ' (layout changed or --no-load-rng)'}",
