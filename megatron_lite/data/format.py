@@ -317,12 +317,14 @@ def fingerprint(prefix: str) -> str:
 
     Per file: size, inode, modification time and *change* time (ctime), plus a hash of
     `FINGERPRINT_SAMPLES` 4 KiB blocks spread evenly over it (first and last included) and the
-    `.idx` header. Any write through the filesystem moves ctime, and ctime cannot be set back
-    (`touch`/`os.utime` restoring the mtime moves it too), so a shard rewritten or patched in
-    place with its size and mtime kept is scanned again. What it cannot see: bytes changed
-    beneath the filesystem (bit rot, a raw-device write) outside the sampled blocks; only
-    `--verify-checksums` (every byte against the manifest's sha256) catches those. Copying a
-    shard (a new inode and ctime) makes it a new shard: scanned once more.
+    `.idx` header (in its first block). Any write through the filesystem moves ctime, and only
+    a change of the system clock sets it back (`touch`/`os.utime` restoring the mtime moves
+    it too), so a shard rewritten or patched in place with its size and mtime kept is
+    scanned again. What it cannot see: bytes changed beneath the filesystem (bit rot, a
+    raw-device write) outside the sampled blocks; only `--verify-checksums` (every byte
+    against the manifest's sha256) catches those. Copying a shard (a new inode and ctime)
+    makes it a new shard: scanned once more. No device number: a shared filesystem's differs
+    between nodes, and every node must find the verdict one rank wrote.
     """
     h = hashlib.blake2b(digest_size=12)
     for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
