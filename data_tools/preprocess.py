@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools.chunks import CHUNK_BYTES, iter_chunks
-from data_tools.encode import Options, Stats, encode_chunk, init_worker
+from data_tools.encode import BadInputError, Options, Stats, encode_chunk, init_worker
 from data_tools.errors import add_debug_flag, run_cli
 from megatron_lite.data.format import (
     MANIFEST_SUFFIX,
@@ -155,6 +155,11 @@ def preprocess(args: argparse.Namespace, argv: list[str]) -> dict:
                mininterval=float(os.environ.get("TQDM_MININTERVAL", 1.0)))
     try:
         stats = _run_pool(args, opts, shards, files, bar)
+        if stats.documents == 0:  # empty shards would train on nothing, or fail far later
+            raise BadInputError(
+                f"--input {' '.join(args.input)}: no documents in {len(files)} file(s) "
+                f"({stats.empty:,} empty documents, {stats.bad_lines:,} bad lines skipped); "
+                f"check the input and --json-keys {args.json_keys}")
         entries = shards.finalize()
     except BaseException:
         shards.abort()

@@ -56,6 +56,7 @@ from megatron_lite.planner import pipeline_op_costs
 from megatron_lite.profiling import StepHooks
 from megatron_lite.provenance import git_commit
 from megatron_lite.reliability import Guard, report_partial_checkpoints
+from megatron_lite.startup_paths import check_paths
 
 MAX_EPOCHS = 4
 """More passes over the training data than this draw a start-up warning."""
@@ -75,6 +76,7 @@ class TrainResult:
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
+    check_paths(cfg)  # a bad --save or --log-jsonl found now, not after the run
     apply_checkpoint_args(cfg, env.world_size)  # the model shape may come from there
     tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     if env.rank == 0:

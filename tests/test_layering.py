@@ -33,9 +33,10 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
     "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
+    "startup_paths": {"config", "errors"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
-                 "provenance", "errors", "profiling"},
+                 "provenance", "errors", "profiling", "startup_paths"},
     # the dry run composes the same pieces training does (the whole iteration, on meta)
     "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
                 "checkpoint", "training", "metrics", "profiling", "reliability"},
