@@ -7,7 +7,8 @@ record carries its `job`). Two sides read and write that JSONL:
 - training (`RunJournal`, rank 0): after the first new step of a process that finds earlier
   progress in the JSONL, one `resume` event (iterations lost since the last checkpoint,
   seconds from the previous job's last log line or failure to the first new step); at the end
-  of `train`, one `train_end` record (done, or interrupted by a signal / time limit).
+  of `train`, under the launch scripts (MEGATRON_LITE_JOURNAL=1), one `train_end` record
+  (done, or interrupted by a signal / time limit).
 - the launch script, after each launch (`python -m megatron_lite.unattended after-launch`,
   no torch import): a `failure` record when the launch failed, the hosts its log names
   (hang watchdog, NaN/Inf, straggler, preflight) appended to `<run>/exclude_hosts`, and one
@@ -34,6 +35,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 JOB_ENV = "SLURM_JOB_ID"
+JOURNAL_ENV = "MEGATRON_LITE_JOURNAL"
+"""Set to 1 by scripts/common.sh: training then ends with the `train_end` record its
+after-launch step reads (a plain pretrain.py run's JSONL stays as it was)."""
 EXCLUDE_FILE = "exclude_hosts"
 JSONL_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
@@ -110,7 +114,7 @@ class RunJournal:
 
     def train_end(self, iteration: int, train_iters: int, log: Callable[[dict], None]) -> None:
         """End of `train`: done, or stopped early (a signal or time limit; saved)."""
-        if not self.enabled:
+        if not self.enabled or os.environ.get(JOURNAL_ENV) != "1":
             return
         log({"event": "train_end", "iteration": iteration, "time": time.time(),
              "train_iters": train_iters, "done": iteration >= train_iters})

@@ -240,6 +240,7 @@ ml_launch() {
     # shellcheck disable=SC2206  # EXTRA_ARGS is meant to be word-split
     args+=(${EXTRA_ARGS:-})
     cd "$REPO_DIR"
+    export MEGATRON_LITE_JOURNAL=1  # training's train_end record, read by after-launch
     local restarts=0 rc lines offset decision watcher no_resubmit=()
     [[ -n "${SLURM_JOB_ID:-}" ]] || no_resubmit=(--no-resubmit)
     # Slurm's SIGTERM at the time limit (or a preemption) reaches the tasks; this shell keeps

@@ -190,3 +190,37 @@ def test_save_refused_when_the_disk_is_too_full(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"saving iteration 2 to .*only 0.000 GB are free"):
         run(cfg)
     assert not list((tmp_path / "ckpt").iterdir())  # no partial iter_0000002.tmp left behind
+
+
+def test_plot_run_prints_the_goodput(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("plot_run_script",
+                                                  ROOT / "scripts" / "plot_run.py")
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"iteration": 4, "loss": 2.0, "iter_time_ms": 500.0},
+        {"event": "job_end", "job": "7", "allocated_s": 8.0})))
+    assert plot_run.main([str(jsonl), "--out", str(tmp_path / "p.png")]) == 0
+    assert "metrics.jsonl: goodput: 25.0% = 2.0 s of kept training steps / 8.0 s allocated " \
+           "over 1 job(s)" in capsys.readouterr().out
+
+
+def test_site_profile_and_nccl_transport_warning(tmp_path):
+    """SITE=example sources scripts/site/example.env; NCCL's chosen transport goes into
+    run_info.txt, and plain sockets on a multi-node job warn in the run log."""
+    log = tmp_path / "train.log"
+    log.write_text("x\nnode1:12:34 [0] NCCL INFO Using network Socket\n")
+    script = (f'REPO_DIR={ROOT} RUN_NAME=t RUN_DIR={tmp_path} SLURM_NNODES=2 SITE=example '
+              'TRANSPORT_WAIT_S=2; source scripts/common.sh; set +u; ml_nccl_env; '
+              'echo "family=$NCCL_SOCKET_FAMILY debug=$NCCL_DEBUG/$NCCL_DEBUG_SUBSYS"; '
+              f'ml_watch_transport {log} 0')
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "NCCL_", "GLOO_"))}
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env={**env, "PYTHON": "python3"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "fabric profile: " in proc.stdout and "family=AF_INET debug=INFO/NET" in proc.stdout
+    assert "nccl transport: Socket" in (tmp_path / "run_info.txt").read_text()
+    assert "warning: NCCL runs this 2-node job over plain TCP sockets" in log.read_text()
