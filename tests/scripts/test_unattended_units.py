@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from megatron_lite.arguments import build_parser, parse_with_notes
 from megatron_lite.checkpoint import checkpointer
 from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.parallel.state import single_process_state
+from megatron_lite.reliability import preflight
 from megatron_lite.training import evaluate, run
 from megatron_lite.unattended import decide, goodput, hosts_named
 
@@ -224,3 +226,14 @@ def test_site_profile_and_nccl_transport_warning(tmp_path):
     assert "fabric profile: " in proc.stdout and "family=AF_INET debug=INFO/NET" in proc.stdout
     assert "nccl transport: Socket" in (tmp_path / "run_info.txt").read_text()
     assert "warning: NCCL runs this 2-node job over plain TCP sockets" in log.read_text()
+
+
+def test_preflight_failure_names_the_host_that_gets_excluded(capsys):
+    cpu = torch.device("cpu")
+    rate, failure = preflight.gemm_check(cpu, n=128, seconds=0.05)
+    assert failure is None and rate > 0  # the result matched float64
+    # a device far below its expected rate fails, and the line names this host
+    assert not preflight.run_checks(cpu, 1e9, counters=False, allreduce=False, label="cpu")
+    err = capsys.readouterr().err
+    assert "ran at" in err and "under 30% of the expected 1e+09" in err
+    assert hosts_named(err) == [socket.gethostname()]
