@@ -926,6 +926,11 @@ class ReliabilityConfig:
     """Consume these iterations' data without training on it (known bad batches)."""
     mtbf_hours: float | None = None
     """Job-level mean time between failures; logs the Young/Daly save interval next to yours."""
+    preflight: str = field(default="off", metadata={"choices": ["off", "quick"]})
+    """quick: before the rendezvous every rank checks its device with a short GEMM (result vs
+    float64, rate vs the bf16 peak) and local rank 0 the nvidia-smi ECC counters; a failing
+    host is named and the job exits 4 (reliability/preflight.py; the launch scripts then
+    resubmit without it)."""
 
     def __post_init__(self) -> None:
         for name in ("exit_duration_in_mins", "hang_timeout_seconds", "spike_threshold",

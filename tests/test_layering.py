@@ -27,7 +27,9 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "errors"},
     "planner": {"config"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
-    "metrics": {"config", "parallel", "planner"},
+    # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
+    "unattended": set(),
+    "metrics": {"config", "parallel", "planner", "unattended"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
@@ -36,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "startup_paths": {"config", "errors"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
-                 "provenance", "errors", "profiling", "startup_paths"},
+                 "provenance", "errors", "profiling", "startup_paths", "unattended"},
     # the dry run composes the same pieces training does (the whole iteration, on meta)
     "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
                 "checkpoint", "training", "metrics", "profiling", "reliability"},

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import platform
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -182,6 +183,10 @@ class HostStaging:
         """Host bytes this staging holds: the buffer and --async-save's copies."""
         held = [self.buffer] if self.buffer is not None else []
         return sum(t.untyped_storage().nbytes() for t in [*held, *self.buffers.values()])
+
+
+FREE_SPACE_MARGIN = 1.1
+"""A save needs its tensor bytes times this free (headers, metadata, the filesystem's slack)."""
 
 
 class _SaveJob:
@@ -361,6 +366,7 @@ class Checkpointer:
         job = _SaveJob(tmp, self.snapshot(copy), self.on_file_written,
                        None if copy else self.staging.pieces,
                        write=self.pstate.device.type != "meta")
+        self._check_free_space(iteration, job)
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start
         self._pending = (job, iteration, meta, start, blocking)
@@ -371,6 +377,27 @@ class Checkpointer:
         else:
             job.run()
             self._commit()
+
+    def _check_free_space(self, iteration: int, job: _SaveJob) -> None:
+        """Refuse a save the disk cannot hold before a byte of it is written (collective): a
+        disk that fills mid-save leaves a partial checkpoint, and every later save fails too.
+        Checked against the tensor bytes of all ranks (the save directory is shared)."""
+        if not job.write:
+            return
+        need = float(sum(t.numel() * t.element_size() for _, tensors, _ in job.items
+                         for t in tensors.values()))
+        total = self._all_reduce(need, dist.ReduceOp.SUM)
+        free = float(shutil.disk_usage(job.tmp).free)
+        short = self._all_reduce(float(total * FREE_SPACE_MARGIN > free), dist.ReduceOp.MAX)
+        if not short:
+            return
+        if self.pstate.rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise ckpt_files.CheckpointError(
+            f"saving iteration {iteration} to {self.save_dir}: needs about {total / 1e9:.3f} GB "
+            f"(x{FREE_SPACE_MARGIN:g} margin) but only {free / 1e9:.3f} GB are free there (on "
+            "at least one rank); free space (fewer --save-keep-last) or point --save at a "
+            "larger filesystem. The previous checkpoint is kept")
 
     def _commit(self) -> None:
         job, iteration, meta, start, blocking = self._pending

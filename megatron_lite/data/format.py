@@ -107,12 +107,19 @@ def write_index(path: str | Path, dtype: np.dtype, lengths: np.ndarray,
 
 
 class _GrowableArray:
-    """An append-only int array that spills to a temporary file, so memory stays bounded."""
+    """An append-only int array that spills to a temporary file, so memory stays bounded;
+    `count` > 0 reopens the file of an interrupted run, cut back to that many values."""
 
-    def __init__(self, path: Path, dtype: str) -> None:
+    def __init__(self, path: Path, dtype: str, count: int = 0) -> None:
         self.path, self.dtype = path, np.dtype(dtype)
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in finish()
-        self.count = 0
+        self._file = open(path, "r+b" if count else "wb")  # noqa: SIM115 - closed in finish()
+        if count:
+            self._file.truncate(count * self.dtype.itemsize)
+            self._file.seek(0, os.SEEK_END)
+        self.count = count
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def extend(self, values: np.ndarray) -> None:
         self._file.write(np.asarray(values, dtype=self.dtype).tobytes())
@@ -132,16 +139,30 @@ class ShardWriter:
     crash at any point leaves no shard that looks valid.
     """
 
-    def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
+    def __init__(self, prefix: str | Path, dtype: np.dtype, tag: str | None = None,
+                 resume: dict | None = None) -> None:
+        """`tag`: the temporary names' suffix (default per process); `resume`: a `state()`
+        of an interrupted writer with the same tag, whose files it continues."""
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
-        tag = f".tmp{os.getpid()}"
+        tag = tag or f".tmp{os.getpid()}"
         self.tmp_bin = Path(f"{prefix}.bin{tag}")
         self.tmp_idx = Path(f"{prefix}.idx{tag}")
-        self._lengths = _GrowableArray(Path(f"{prefix}.lengths{tag}"), "<i4")
-        self._bin = open(self.tmp_bin, "wb")  # noqa: SIM115 - closed in finalize()/abort()
         self._hash = hashlib.sha256()
-        self.documents = 0
-        self.tokens = 0
+        self.documents = resume["documents"] if resume else 0
+        self.tokens = resume["tokens"] if resume else 0
+        self._lengths = _GrowableArray(Path(f"{prefix}.lengths{tag}"), "<i4", self.documents)
+        self._bin = open(self.tmp_bin, "r+b" if resume else "wb")  # noqa: SIM115 - closed in finalize()/abort()
+        if resume:  # cut back to what the progress record covers; the hash covers it again
+            self._bin.truncate(resume["bin_bytes"])
+            while block := self._bin.read(1 << 24):
+                self._hash.update(block)
+
+    def state(self) -> dict:
+        """What a resumed writer needs; everything written so far is flushed first."""
+        self._bin.flush()
+        self._lengths.flush()
+        return {"bin_bytes": self._bin.tell(), "documents": self.documents,
+                "tokens": self.tokens}
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as one flat token array and their lengths."""
