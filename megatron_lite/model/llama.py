@@ -2,7 +2,8 @@
 
 Variants of the dense models trained today, by Megatron's flags: --kv-channels (a head dim
 other than hidden/heads, Qwen3), --add-qkv-bias (Qwen2.5), --qk-layernorm (RMSNorm of each
-q and k head before RoPE, Qwen3 / OLMo-2), --use-rope-scaling (Llama 3.1's frequencies).
+q and k head before RoPE, Qwen3 / OLMo-2), --use-rope-scaling (Llama 3.1's frequencies),
+--rotary-percent (RoPE on the first part of each head only).
 
 Shapes are sequence-first everywhere inside the stack: hidden states are [s, b, h], or
 [s/t, b, h] between TP regions under sequence parallelism (so the SP split is a contiguous
@@ -227,7 +228,7 @@ class LlamaChunk(nn.Module):
                 tags.mark_shared_embedding(self.output.weight)
         if tied and pre_process and not post_process and not head_on_stage:
             tags.mark_shared_embedding(self.embedding.weight)
-        cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
+        cos, sin = rope_tables(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rotary_base,
                                device=pstate.device,
                                scaling_factor=(cfg.rope_scaling_factor if cfg.use_rope_scaling
                                                else None))
