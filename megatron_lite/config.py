@@ -394,6 +394,16 @@ class TrainConfig:
     """With --dry-run: memory of one device in GiB (2^30 bytes), which the planner's bytes per
     rank (plus its allowance for CUDA context, NCCL and fragmentation) must fit; default 80,
     the planner's device (H100 SXM 80 GB)."""
+    export_kd_teacher_load: str | None = None
+    """Knowledge distillation (Megatron's ModelOpt flag): a frozen teacher, read from this
+    megatron_lite checkpoint directory (its shape from the checkpoint's metadata, laid out
+    with this run's TP/CP), runs each micro-batch under no_grad and the student learns its
+    logits: the loss becomes KL(teacher || student) per token (megatron_lite/distill.py);
+    the logged loss stays the student's LM loss, the distillation terms are logged beside it."""
+    export_kd_cfg: str | None = None
+    """With --export-kd-teacher-load: ModelOpt's distillation YAML (logit_layers,
+    intermediate_layer_pairs, skip_lm_loss, kd_loss_scale, logit_kl_temperature); default:
+    logits only, skip_lm_loss true, scale and temperature 1."""
 
     def __post_init__(self) -> None:
         if self.dry_run_device_memory_gb is not None and self.dry_run_device_memory_gb <= 0:
@@ -414,6 +424,9 @@ class TrainConfig:
                 self.train_iters = iterations_for_samples(self, self.train_samples)
         elif self.train_iters is None:
             self.train_iters = 20
+        if self.export_kd_cfg is not None and self.export_kd_teacher_load is None:
+            raise ConfigError("--export-kd-cfg configures distillation: give the teacher with "
+                              "--export-kd-teacher-load too")
         if self.rampup_batch_size:
             start, increment, samples = [*self.rampup_batch_size, 0, 0, 0][:3]
             gbs = self.global_batch_size or 0

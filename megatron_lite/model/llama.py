@@ -257,16 +257,24 @@ class LlamaChunk(nn.Module):
         the loader), shared by every layer.
         Returns the hidden state, or per-token losses [b, s] (fp32) on the last chunk.
         """
+        x = self.final_hidden(x, token_index=token_index, positions=positions,
+                              documents=documents, attention_plan=attention_plan)
+        if not self.post_process:
+            return x
+        if labels is None:
+            raise ValueError("the last model chunk needs labels to compute the loss")
+        return self.output(x, labels)
+
+    def final_hidden(self, x: Tensor, *, token_index: Tensor | None = None,
+                     positions: Tensor | None = None, documents: Tensor | None = None,
+                     attention_plan: AttentionPlan | None = None) -> Tensor:
+        """`forward` up to the output layer: the final norm's output on the last chunk
+        (distillation compares it and takes the logits from it), else the hidden state."""
         if self.pre_process:
             x = self.embedding(x)
         tables = self._rope_tables(token_index, positions)
         x = self._run_layers(x, *tables, token_index, documents, attention_plan)
-        if not self.post_process:
-            return x
-        x = self.final_norm(x)
-        if labels is None:
-            raise ValueError("the last model chunk needs labels to compute the loss")
-        return self.output(x, labels)
+        return self.final_norm(x) if self.post_process else x
 
     def _rope_tables(self, token_index: Tensor | None, positions: Tensor | None
                      ) -> tuple[Tensor, Tensor]:
