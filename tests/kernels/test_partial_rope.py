@@ -3,8 +3,8 @@ each head turn with frequencies spaced over that width, the rest pass through un
 
 Checked against the rotation written out pair by pair in float64 (not through rope_tables),
 on the torch path and the Triton kernel (CUDA, or Triton's interpreter on CPU); 1.0 gives the
-same model as before the flag existed; export refuses it (transformers' Llama rotates the
-whole head).
+same model as before the flag existed; export refuses it and import refuses a
+`partial_rotary_factor` (transformers' Llama rotates the whole head).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
+from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.config import ConfigError, ModelConfig, validate
-from megatron_lite.export import check_exportable
+from megatron_lite.export import check_exportable, model_config_from_hf
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
@@ -84,3 +85,8 @@ def test_odd_rotary_width_and_export_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"--rotary-percent 0\.5: transformers' LlamaForCausalLM"):
         check_exportable(ModelConfig(rotary_percent=0.5))
     check_exportable(ModelConfig())
+    hf = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+          "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 97,
+          "partial_rotary_factor": 0.5}
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0\.5"):
+        model_config_from_hf(hf)
