@@ -177,7 +177,11 @@ def check_distillation(cfg: Config, *, dry_run: bool = False) -> tuple[ModelConf
     """(teacher shape, its checkpoint) after every check, or ConfigError. A dry run without
     the checkpoint plans a teacher of the student's shape (`dry_run_note` says so)."""
     dcfg = load_distill_config(cfg.train.export_kd_cfg)
-    ckpt_dir = teacher_dir(cfg)
+    try:
+        ckpt_dir = teacher_dir(cfg)
+    except OSError as e:
+        raise ConfigError(f"--export-kd-teacher-load {cfg.train.export_kd_teacher_load}: "
+                          f"cannot read it ({e.strerror})") from None
     if ckpt_dir is None and not dry_run:
         raise ConfigError(f"--export-kd-teacher-load {cfg.train.export_kd_teacher_load}: no "
                           "checkpoint there (no `latest`, no iter_* directory); point it at a "
@@ -207,9 +211,9 @@ def dry_run_note(cfg: Config, ckpt_dir: Path | None) -> str:
 @torch.no_grad()
 def load_teacher_weights(teacher: LlamaChunk, ckpt_dir: Path, pstate: ParallelState) -> None:
     """This rank's slices of the teacher's weights, from any saved TP/PP layout."""
-    ckpt_files.verify_checksums(ckpt_dir, ckpt_files.read_metadata(ckpt_dir),
-                                [n for n in ckpt_files.read_metadata(ckpt_dir)["files"]
-                                 if n.startswith("model_")])
+    meta = ckpt_files.read_metadata(ckpt_dir)
+    ckpt_files.verify_checksums(ckpt_dir, meta, [n for n in meta["files"]
+                                                 if n.startswith("model_")])
     reader = CheckpointReader(ckpt_dir)
     for name, _local, param in model_parameters([teacher], reader.tied):
         param.copy_(local_slice(reader.full_weight(name), param, pstate))
