@@ -41,6 +41,7 @@ from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice, model_parameters
 from megatron_lite.config import Config, ConfigError, ModelConfig
 from megatron_lite.kernels._precision import upcast
+from megatron_lite.metrics import DISTILL_TERMS
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
@@ -51,7 +52,6 @@ HIDDEN_LAYERS = ("decoder.final_layernorm",)
 PAIR_LOSSES = ("cosine", "mse")
 KEYS = ("intermediate_layer_pairs", "logit_layers", "skip_lm_loss", "kd_loss_scale",
         "logit_kl_temperature")
-LOGGED = ("total loss", "logits distillation loss", "intermediate distillation loss")
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ class Distiller:
         """engine's LossFn: the value is the LM share (logged, checked), the gradient the
         distillation loss's."""
         parts = combine(terms, batch["loss_mask"], batch["loss_divisor"], self.dcfg)
-        self.terms.append({k: v.detach() for k, v in parts.items() if k in LOGGED})
+        self.terms.append({k: v.detach() for k, v in parts.items() if k in DISTILL_TERMS})
         total = parts["total loss"]
         return parts["lm loss"].detach() + (total - total.detach())
 

@@ -31,6 +31,7 @@ from megatron_lite.distill import (
 )
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.state import single_process_state
+from megatron_lite.planner import KD_VOCAB_BUFFERS, estimate_memory
 from megatron_lite.training import train
 from tests.checkpoint.common import FLAGS
 from tests.distributed import run_ranks
@@ -120,7 +121,7 @@ def _as_run(d: dict) -> Run:
     return Run(d["losses"], d["norms"], [])
 
 
-def test_a_tiny_distillation_run_lowers_the_distillation_loss(teacher, tmp_path) -> None:
+def test_a_tiny_distillation_run_lowers_the_distillation_loss(teacher, tmp_path, capsys) -> None:
     cfg_file = tmp_path / "distill.yaml"
     cfg_file.write_text(yaml.safe_dump(yaml.safe_load(FUNCTIONAL_CFG)))
     flags = [f for f in FLAGS if f != "--fp64"]
@@ -131,6 +132,8 @@ def test_a_tiny_distillation_run_lowers_the_distillation_loss(teacher, tmp_path)
         tmp_path / "log.jsonl")
     total = run["total loss"]
     assert len(total) == 6 and total[-1] < 0.7 * total[0], total
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("iter      6/"))
+    assert f"| total loss {total[-1]:.4f} | logits distillation loss" in line, line
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -159,3 +162,16 @@ def test_bad_distillation_input_is_one_error_line(teacher, tmp_path, capsys, ext
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert fill(message) in err[0], err[0]
+
+
+def test_the_planner_counts_the_teacher() -> None:
+    """mem_gib grows by the teacher's weights (counted on the built model) and the KL's
+    vocabulary-sized buffers: its logits plus KD_VOCAB_BUFFERS fp32 copies per token."""
+    cfg = parse_config([f for f in FLAGS if f != "--fp64"])
+    teacher = _chunk(0)  # 1 layer, the student's width and vocabulary
+    weights = sum(p.numel() for p in teacher.parameters())
+    tokens = cfg.model.seq_length * cfg.train.micro_batch_size
+    want = 4 * weights + (4 + 4 * KD_VOCAB_BUFFERS) * tokens * cfg.model.padded_vocab_size(1)
+    with_teacher = estimate_memory(cfg, 1, teacher=parse_config([*FLAGS, "--num-layers",
+                                                                 "1"]).model)
+    assert with_teacher.total_bytes - estimate_memory(cfg, 1).total_bytes == want

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "reliability": {"config", "parallel"},
     "profiling": {"config"},
     # distillation: a teacher model from a checkpoint and its losses, used by training
-    "distill": {"config", "parallel", "kernels", "model", "checkpoint"},
+    "distill": {"config", "parallel", "kernels", "model", "checkpoint", "metrics"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
                  "provenance", "errors", "profiling", "distill"},
