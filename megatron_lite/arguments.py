@@ -159,7 +159,7 @@ def _add_megatron_group(parser: argparse.ArgumentParser) -> None:
         "other Megatron-LM flags",
         f"{len(table)} more flags of Megatron-LM's pretrain_gpt.py are understood; each one's "
         "class is in megatron_lite/megatron_flags.tsv. A flag that describes this model (e.g. "
-        "--swiglu, --normalization RMSNorm, --rotary-percent 1.0) is accepted "
+        "--swiglu, --normalization RMSNorm, --position-embedding-type rope) is accepted "
         "when its value matches; a feature not implemented here (e.g. --fp8-format) is "
         "refused by name, with the flag that does the job here where there is one.")
     for row in table:

@@ -78,6 +78,10 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rotary_base: float = 10000.0
     """RoPE base frequency theta."""
+    rotary_percent: float = 1.0
+    """Partial RoPE (Megatron's meaning): only the first int(d x this) channels of each q/k
+    head are rotated, with frequencies spaced over that rotary width; the rest pass through
+    unrotated. 1.0 rotates the whole head."""
     use_rope_scaling: bool = False
     """Llama 3.1's RoPE frequency scaling: wavelengths above the original 8192-token context
     are stretched by --rope-scaling-factor, those below 8192/4 kept, and the band between
@@ -108,11 +112,20 @@ class ModelConfig:
         if self.rope_scaling_factor <= 0:
             raise ConfigError(f"--rope-scaling-factor must be positive, got "
                               f"{self.rope_scaling_factor}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
 
     @property
     def head_dim(self) -> int:
         """--kv-channels (None only for a config that `validate` refuses)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates: int(head dim x --rotary-percent), as
+        Megatron truncates it."""
+        d = self.head_dim
+        return d if self.rotary_percent >= 1 else int(d * self.rotary_percent)
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocab rounded up so each TP rank holds an equal, aligned slice (--padded-vocab-size
@@ -381,6 +394,16 @@ class TrainConfig:
     """With --dry-run: memory of one device in GiB (2^30 bytes), which the planner's bytes per
     rank (plus its allowance for CUDA context, NCCL and fragmentation) must fit; default 80,
     the planner's device (H100 SXM 80 GB)."""
+    export_kd_teacher_load: str | None = None
+    """Knowledge distillation (Megatron's ModelOpt flag): a frozen teacher, read from this
+    megatron_lite checkpoint directory (its shape from the checkpoint's metadata, laid out
+    with this run's TP/CP), runs each micro-batch under no_grad and the student learns its
+    logits: the loss becomes KL(teacher || student) per token (megatron_lite/distill.py);
+    the logged loss stays the student's LM loss, the distillation terms are logged beside it."""
+    export_kd_cfg: str | None = None
+    """With --export-kd-teacher-load: ModelOpt's distillation YAML (logit_layers,
+    intermediate_layer_pairs, skip_lm_loss, kd_loss_scale, logit_kl_temperature); default:
+    logits only, skip_lm_loss true, scale and temperature 1."""
 
     def __post_init__(self) -> None:
         if self.dry_run_device_memory_gb is not None and self.dry_run_device_memory_gb <= 0:
@@ -401,6 +424,9 @@ class TrainConfig:
                 self.train_iters = iterations_for_samples(self, self.train_samples)
         elif self.train_iters is None:
             self.train_iters = 20
+        if self.export_kd_cfg is not None and self.export_kd_teacher_load is None:
+            raise ConfigError("--export-kd-cfg configures distillation: give the teacher with "
+                              "--export-kd-teacher-load too")
         if self.rampup_batch_size:
             start, increment, samples = [*self.rampup_batch_size, 0, 0, 0][:3]
             gbs = self.global_batch_size or 0
@@ -1056,6 +1082,7 @@ def validate(cfg: Config, world_size: int) -> None:
     elif model.kv_channels <= 0 or model.kv_channels % 2:
         errors.append(f"head dim {model.kv_channels} (--kv-channels, default --hidden-size / "
                       "--num-attention-heads) must be even and positive for rotary embeddings")
+    errors += _rotary_errors(model)
     errors += _padded_vocab_errors(model, tp)
     if model.num_attention_heads % model.num_query_groups:
         errors.append(
@@ -1103,6 +1130,17 @@ def validate(cfg: Config, world_size: int) -> None:
     errors += _sharding_errors(parallel, train.compile)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _rotary_errors(model: ModelConfig) -> list[str]:
+    """--rotary-percent must leave RoPE an even number of channels to pair (a head dim that is
+    itself unusable is reported by `validate`)."""
+    usable_head = model.kv_channels and model.kv_channels % 2 == 0
+    if not usable_head or (model.rotary_dim > 0 and model.rotary_dim % 2 == 0):
+        return []
+    return [f"--rotary-percent {model.rotary_percent} of head dim {model.kv_channels} rotates "
+            f"{model.rotary_dim} channels; RoPE pairs channels, so pick a percent that gives an "
+            "even, positive count"]
 
 
 def _padded_vocab_errors(model: ModelConfig, tp: int) -> list[str]:

@@ -43,6 +43,7 @@ from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import (
     Config,
     ConfigError,
+    ModelConfig,
     dry_run_rank_list,
     global_batch_at,
     num_microbatches,
@@ -60,6 +61,7 @@ from megatron_lite.data.format import (
 )
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.data.mock import MockDataset
+from megatron_lite.distill import build_distiller, check_distillation, dry_run_note
 from megatron_lite.kernels import resolve_use_triton
 from megatron_lite.memory import LiveBytes, dry_run_report, fmt_bytes
 from megatron_lite.metrics import MetricsLogger
@@ -138,14 +140,15 @@ class Summary:
         return {k: getattr(self, k) for k in SUMMARY_KEYS}
 
 
-def summarize(cfg: Config, world_size: int) -> Summary:
-    """The run's iterations, batch, tokens and memory against the device; the data check."""
+def summarize(cfg: Config, world_size: int, teacher: ModelConfig | None = None) -> Summary:
+    """The run's iterations, batch, tokens and memory (with a distillation `teacher`'s)
+    against the device; the data check."""
     t = cfg.train
     mbs_per_step = num_microbatches(cfg, world_size)
     varies = t.rampup_batch_size or t.step_batch_size_schedule is not None
     first = global_batch_at(t, 0, cfg.model.seq_length) if varies else None
     per_micro = t.micro_batch_size * (world_size // _replica(cfg))
-    est = estimate_memory(cfg, world_size)
+    est = estimate_memory(cfg, world_size, teacher=teacher)
     cluster = Cluster(gpus=world_size)
     given = t.dry_run_device_memory_gb
     device_gib = given or cluster.gpu_memory_gib
@@ -460,7 +463,8 @@ def run_rank(cfg: Config, world_size: int, rank: int, *, time_host: bool = True
             checkpointer.on_save = logger.log_checkpoint
             guard.on_event = logger.log_event
             guard.attach(optimizer, checkpointer, loaders.train)
-            runner = StepRunner(run, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+            runner = StepRunner(run, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
+                                distiller=build_distiller(run, pstate, chunks))
             trainer = Trainer(run, pstate, runner, optimizer, loaders.train, loaders.valid,
                               logger, checkpointer, guard, StepHooks(run, rank, pstate.device),
                               StartupTimes(), on_phase=phases)
@@ -580,9 +584,15 @@ def format_table(results: list[RankResult]) -> str:
 def dry_run(cfg: Config, world_size: int) -> int:
     """The whole --dry-run: planner report, then the listed ranks; exit status."""
     validate(cfg, world_size)
+    teacher, teacher_note = None, None
+    if cfg.train.export_kd_teacher_load is not None:
+        teacher, teacher_ckpt = check_distillation(cfg, dry_run=True)
+        teacher_note = dry_run_note(cfg, teacher_ckpt)
     print(dry_run_report(cfg, world_size), flush=True)
-    summary = summarize(cfg, world_size)
+    summary = summarize(cfg, world_size, teacher)
     print(format_summary(summary), flush=True)
+    if teacher_note:
+        print(teacher_note, flush=True)
     if summary.data_errors:
         _write_jsonl(cfg, [summary.record()])
         raise ConfigError("the data flags would stop the run (checked without reading a "

@@ -180,6 +180,18 @@ def hf_rope_parameters(model_cfg: ModelConfig) -> dict:
     return rope
 
 
+def check_exportable(model_cfg: ModelConfig) -> None:
+    """Refuses, before anything is written, a model no Hugging Face class computes."""
+    architecture = hf_architecture(model_cfg)[0]
+    if model_cfg.rotary_percent < 1:
+        # transformers reads `partial_rotary_factor` for the frequencies, but its Llama, Qwen2
+        # and Qwen3 attention rotates every channel of the head with them (checked in 5.24)
+        raise ConfigError(f"--rotary-percent {model_cfg.rotary_percent}: transformers' "
+                          f"{architecture} rotates the whole head, so a partial-RoPE model has "
+                          "no Hugging Face equivalent to export to; export needs "
+                          "--rotary-percent 1.0")
+
+
 def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None
               ) -> dict:
     architecture, model_type = hf_architecture(model_cfg)
@@ -234,6 +246,10 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     if config.get("use_sliding_window"):
         unsupported.append("use_sliding_window")
     factor = _rope_scaling_from_hf(config, unsupported)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        unsupported.append(f"partial_rotary_factor={partial} (its {model_type} rotates the "
+                           "whole head regardless)")
     if unsupported:
         raise ckpt_files.CheckpointError(f"this {model_type} config uses {unsupported}, which "
                                          "megatron_lite's model does not implement")
@@ -325,6 +341,7 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
     """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
+    check_exportable(model_cfg)
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)
     write_safetensors_dir(output, to_hf(full, model_cfg), parse_size(max_shard_size))

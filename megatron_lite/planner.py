@@ -603,13 +603,17 @@ class MemoryEstimate:
     backward working set and the group being recomputed, or on the last stage the head with
     the loss's transient logits or the output layer's gradients (ZeRO-3: `zero3_peak_bytes`)."""
 
+    teacher_bytes: float = 0.0
+    """Distillation (`teacher_bytes`): the frozen teacher's weights on this rank and the
+    loss's vocabulary-sized buffers; 0 without a teacher."""
+
     @property
     def state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.teacher_bytes
 
 
 @dataclass(frozen=True)
@@ -692,13 +696,30 @@ def _recompute_from(cfg: Config) -> Recompute:
     return Recompute(**found)
 
 
+KD_VOCAB_BUFFERS = 6
+"""fp32 [tokens, V/t] tensors alive during the distillation loss: the teacher's shifted
+logits, log-probabilities and probabilities, the student's upcast and shifted logits and
+their exp (distill.vocab_parallel_kl)."""
+
+
+def teacher_bytes(teacher: ModelConfig, a: ActivationSetup) -> float:
+    """A frozen teacher beside one-stage student (distillation runs on one pipeline stage):
+    its weights in the run's dtype, its logits, and the KL's fp32 buffers."""
+    e = 2 if a.bf16 else 4
+    tokens = local_seq(teacher, a) * a.micro_batch
+    vocab = teacher.padded_vocab_size(a.tp) // a.tp
+    return (e * stage_params(teacher, a.tp, 1, 0, teacher.num_layers)
+            + (e + 4 * KD_VOCAB_BUFFERS) * tokens * vocab)
+
+
 def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
-                    fused_kernels: bool | None = None, device_type: str = "cuda"
-                    ) -> MemoryEstimate:
+                    fused_kernels: bool | None = None, device_type: str = "cuda",
+                    teacher: ModelConfig | None = None) -> MemoryEstimate:
     """Per-rank memory estimate for `cfg` on `world_size` ranks.
 
     `stage` picks a pipeline stage (default: the stage with the largest total). `fused_kernels`
-    defaults to `--triton-kernels != off`; pass False for CPU runs with `auto`.
+    defaults to `--triton-kernels != off`; pass False for CPU runs with `auto`. `teacher`: the
+    shape of a distillation teacher (`teacher_bytes`), on the head's stage.
     """
     model, parallel = cfg.model, cfg.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -719,6 +740,10 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                      parallel.grad_reduce_in_bf16,
                      ddp_bucket_size(parallel, world_size // (tp * cp * pp)))
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
+    if teacher is not None:
+        last = len(estimates) - 1
+        estimates[last] = dataclasses.replace(estimates[last], teacher_bytes=teacher_bytes(
+            dataclasses.replace(teacher, seq_length=model.seq_length), act))
     if stage is not None:
         return estimates[stage]
     return max(estimates, key=lambda est: est.total_bytes)

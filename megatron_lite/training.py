@@ -34,6 +34,7 @@ from megatron_lite.data.builder import (
     samples_per_epoch_of,
 )
 from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.distill import Distiller, build_distiller, check_distillation
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.layers.attention import attention_plan
@@ -84,6 +85,8 @@ def run(cfg: Config) -> TrainResult:
         for warning in tokenizer.warnings:
             print(f"warning: {warning}", flush=True)
     validate(cfg, env.world_size)
+    if cfg.train.export_kd_teacher_load is not None:  # the teacher's checkpoint and loss file
+        check_distillation(cfg)
     if cfg.train.deterministic_mode:  # before the first cuBLAS handle and NCCL communicator
         determinism.enable()
     if cfg.reliability.preflight == "quick":  # a bad node is named before it joins
@@ -165,7 +168,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         guard.attach(optimizer, checkpointer, train_loader)
         guard.start()
         cleanup.callback(guard.close)
-        runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
+        runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
+                            distiller=build_distiller(cfg, pstate, chunks))
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
         with guard.watch_peers():  # a lost peer is named, not a backend traceback
@@ -267,6 +271,8 @@ class StepOutcome:
     """The weights were not updated."""
     samples: int = 0
     """Samples in this step's global batch (it grows during a batch-size ramp-up)."""
+    extras: dict[str, float] = field(default_factory=dict)
+    """Further global-batch losses to log (distillation's "total loss", ...)."""
 
 
 def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
@@ -292,7 +298,8 @@ def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoade
     if guard is not None and guard.decide(loss).skip:
         return StepOutcome(loss, math.nan, skipped=True, samples=samples)
     result = optimizer.step(lr, decoupled_lr)
-    return StepOutcome(loss, result.grad_norm, result.skipped, samples)
+    extras = {name: reduce_loss(v, pstate) for name, v in runner.extras.items()}
+    return StepOutcome(loss, result.grad_norm, result.skipped, samples, extras)
 
 
 class StepRunner:
@@ -304,8 +311,16 @@ class StepRunner:
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
-                 on_grads_ready: Callable[[int], None] | None = None) -> None:
+                 on_grads_ready: Callable[[int], None] | None = None,
+                 distiller: Distiller | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        # distillation: the chunks carry the teacher and the loss is the distillation loss
+        self.distiller = distiller
+        self.model_chunks: list = distiller.chunks if distiller is not None else chunks
+        self.loss_fn = distiller.loss if distiller is not None else token_mean_loss
+        self.extras: dict[str, Tensor] = {}
+        """This step's local shares of the distillation terms (`Distiller`), summed like the
+        loss."""
         # the head's loss dtype, so that stages without it all-reduce a zero of the same dtype
         self.loss_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         self.per_token_loss = cfg.train.calculate_per_token_loss
@@ -337,7 +352,6 @@ class StepRunner:
                                                   len(batches), len(self.chunks),
                                                   forward_only=not backward, kind=self.kind,
                                                   costs=self.op_costs)
-        device = self.pstate.device
         means = num_tokens if isinstance(num_tokens, MicroBatchMeans) else None
         divisors = (means.divisors.unbind() if means is not None
                     else [num_tokens] * len(batches))
@@ -346,12 +360,20 @@ class StepRunner:
         if backward:
             self.timer.start()
         losses = engine.forward_backward(
-            self.chunks, self._schedules[key], microbatches, self.comm, token_mean_loss,
+            self.model_chunks, self._schedules[key], microbatches, self.comm, self.loss_fn,
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
+        if self.distiller is not None:
+            terms = self.distiller.pop_terms()
+            self.extras = {name: self._step_share([t[name] for t in terms], means)
+                           for name in (terms[0] if terms else {})}
+        return self._step_share(losses, means)
+
+    def _step_share(self, losses: list[Tensor], means: MicroBatchMeans | None) -> Tensor:
+        """The step's local loss from its micro-batches' shares (see `__call__`)."""
         if not losses:
-            return torch.zeros((), dtype=self.loss_dtype, device=device)
+            return torch.zeros((), dtype=self.loss_dtype, device=self.pstate.device)
         if means is None:
             return torch.stack(losses).sum()
         # back to token sums: the logged loss is the token mean in both modes (as Megatron's)
@@ -471,6 +493,8 @@ def _log_window(trainer: Trainer, iteration: int, lr: float,
         scalars["params_norm"] = trainer.optimizer.params_norm()
     if lg.log_num_zeros_in_grad:
         scalars["num_zeros_in_grad"] = trainer.optimizer.num_zeros_in_grad()
+    for name in window[-1][0].extras:  # distillation's terms
+        scalars[name] = sum(w[0].extras.get(name, math.nan) for w in window) / n
     trainer.logger.log_train(scalars=scalars,
         iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
         loss=sum(w[0].loss for w in window) / n, lr=lr,

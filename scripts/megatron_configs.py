@@ -10,7 +10,10 @@ its items, anything else -> its text. What points outside this machine is swappe
 else: the data flags (--data-path and the per-split ones, --data-cache-path) become
 --mock-data; --vocab-file / --merge-file become a small GPT-2 byte-level BPE vocabulary built
 in a scratch directory; --save, --load, --tensorboard-dir and any other ${VAR} path become
-scratch directories (${REPEAT}, the test's repeat index, becomes 1). Each runs
+scratch directories (${REPEAT}, the test's repeat index, becomes 1), except --export-kd-cfg:
+a scratch file holding ENV_VARS' DISTILL_CONFIG as YAML, which the test's BEFORE_SCRIPT
+writes there (the distillation teacher's directory is an empty scratch one: the dry run plans
+a teacher of the student's shape). Each runs
 `pretrain.py --dry-run --world-size N` in its own process (N = 8, --world-size, or the
 variant's MODEL_ENV_VARS GPUS_PER_NODE where the file sets one: those are 1- and 2-GPU tests
 whose global batch is smaller than 8 ranks) and the table gives its exit status and first
@@ -40,6 +43,9 @@ DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-d
 
 SCRATCH_FLAGS = ("--save", "--load", "--tensorboard-dir")
 """Flags naming output or checkpoint directories: each gets an empty scratch directory."""
+
+FILE_FLAGS = {"--export-kd-cfg": "distill_config.yaml"}
+"""Flags naming a file the test's BEFORE_SCRIPT writes: a scratch file of that name."""
 
 VARIANT = re.compile(r"MODEL_ARGS(_\d+)?$")
 VAR = re.compile(r"\$\{(\w+)\}")
@@ -83,6 +89,9 @@ def _value(flag: str, value: object, scratch: Path, tokenizer: tuple[Path, Path]
     text = str(value)
     if text.strip() == "${REPEAT}":
         return "1"
+    if flag in FILE_FLAGS:
+        scratch.mkdir(parents=True, exist_ok=True)
+        return str(scratch / FILE_FLAGS[flag])
     if flag in SCRATCH_FLAGS or VAR.search(text):
         path = scratch / flag.strip("-")
         path.mkdir(parents=True, exist_ok=True)
@@ -110,6 +119,15 @@ def to_argv(flags: dict, scratch: Path, tokenizer: tuple[Path, Path]) -> list[st
     if mock and "--mock-data" not in argv:
         argv.append("--mock-data")
     return argv
+
+
+def write_before_script_files(text: str, argv: list[str]) -> None:
+    """What the test's BEFORE_SCRIPT writes: ENV_VARS' DISTILL_CONFIG (YAML flow style) as
+    the --export-kd-cfg file."""
+    distill = ((yaml.safe_load(text) or {}).get("ENV_VARS") or {}).get("DISTILL_CONFIG")
+    if "--export-kd-cfg" in argv and distill is not None:
+        path = Path(argv[argv.index("--export-kd-cfg") + 1])
+        path.write_text(yaml.safe_dump(yaml.safe_load(distill)))
 
 
 def first_error(output: str) -> str:
@@ -160,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = write_gpt2_bpe(Path(tmp))
         for source in args.configs:
             name = Path(source).parent.name if args.git is None else source
-            for key, flags, gpus in variants(read_config(source, args.git)):
+            text = read_config(source, args.git)
+            for key, flags, gpus in variants(text):
                 label = name if key == "MODEL_ARGS" else f"{name}[{key}]"
                 cmd = to_argv(flags, Path(tmp) / label, tokenizer)
+                write_before_script_files(text, cmd)
                 world = gpus or args.world_size
                 if args.print_argv:
                     print(f"{label} (world {world}): {json.dumps(cmd)}")

@@ -36,12 +36,14 @@ ALLOWED: dict[str, set[str]] = {
     "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
     "startup_paths": {"config", "errors"},
+    # distillation: a teacher model from a checkpoint and its losses, used by training
+    "distill": {"config", "parallel", "kernels", "model", "checkpoint", "metrics"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
-                 "provenance", "errors", "profiling", "startup_paths", "unattended"},
+                 "provenance", "errors", "profiling", "startup_paths", "unattended", "distill"},
     # the dry run composes the same pieces training does (the whole iteration, on meta)
     "dry_run": {"config", "parallel", "kernels", "optim", "data", "planner", "memory",
-                "checkpoint", "training", "metrics", "profiling", "reliability"},
+                "checkpoint", "training", "metrics", "profiling", "reliability", "distill"},
 }
 NO_TORCH = ("tokenizer", "data_tools")
 

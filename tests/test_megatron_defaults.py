@@ -150,7 +150,8 @@ def test_megatron_noop_flags_are_taken_and_other_values_refused() -> None:
     for argv, named in ((["--rerun-mode", "report_determinism_stats"], "--rerun-mode"),
                         (["--timing-log-level", "3"], "--timing-log-level"),
                         (["--dist-ckpt-strictness", "strict"], "--dist-ckpt-strictness"),
-                        (["--export-kd-teacher-load", "t"], "--export-kd-teacher-load")):
+                        (["--export-kd-teacher-model-config", "t"],
+                         "--export-kd-teacher-model-config")):
         with pytest.raises(ConfigError, match=named):
             parse(argv)
 

@@ -110,8 +110,9 @@ def test_a_different_value_is_refused_naming_flag_value_and_model() -> None:
     with pytest.raises(ConfigError, match="--normalization LayerNorm: this model takes only "
                                           "--normalization RMSNorm"):
         parse(["--normalization", "LayerNorm"])
-    with pytest.raises(ConfigError, match=r"--rotary-percent 0.5: .* --rotary-percent 1.0"):
-        parse(["--rotary-percent", "0.5"])
+    with pytest.raises(ConfigError, match=r"--position-embedding-type none: .* "
+                                          "--position-embedding-type rope"):
+        parse(["--position-embedding-type", "none"])
 
 
 def test_a_typo_gets_the_closest_flag(capsys) -> None:

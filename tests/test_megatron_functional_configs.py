@@ -1,11 +1,12 @@
 """Megatron-LM's own dense Llama-style functional-test configs dry-run here with their flags
-unchanged (scripts/megatron_configs.py runs all of them; these three are kept literally).
+unchanged (scripts/megatron_configs.py runs all of them; these four are kept literally).
 
 Each list is `scripts/megatron_configs.py --print-argv` of the named
 tests/functional_tests/test_cases/gpt/<name>/model_config.yaml at Megatron-LM's HEAD: MODEL_ARGS
 as Megatron's launcher writes them, with only what points at NVIDIA's cluster swapped: the data
-paths for --mock-data, the GPT-2 BPE files for a tiny vocab.json/merges.txt, the checkpoint and
-TensorBoard directories for scratch ones.
+paths for --mock-data, the GPT-2 BPE files for a tiny vocab.json/merges.txt, the checkpoint,
+TensorBoard and distillation-teacher directories for scratch ones, and the distillation YAML
+for the one the test's BEFORE_SCRIPT writes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import yaml
 
 import pretrain
 from tokenizer.spec import TokenizerSpec, load_tokenizer
@@ -25,6 +27,13 @@ megatron_configs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(megatron_configs)
 
 VOCAB, MERGES, SAVE, LOAD, TB = "{vocab}", "{merges}", "{save}", "{load}", "{tb}"
+TEACHER, KD_CFG = "{teacher}", "{kd_cfg}"
+DISTILL_CONFIG = ('{intermediate_layer_pairs: [["decoder.final_layernorm", '
+                  '"decoder.final_layernorm"]], logit_layers: ["output_layer", "output_layer"], '
+                  "skip_lm_loss: true, kd_loss_scale: 1.0}")
+"""The distillation test's ENV_VARS DISTILL_CONFIG, which its BEFORE_SCRIPT writes as YAML."""
+ITERS = {"gpt3_mcore_te_tp2_pp1_modelopt_distill_resume": 100}
+"""--train-iters where it is not 50."""
 
 CONFIGS = {
     # TP1 x PP2 with --sequence-parallel, rerun machinery on, Llama-3-like GQA (kv-channels 128)
@@ -96,6 +105,30 @@ CONFIGS = {
         "--attention-softmax-in-fp32", "--use-mcore-models", "--ckpt-format", "torch_dist",
         "--dist-ckpt-strictness", "log_all", "--bf16", "--attention-backend", "unfused",
         "--log-memory-to-tensorboard", "--use-persistent-ckpt-worker", "--mock-data"],
+    # TP2 with SP, distillation from a teacher (ModelOpt's flags, the test's BEFORE_SCRIPT YAML;
+    # the teacher's directory is empty here: the dry run plans one of the student's shape),
+    # partial RoPE (--rotary-percent 0.5)
+    "gpt3_mcore_te_tp2_pp1_modelopt_distill_resume": [
+        "--export-te-mcore-model", "--export-kd-teacher-load", TEACHER, "--export-kd-cfg",
+        KD_CFG, "--auto-detect-ckpt-format", "--num-layers", "12", "--hidden-size", "512",
+        "--num-attention-heads", "8", "--normalization", "RMSNorm", "--log-params-norm",
+        "--log-num-zeros-in-grad", "--log-validation-ppl-to-tensorboard",
+        "--log-timers-to-tensorboard", "--tensorboard-dir", TB, "--micro-batch-size", "2",
+        "--global-batch-size", "16", "--seq-length", "1024", "--max-position-embeddings", "1024",
+        "--position-embedding-type", "rope", "--no-rope-fusion", "--rotary-percent", "0.5",
+        "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--train-iters", "100", "--timing-log-level", "0", "--lr-decay-iters", "320000", "--save",
+        SAVE, "--load", LOAD, "--vocab-file", VOCAB, "--merge-file", MERGES, "--split", "949,50,1",
+        "--distributed-backend", "nccl", "--lr", "0.00015", "--lr-decay-style", "cosine",
+        "--min-lr", "1e-05", "--weight-decay", "1e-2", "--clip-grad", "1.0",
+        "--lr-warmup-fraction", "0.01", "--use-distributed-optimizer", "--log-interval", "1",
+        "--save-interval", "50", "--eval-interval", "1000", "--eval-iters", "10",
+        "--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "1", "--sequence-parallel", "--deterministic-mode",
+        "--no-gradient-accumulation-fusion", "--use-checkpoint-opt_param-scheduler",
+        "--ckpt-format", "torch_dist", "--dist-ckpt-strictness", "log_all", "--bf16",
+        "--attention-backend", "unfused", "--log-memory-to-tensorboard", "--async-save",
+        "--use-persistent-ckpt-worker", "--exit-interval", "100", "--mock-data"],
 }
 
 
@@ -104,14 +137,18 @@ def test_megatron_functional_config_dry_runs(name: str, tmp_path, capsys) -> Non
     """`pretrain.py --dry-run --world-size 8` with the config's flags exits 0."""
     vocab, merges = megatron_configs.write_gpt2_bpe(tmp_path)
     paths = {"{vocab}": str(vocab), "{merges}": str(merges)}
-    for key in ("save", "load", "tb"):
+    for key in ("save", "load", "tb", "teacher"):
         (tmp_path / key).mkdir()
         paths["{" + key + "}"] = str(tmp_path / key)
+    paths[KD_CFG] = str(tmp_path / "distill_config.yaml")
+    (tmp_path / "distill_config.yaml").write_text(yaml.safe_dump(yaml.safe_load(DISTILL_CONFIG)))
     argv = [paths.get(a, a) for a in CONFIGS[name]]
     rc = pretrain.main(["--dry-run", "--world-size", "8", *argv])
     captured = capsys.readouterr()
     assert rc == 0, captured.err + captured.out[-2000:]
-    assert "dry run: iters 50 (--train-iters)" in captured.out
+    assert f"dry run: iters {ITERS.get(name, 50)} (--train-iters)" in captured.out
+    if TEACHER in CONFIGS[name]:
+        assert "planned with the student's shape (its weights counted in mem_gib)" in captured.out
 
 
 @pytest.mark.quick

@@ -47,7 +47,7 @@ REDACTED = "<redacted>"
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "vocab_size", "untie_embeddings_and_output_weights",
                 "norm_epsilon", "rotary_base", "kv_channels", "add_qkv_bias", "qk_layernorm",
-                "use_rope_scaling", "rope_scaling_factor")
+                "use_rope_scaling", "rope_scaling_factor", "rotary_percent")
 
 
 class CheckpointError(UserError, RuntimeError):

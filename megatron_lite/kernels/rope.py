@@ -7,6 +7,9 @@ theta_j = base^(-2j/d) (Llama 3.1 rescales them first: `llama3_scaled_frequencie
 table changes, so the kernel is the same). Backward is the rotation by minus the angle:
     dx = g * cos - rotate_half(g) * sin.
 Layout is sequence-first: q [s, b, n_q, d], k [s, b, n_kv, d].
+
+Partial RoPE (Megatron's --rotary-percent): tables r < d wide rotate the first r channels of
+each head (frequencies base^(-2j/r), spaced over r), and channels r..d pass through as they are.
 """
 
 from __future__ import annotations
@@ -137,8 +140,14 @@ class _RotaryFunction(torch.autograd.Function):
 def apply_rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, d], or
-    [s, b, d] when samples differ (positions restarting per document; torch path)."""
+    """Rotates q [s, b, n_q, d] and k [s, b, n_kv, d] by the angles in cos/sin [s, r], or
+    [s, b, r] when samples differ (positions restarting per document; torch path). With
+    r < d (partial RoPE) only the first r channels of each head turn."""
+    r, d = cos.shape[-1], q.shape[-1]
+    if r < d:
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([r, d - r], -1), k.split([r, d - r], -1)
+        q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin, use_triton=use_triton)
+        return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1)
     if use_triton and cos.dim() == 2:
         _check_rotary_shapes(q, k, cos, sin)
         return _RotaryFunction.apply(q, k, cos, sin)

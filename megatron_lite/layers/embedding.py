@@ -133,7 +133,10 @@ class VocabParallelOutput(nn.Module):
 
     def forward(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """Per-token loss [b, s] in fp32 (labels [b, s]; -100 = ignore)."""
-        logits = self.logits(hidden)
+        return self.token_losses(self.logits(hidden), labels)
+
+    def token_losses(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Per-token loss [b, s] of this rank's logits [s, b, V/t] (distillation keeps them)."""
         loss = vocab_parallel_cross_entropy(
             logits, labels.t(), self.vocab_start, self.vocab_size, self.tp_group,
             use_triton=self.use_triton)

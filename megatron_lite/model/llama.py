@@ -2,7 +2,8 @@
 
 Variants of the dense models trained today, by Megatron's flags: --kv-channels (a head dim
 other than hidden/heads, Qwen3), --add-qkv-bias (Qwen2.5), --qk-layernorm (RMSNorm of each
-q and k head before RoPE, Qwen3 / OLMo-2), --use-rope-scaling (Llama 3.1's frequencies).
+q and k head before RoPE, Qwen3 / OLMo-2), --use-rope-scaling (Llama 3.1's frequencies),
+--rotary-percent (RoPE on the first part of each head only).
 
 Shapes are sequence-first everywhere inside the stack: hidden states are [s, b, h], or
 [s/t, b, h] between TP regions under sequence parallelism (so the SP split is a contiguous
@@ -227,7 +228,7 @@ class LlamaChunk(nn.Module):
                 tags.mark_shared_embedding(self.output.weight)
         if tied and pre_process and not post_process and not head_on_stage:
             tags.mark_shared_embedding(self.embedding.weight)
-        cos, sin = rope_tables(cfg.max_position_embeddings, cfg.head_dim, cfg.rotary_base,
+        cos, sin = rope_tables(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rotary_base,
                                device=pstate.device,
                                scaling_factor=(cfg.rope_scaling_factor if cfg.use_rope_scaling
                                                else None))
@@ -256,16 +257,24 @@ class LlamaChunk(nn.Module):
         the loader), shared by every layer.
         Returns the hidden state, or per-token losses [b, s] (fp32) on the last chunk.
         """
+        x = self.final_hidden(x, token_index=token_index, positions=positions,
+                              documents=documents, attention_plan=attention_plan)
+        if not self.post_process:
+            return x
+        if labels is None:
+            raise ValueError("the last model chunk needs labels to compute the loss")
+        return self.output(x, labels)
+
+    def final_hidden(self, x: Tensor, *, token_index: Tensor | None = None,
+                     positions: Tensor | None = None, documents: Tensor | None = None,
+                     attention_plan: AttentionPlan | None = None) -> Tensor:
+        """`forward` up to the output layer: the final norm's output on the last chunk
+        (distillation compares it and takes the logits from it), else the hidden state."""
         if self.pre_process:
             x = self.embedding(x)
         tables = self._rope_tables(token_index, positions)
         x = self._run_layers(x, *tables, token_index, documents, attention_plan)
-        if not self.post_process:
-            return x
-        x = self.final_norm(x)
-        if labels is None:
-            raise ValueError("the last model chunk needs labels to compute the loss")
-        return self.output(x, labels)
+        return self.final_norm(x) if self.post_process else x
 
     def _rope_tables(self, token_index: Tensor | None, positions: Tensor | None
                      ) -> tuple[Tensor, Tensor]:

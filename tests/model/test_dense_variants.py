@@ -1,7 +1,7 @@
 """The dense variants (--kv-channels, --add-qkv-bias, --qk-layernorm, --use-rope-scaling,
---padded-vocab-size, --group-query-attention) all on at once: TP=2 with SP, PP=2 (ZB-H1,
-whose W steps defer the weight gradients but not the biases') and CP=2 train to the same
-losses and grad norms as one process (float64, EXACT); the planner's parameter counts equal
+--rotary-percent, --padded-vocab-size, --group-query-attention) all on at once: TP=2 with SP,
+PP=2 (ZB-H1, whose W steps defer the weight gradients but not the biases') and CP=2 train to
+the same losses and grad norms as one process (float64, EXACT); the planner's parameter counts equal
 the built model's and the meta-device dry run's; the Llama 3.1 frequency table equals
 Megatron's piecewise rule written out here; bad combinations are refused naming the flags.
 """
@@ -35,7 +35,8 @@ from tests.test_pretrain import FLAGS, Run, _train_logged, assert_same_run, sing
 # hidden 32 / 4 heads would give d = 8: --kv-channels 12 makes q 48 wide, kv 24.
 VARIANTS = ["--kv-channels", "12", "--group-query-attention", "--num-query-groups", "2",
             "--add-qkv-bias", "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor",
-            "32", "--padded-vocab-size", "112", "--rotary-base", "100"]
+            "32", "--padded-vocab-size", "112", "--rotary-base", "100", "--rotary-percent",
+            "0.5"]
 RUN = [*FLAGS, *VARIANTS, "--train-iters", "2"]
 # name: (layout flags, tp, pp, cp) on 2 ranks
 LAYOUTS = {"tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1, 1),
