@@ -1351,7 +1351,7 @@ NUMERIC_RANGES: dict[str, dict[str, str]] = {
         "seq_length": ">=1", "max_position_embeddings": ">=1", "vocab_size": ">=1",
         "make_vocab_size_divisible_by": ">=1", "padded_vocab": ">=1",
         "init_method_std": ">=0", "norm_epsilon": ">0", "rotary_base": ">0",
-        "rope_scaling_factor": ">0",
+        "rope_scaling_factor": ">0", "rotary_percent": ">0",
     },
     "parallel": {
         "tensor_model_parallel_size": ">=1", "pipeline_model_parallel_size": ">=1",
