@@ -14,14 +14,16 @@ import faulthandler
 import sys
 
 from megatron_lite.arguments import parse_with_notes
-from megatron_lite.dry_run import dry_run
 from megatron_lite.errors import run_cli
 from megatron_lite.parallel.launch import detect_launch_env
-from megatron_lite.training import run
 
 
 def _main(argv: list[str]) -> int:
     cfg, taken, notes = parse_with_notes(argv)
+    # torch only after the flags parse: `--help` and a flag mistake answer in a blink
+    from megatron_lite.dry_run import dry_run
+    from megatron_lite.training import run
+
     if detect_launch_env().rank == 0:
         if taken:
             print("Megatron-LM flags taken (they describe this model): " + " ".join(taken),

@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -193,9 +194,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _verdict(command: str, line: str, returncode: int, out: str) -> str | None:
+    cheap = COMMANDS[command]
+    if returncode == cheap.returncode and cheap.expect in out:
+        return None
+    return (f"README command `{command}`, run as `{line}`: exit {returncode} (want "
+            f"{cheap.returncode}), {cheap.expect!r} {'' if cheap.expect in out else 'not '}"
+            f"printed; the end of its output:\n{out[-2500:]}")
+
+
 def run_command(command: str, scratch: Path) -> str | None:
     """None when the README command's cheap form passes in `scratch`, else what went wrong."""
-    cheap, line = COMMANDS[command], cheap_form(command)
+    line = cheap_form(command)
     with subprocess.Popen(["bash", "-c", line], cwd=scratch, env=_env(), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           start_new_session=True) as proc:
@@ -204,11 +214,29 @@ def run_command(command: str, scratch: Path) -> str | None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
             out, _ = proc.communicate()
-    if proc.returncode == cheap.returncode and cheap.expect in out:
-        return None
-    return (f"README command `{command}`, run as `{line}`: exit {proc.returncode} (want "
-            f"{cheap.returncode}), {cheap.expect!r} {'' if cheap.expect in out else 'not '}"
-            f"printed; the end of its output:\n{out[-2500:]}")
+    return _verdict(command, line, proc.returncode, out)
+
+
+def forkable(command: str) -> bool:
+    """A `python ... --help` form, run by run_help_commands instead of its own interpreter."""
+    cheap = COMMANDS[command]
+    return cheap.fill == "--help" and not cheap.env and command.startswith("python ")
+
+
+def run_help_commands(commands: list[str], scratch: Path,
+                      preload: str = "torch,numpy") -> list[str]:
+    """run_command's verdicts on `forkable` commands, each forked from one interpreter that
+    imported `preload` once (tests/readme_help.py; which also has each command's other flags
+    parse before its --help prints); only the failures."""
+    lines = [cheap_form(c) for c in commands]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "readme_help.py"), preload,
+                           json.dumps([shlex.split(line) for line in lines])],
+                          cwd=scratch, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2500:] + proc.stderr[-2500:]
+    results = json.loads(proc.stdout)
+    return [failure for c, line, (code, out) in zip(commands, lines, results, strict=True)
+            if (failure := _verdict(c, line, code, out))]
 
 
 def test_every_readme_command_has_a_cheap_form() -> None:
@@ -242,7 +270,11 @@ def scratch(tmp_path_factory) -> Path:
 
 
 def _run_all(commands: list[str], scratch: Path) -> None:
-    failures = [failure for c in commands if (failure := run_command(c, scratch))]
+    """The forkable --help forms first (they read and write nothing), then the rest in order."""
+    forked = [c for c in commands if forkable(c)]
+    failures = run_help_commands(forked, scratch) if forked else []
+    failures += [failure for c in commands
+                 if c not in forked and (failure := run_command(c, scratch))]
     assert not failures, "\n\n".join(failures)
 
 
