@@ -523,11 +523,13 @@ class Optimizer:
         if sums is None or norm.is_meta:  # meta: a dry run, no values
             norm_value, terms = comms.host_scalar(norm), None
         else:
-            norm_value, *terms = torch.cat([norm.reshape(1), sums]).tolist()  # one sync
+            norm_value, *terms = torch.cat([norm.reshape(1), sums]).cpu().tolist()  # 1 sync
         if not (norm.is_meta or math.isfinite(norm_value)):
             return self._skipped(norm_value, "non-finite gradient norm")
         if terms is not None and not self._update_is_finite(terms, norm_value):
-            return self._skipped(norm_value, self._update_culprits(lr, decoupled_lr))
+            assert carry is not None
+            return self._skipped(norm_value, self._update_culprits(carry, norm_value, lr,
+                                                                   decoupled_lr))
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
@@ -568,22 +570,25 @@ class Optimizer:
         decayed, moment, variance, step_size = terms
         clip = self.cfg.optim.clip_grad
         grad = min(norm, clip) if clip > 0 else norm  # bounds every clipped gradient element
-        ratio = (moment + grad) / self.cfg.optim.adam_eps
+        eps = self.cfg.optim.adam_eps  # > 0 once validated; 0 (set later) is 0/0 somewhere
+        ratio = (moment + grad) / eps if eps > 0 else math.inf
         bounds = (ratio, step_size * ratio, decayed + step_size * ratio, variance + grad ** 2)
         return all(math.isfinite(b) and b <= self._update_limit for b in bounds)
 
-    def _update_culprits(self, lr: float, decoupled_lr: float | None) -> str:
-        """The rare path after a failed update check: which ranks hold what (collective over
-        the norm's group, which every rank of it joins: they all skip)."""
+    def _update_culprits(self, carry: torch.Tensor, norm: float, lr: float,
+                         decoupled_lr: float | None) -> str:
+        """The rare path after a failed update check: the ranks whose own terms fail it, and
+        their numbers (collective over the norm's group, which every member joins: they all
+        skip)."""
         p, m, v = self._state_max.tolist()
         rates = [lr] if decoupled_lr is None else [lr, decoupled_lr]
-        mine = (f"rank {self.pstate.rank} (largest |weight| {p:.3g}, |Adam m| {m:.3g}, Adam v "
-                f"{v:.3g}, LR {', '.join(f'{r:.3g}' for r in rates)})")
-        suspect = not all(math.isfinite(x) for x in (p, m, v, *rates)) or max(
-            p, m, v) > self._update_limit
+        mine = None
+        if not self._update_is_finite(carry.tolist(), norm):
+            mine = (f"rank {self.pstate.rank} (largest |weight| {p:.3g}, |Adam m| {m:.3g}, "
+                    f"Adam v {v:.3g}, LR {', '.join(f'{r:.3g}' for r in rates)}, --adam-eps "
+                    f"{self.cfg.optim.adam_eps:g}, gradient norm {norm:.3g})")
         group = self.pstate.world_group if self.sharded else self.pstate.mp_group
-        found = [x for x in comms.all_gather_objects(mine if suspect else None, group,
-                                                     self.pstate.device) if x]
+        found = [x for x in comms.all_gather_objects(mine, group, self.pstate.device) if x]
         where = "; ".join(found) if found else "no single rank (only the summed bound overflows)"
         return f"the update would not be finite on {where}"
 
