@@ -373,8 +373,8 @@ class Checkpointer:
     def _non_finite_tensors(self) -> list[str]:
         """Names of this rank's weights and optimizer tensors that hold a NaN/Inf: one
         read-only pass (the largest |x| of each, NaN/Inf through) and one sync."""
-        named = [(name, param.detach()) for name, _, param in
-                 model_parameters(self.chunks, self.tied)]
+        named = [] if self.optimizer.shard_params else [  # ZeRO-3: the masters are the weights
+            (name, param.detach()) for name, _, param in model_parameters(self.chunks, self.tied)]
         named += [(f"optimizer {k}", t) for k, t in self.optimizer.state_dict()["tensors"].items()]
         named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named or named[0][1].is_meta:

@@ -557,8 +557,10 @@ class Optimizer:
         largest = []
         for pick in (lambda s: s.master, lambda s: s.exp_avg, lambda s: s.exp_avg_sq):
             parts = [pick(s) for s in self.shards if pick(s).numel()]
-            norms = torch._foreach_norm(parts, math.inf) if parts else []
-            largest.append(torch.stack([n.to(dtype) for n in norms]).max() if norms
+            # aminmax: one pass, no |x| temporary, NaN through (an inf-norm is ~20x slower
+            # on CPU); v >= 0, so its max is its largest magnitude
+            tops = [torch.maximum(*(lo.neg(), hi)) for lo, hi in map(torch.aminmax, parts)]
+            largest.append(torch.stack([t.to(dtype) for t in tops]).max() if tops
                            else torch.zeros((), dtype=dtype, device=device))
         self._state_max = torch.stack(largest)
         bias1 = 1.0 - optim.adam_beta1 ** (self._step + 1)
