@@ -29,6 +29,7 @@ from megatron_lite.config import ConfigError
 from megatron_lite.errors import run_cli
 from megatron_lite.optim.lr import step_lrs
 from megatron_lite.parallel.state import single_process_state
+from megatron_lite.reliability.guard import Guard
 from megatron_lite.training import train
 from tests.distributed import run_ranks
 from tests.reliability.common import TINY, run_train
@@ -170,3 +171,21 @@ def test_rollback_is_an_event_and_its_lr_back_off_is_in_the_lr_sequence(runs) ->
                                         rel=1e-12)
     before = [r for r in records[:at] if "lr" in r and r["iteration"] == 11]
     assert before[0]["lr"] == pytest.approx(step_lrs(40, 4, cfg.optim, cfg.train)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize(("iters", "claim", "scales"), [
+    ("0", "LR unchanged", [1.0, 1.0]),
+    ("2", "LR x0.5 through iteration 12", [0.5, 0.5, 1.0])])
+def test_the_logged_lr_back_off_is_the_one_applied(tmp_path, capsys, iters, claim, scales
+                                                   ) -> None:
+    """A rollback to iteration 10 claims a lowered LR only when the next iterations get it."""
+    cfg = parse_config([*TINY, "--spike-threshold", "5", "--on-spike", "rollback", "--save",
+                        str(tmp_path), "--spike-lr-iters", iters])
+    guard = Guard(cfg, single_process_state())
+
+    class Loader:
+        consumed_samples = 40
+
+    guard.after_rollback(13, 10, 52, Loader())
+    assert claim in capsys.readouterr().out
+    assert [guard.before_step(i, 40).lr_scale for i in range(11, 11 + len(scales))] == scales
