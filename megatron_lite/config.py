@@ -899,7 +899,8 @@ class ReliabilityConfig:
     """Dump every thread's stack and exit non-zero when one phase of an iteration (or a save)
     takes longer than this; set it above the slowest save. None = off."""
     check_for_nan_in_loss_and_grad: bool = True
-    """Check the local loss and local gradients for NaN/Inf before any reduction."""
+    """Check the local loss and local gradients for NaN/Inf before any reduction, and skip an
+    optimizer step whose update is not sure to leave the weights and Adam state finite."""
     on_nan: str = field(default="skip", metadata={"choices": ["skip", "stop"]})
     """On NaN/Inf: skip the step on every rank (no update), or stop the run."""
     spike_threshold: float | None = None

@@ -559,13 +559,14 @@ class Optimizer:
             parts = [pick(s) for s in self.shards if pick(s).numel()]
             # aminmax: one pass, no |x| temporary, NaN through (an inf-norm is ~20x slower
             # on CPU); v >= 0, so its max is its largest magnitude
-            tops = [torch.maximum(*(lo.neg(), hi)) for lo, hi in map(torch.aminmax, parts)]
+            tops = [torch.maximum(lo.neg(), hi) for lo, hi in map(torch.aminmax, parts)]
             largest.append(torch.stack([t.to(dtype) for t in tops]).max() if tops
                            else torch.zeros((), dtype=dtype, device=device))
         self._state_max = torch.stack(largest)
         bias1 = 1.0 - optim.adam_beta1 ** (self._step + 1)
+        step_size = torch.full((), top / bias1, dtype=dtype, device=device)  # a fill, no copy
         return torch.stack([largest[0] * (1.0 + top * optim.weight_decay), largest[1],
-                            largest[2], torch.tensor(top / bias1, dtype=dtype, device=device)])
+                            largest[2], step_size])
 
     def _update_is_finite(self, terms: list[float], norm: float) -> bool:
         """The summed bound terms say every new weight and moment is finite (docstring)."""
