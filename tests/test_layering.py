@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
-    "reliability": {"config", "parallel"},
+    "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
     "training": {"config", "arguments", "parallel", "kernels", "layers", "model", "pipeline",
                  "optim", "data", "planner", "metrics", "checkpoint", "reliability", "memory",
