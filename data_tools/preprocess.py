@@ -16,13 +16,18 @@ Outputs: `OUT_<i:05d>.bin/.idx` for i < K and `OUT.manifest.json` (the source of
 Streaming with bounded memory: the input is cut into ~256 KiB chunks (workers read plain JSONL
 byte ranges themselves; the parent reads other inputs), at most a few per worker are in flight,
 and results are written in input order, so the output is byte-identical for any --workers.
-Files get temporary names until the run completes.
+Files get temporary names until the run completes. Every PROGRESS_EVERY_S the run records how
+many chunks it wrote (`OUT.progress.json`); rerunning the same command after an interruption
+continues from there (chunks depend on the inputs only) and writes the same bytes as an
+uninterrupted run.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import json
 import multiprocessing as mp
 import os
 import shlex
@@ -34,8 +39,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools.chunks import CHUNK_BYTES, iter_chunks
-from data_tools.encode import Options, Stats, encode_chunk, init_worker
-from data_tools.errors import add_debug_flag, run_cli
+from data_tools.encode import BadInputError, Options, Stats, encode_chunk, init_worker
+from data_tools.errors import USER_ERRORS, add_debug_flag, run_cli
 from megatron_lite.data.format import (
     MANIFEST_SUFFIX,
     ShardWriter,
@@ -73,12 +78,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+PROGRESS_SUFFIX = ".progress.json"
+PROGRESS_EVERY_S = 30.0
+"""How often the progress record is rewritten (an interrupted run redoes at most this much)."""
+RESUME_TAG = ".tmp"
+"""The temporary names' suffix: fixed, so a rerun of the same command finds them."""
+
+
 class ShardSet:
     """K writers; document number g goes to shard g % K (a function of the input only)."""
 
-    def __init__(self, prefix: str, k: int, dtype: np.dtype) -> None:
-        self.writers = [ShardWriter(shard_name(prefix, i), dtype) for i in range(k)]
-        self.next_doc = 0
+    def __init__(self, prefix: str, k: int, dtype: np.dtype,
+                 resume: list[dict] | None = None) -> None:
+        self.writers = [ShardWriter(shard_name(prefix, i), dtype, RESUME_TAG,
+                                    resume[i] if resume else None) for i in range(k)]
+        self.next_doc = sum(r["documents"] for r in resume) if resume else 0
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         k = len(self.writers)
@@ -105,16 +119,47 @@ class ShardSet:
             w.abort()
 
 
+def _progress_key(args: argparse.Namespace, spec: object) -> str:
+    """What must match for a rerun to continue an interrupted one (not --workers: the output
+    is the same for any)."""
+    return json.dumps([args.input, args.json_keys, args.num_shards, args.append_eod,
+                       args.split_on_blank_lines, args.skip_bad_lines, args.chunk_bytes,
+                       spec.flags()])
+
+
+def _load_progress(path: Path, key: str) -> dict | None:
+    """The progress record of an interrupted run of the same command, if its files are there."""
+    try:
+        progress = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return progress if progress.get("key") == key else None
+
+
+def _save_progress(path: Path, key: str, chunks: int, shards: ShardSet, total: Stats) -> None:
+    record = {"key": key, "chunks": chunks, "shards": [w.state() for w in shards.writers],
+              "stats": dataclasses.asdict(total)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def _run_pool(args: argparse.Namespace, opts: Options, shards: ShardSet, files: list[Path],
-              bar: tqdm) -> Stats:
-    """Ordered, bounded-memory map of encode_chunk over the chunks (at most 2N+2 in flight)."""
-    total = Stats()
+              bar: tqdm, progress: tuple[Path, str, dict | None]) -> Stats:
+    """Ordered, bounded-memory map of encode_chunk over the chunks (at most 2N+2 in flight);
+    records its progress every PROGRESS_EVERY_S and skips the chunks a resumed run has."""
+    path, key, resumed = progress
+    total = Stats(**resumed["stats"]) if resumed else Stats()
+    done = resumed["chunks"] if resumed else 0
+    saved_at = time.time()
     t0 = time.time()
     last_postfix = 0.0
     ctx = mp.get_context("fork")
     with ctx.Pool(args.workers, initializer=init_worker, initargs=(opts,)) as pool:
         pending: collections.deque = collections.deque()
         chunks = iter_chunks(files, args.split_on_blank_lines, args.chunk_bytes)
+        for _ in range(done):  # chunks depend on the inputs only: the same ones again
+            next(chunks)
         exhausted = False
         while pending or not exhausted:
             while not exhausted and len(pending) < 2 * args.workers + 2:
@@ -128,8 +173,12 @@ def _run_pool(args: argparse.Namespace, opts: Options, shards: ShardSet, files: 
             tokens, lengths, stats = pending.popleft().get()
             shards.add(tokens, lengths)
             total.add(stats)
+            done += 1
             bar.update(stats.documents)
             now = time.time()
+            if now - saved_at >= PROGRESS_EVERY_S:
+                _save_progress(path, key, done, shards, total)
+                saved_at = now
             if now - last_postfix > 0.5:
                 dt = max(now - t0, 1e-9)
                 bar.set_postfix_str(f"{total.text_bytes / dt / 1e6:.1f} MB/s, "
@@ -150,17 +199,44 @@ def preprocess(args: argparse.Namespace, argv: list[str]) -> dict:
     dtype = optimal_dtype(tok.vocab_size)
     opts = Options(spec, args.json_keys, args.append_eod, args.skip_bad_lines, dtype.str)
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    shards = ShardSet(args.output_prefix, args.num_shards, dtype)
+    progress_path = Path(args.output_prefix + PROGRESS_SUFFIX)
+    key = _progress_key(args, spec)
+    resumed = _load_progress(progress_path, key)
+    partial = [Path(shard_name(args.output_prefix, i) + f".{kind}{RESUME_TAG}")
+               for i in range(args.num_shards) for kind in ("bin", "lengths")]
+    if resumed and not all(p.is_file() for p in partial):
+        resumed = None  # its files are gone: start over
+    if resumed:
+        print(f"preprocess: resuming an interrupted run after chunk {resumed['chunks']} "
+              f"({resumed['stats']['documents']:,} docs; {progress_path})", flush=True)
+    shards = ShardSet(args.output_prefix, args.num_shards, dtype,
+                      resumed["shards"] if resumed else None)
     bar = tqdm(unit="doc", unit_scale=True, desc="preprocess", disable=None, file=sys.stderr,
                mininterval=float(os.environ.get("TQDM_MININTERVAL", 1.0)))
     try:
-        stats = _run_pool(args, opts, shards, files, bar)
+        stats = _run_pool(args, opts, shards, files, bar, (progress_path, key, resumed))
+        if stats.documents == 0:  # empty shards would train on nothing, or fail far later
+            raise BadInputError(
+                f"--input {' '.join(args.input)}: no documents in {len(files)} file(s) "
+                f"({stats.empty:,} empty documents, {stats.bad_lines:,} bad lines skipped); "
+                f"check the input and --json-keys {args.json_keys}")
         entries = shards.finalize()
-    except BaseException:
+    except USER_ERRORS:  # bad input: nothing worth continuing
         shards.abort()
+        progress_path.unlink(missing_ok=True)
+        raise
+    except BaseException:
+        # interrupted (Ctrl-C, a crash): the same command continues from the last progress
+        # record; its files keep their temporary names, so no shard looks valid meanwhile
+        if progress_path.is_file():
+            print(f"preprocess: interrupted; rerun the same command to resume from "
+                  f"{progress_path}", file=sys.stderr, flush=True)
+        else:
+            shards.abort()
         raise
     finally:
         bar.close()
+    progress_path.unlink(missing_ok=True)
     manifest = {
         "format": "megatron_lite shard manifest", "version": 1,
         "shards": entries, "num_shards": len(entries),

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_lite import config as config_module
-from megatron_lite.config import SECTIONS, Config, ConfigError
+from megatron_lite.config import SECTIONS, Config, ConfigError, numeric_range_errors
 from megatron_lite.errors import add_debug_flag
 
 MEGATRON_TABLE = Path(__file__).with_name("megatron_flags.tsv")
@@ -289,6 +289,10 @@ def args_to_config(ns: argparse.Namespace) -> Config:
         section, _, name = key.partition(".")
         if section in per_section:
             per_section[section][name] = value
+    errors = [e for name, kw in per_section.items() for e in numeric_range_errors(name, kw)]
+    if errors:  # before any dataclass divides by one of them
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          "invalid values:\n  - " + "\n  - ".join(errors))
     return Config(**{name: SECTIONS[name](**kw) for name, kw in per_section.items()})
 
 

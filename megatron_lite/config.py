@@ -649,22 +649,31 @@ def parse_blend(paths: Sequence[str], flag: str = "--data-path"
                 ) -> list[tuple[float | None, str]]:
     """Megatron's blend syntax: `A` or `A B C` (unweighted: weight None, each source then
     counts as many samples as it has, see data.dataset) or `0.3 A 0.7 B` (weight, path pairs;
-    weights need not sum to 1). An even-length list whose every other entry is a number is
-    weighted; one where none is, unweighted; a mix is an error."""
+    weights need not sum to 1). A list with no number in it is unweighted; one with a number
+    must be weight/path pairs throughout, and anything else is refused by what is wrong."""
     if not paths:
         return []
-    pairs = [(paths[i], paths[i + 1]) for i in range(0, len(paths) - 1, 2)]
-    numeric = [_is_number(w) for w, _ in pairs] if len(paths) % 2 == 0 else [False]
-    if not any(numeric):
+    given = f"{flag} {' '.join(paths)}"
+    if not any(_is_number(p) for p in paths):
         return [(None, p) for p in paths]
-    if not all(numeric) or any(_is_number(p) for _, p in pairs):
-        raise ConfigError(f"{flag} {' '.join(paths)}: give paths (`{flag} A B`, weighted by "
-                          f"their sizes) or weight/path pairs (`{flag} 0.3 A 0.7 B`), not a mix")
-    weighted = [(float(w), p) for w, p in pairs]
-    if any(w < 0 or not math.isfinite(w) for w, _ in weighted) or not sum(w for w, _ in weighted):
-        raise ConfigError(f"{flag} {' '.join(paths)}: weights must be non-negative and not "
-                          "all 0")
-    return weighted
+    pairs = [(paths[i], paths[i + 1]) for i in range(0, len(paths) - 1, 2)]
+    problem = next((f"`{w}` stands where a weight belongs" for w, _ in pairs
+                    if not _is_number(w)), None)
+    problem = problem or next((f"the path after weight {w} is the number `{p}`"
+                               for w, p in pairs if _is_number(p)), None)
+    if problem is None and len(paths) % 2:
+        problem = f"{len(paths)} entries, not weight/path pairs: `{paths[-1]}` is left over"
+    if problem is None:
+        weights = [float(w) for w, _ in pairs]
+        problem = next((f"weight {w:g} is not a finite number >= 0" for w in weights
+                        if not (0 <= w < math.inf)), None)
+        if problem is None and not 0 < sum(weights) < math.inf:
+            problem = f"the weights sum to {sum(weights):g}, not a positive finite number"
+    if problem:
+        raise ConfigError(f"{given}: {problem}; give paths (`{flag} A B`, weighted by their "
+                          f"sizes) or weight/path pairs (`{flag} 0.3 A 0.7 B`, weights >= 0, "
+                          "not all 0)")
+    return [(float(w), p) for w, p in pairs]
 
 
 def _is_number(text: str) -> bool:
@@ -870,6 +879,12 @@ class CheckpointConfig:
         "flag": "--use-checkpoint-opt_param-scheduler",
         "aliases": ["--use-checkpoint-opt-param-scheduler"]})
     """Take the LR schedule (--lr*, --min-lr, --decoupled-*) from the checkpoint's config."""
+    override_opt_param_scheduler: bool = field(default=False, metadata={
+        "flag": "--override-opt_param-scheduler",
+        "aliases": ["--override-opt-param-scheduler"]})
+    """Resume on this run's LR and weight-decay schedule even where it differs from the
+    checkpoint's (without it, or --use-checkpoint-opt_param-scheduler, a resume whose
+    --lr, --min-lr, warm-up, decay length or style, or --weight-decay changed is refused)."""
     ckpt_fallback: bool = True
     """When the newest checkpoint fails verification (checksums, sizes, missing files), load
     the previous complete one; --no-ckpt-fallback stops with the error instead."""
@@ -887,6 +902,10 @@ class CheckpointConfig:
                               f"{self.ckpt_staging_buffer_gb}")
         if self.async_save and not self.save:
             raise ConfigError("--async-save needs --save DIR")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler (this run's schedule) and "
+                              "--use-checkpoint-opt_param-scheduler (the checkpoint's) "
+                              "contradict each other; pass one")
 
 
 @dataclass
@@ -943,6 +962,11 @@ class ReliabilityConfig:
     """Consume these iterations' data without training on it (known bad batches)."""
     mtbf_hours: float | None = None
     """Job-level mean time between failures; logs the Young/Daly save interval next to yours."""
+    preflight: str = field(default="off", metadata={"choices": ["off", "quick"]})
+    """quick: before the rendezvous every rank checks its device with a short GEMM (result vs
+    float64, rate vs the bf16 peak) and local rank 0 the nvidia-smi ECC counters; a failing
+    host is named and the job exits 4 (reliability/preflight.py; the launch scripts then
+    resubmit without it)."""
 
     def __post_init__(self) -> None:
         for name in ("exit_duration_in_mins", "hang_timeout_seconds", "spike_threshold",
@@ -1313,4 +1337,75 @@ def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:
             f"{microbatches} micro-batches per step to be a multiple of "
             f"--pipeline-model-parallel-size {pp}; adjust --global-batch-size"
         )
+    return errors
+
+
+# ---------------------------------------------------------------- numeric flag ranges
+
+NUMERIC_RANGES: dict[str, dict[str, str]] = {
+    "model": {
+        "num_layers": ">=1", "hidden_size": ">=1", "ffn_hidden_size": ">=1",
+        "num_attention_heads": ">=1", "num_query_groups": ">=1", "kv_channels": ">=1",
+        "seq_length": ">=1", "max_position_embeddings": ">=1", "vocab_size": ">=1",
+        "make_vocab_size_divisible_by": ">=1", "padded_vocab": ">=1",
+        "init_method_std": ">=0", "norm_epsilon": ">0", "rotary_base": ">0",
+        "rope_scaling_factor": ">0",
+    },
+    "parallel": {
+        "tensor_model_parallel_size": ">=1", "pipeline_model_parallel_size": ">=1",
+        "context_parallel_size": ">=1", "num_layers_per_virtual_pipeline_stage": ">=1",
+        "decoder_first_pipeline_num_layers": ">=0", "decoder_last_pipeline_num_layers": ">=0",
+        "ddp_bucket_size": ">=1", "distributed_timeout_minutes": ">0", "world_size": ">=1",
+    },
+    "train": {
+        "micro_batch_size": ">=1", "global_batch_size": ">=1", "train_iters": ">=1",
+        "train_samples": ">=1", "seed": ">=0", "eval_interval": ">=1", "eval_iters": ">=0",
+        "manual_gc_interval": ">=0", "recompute_num_layers": ">=1",
+        "dry_run_device_memory_gb": ">0",
+    },
+    "data": {"tiktoken_num_special_tokens": ">=0", "null_tokenizer_eod_id": ">=0",
+             "num_workers": ">=0"},
+    "logging": {
+        "log_interval": ">=1", "peak_tflops": ">0", "tensorboard_log_interval": ">=1",
+        "profile_step_start": ">=0", "profile_step_end": ">=1", "straggler_threshold": ">0",
+        "straggler_intervals": ">=1",
+    },
+    "checkpoint": {
+        "save_interval": ">=1", "save_interval_minutes": ">0", "save_keep_last": ">=1",
+        "ckpt_staging_buffer_gb": ">0", "exit_interval": ">=1", "ckpt_step": ">=0",
+    },
+    "reliability": {
+        "exit_duration_in_mins": ">0", "hang_timeout_seconds": ">0", "spike_threshold": ">0",
+        "spike_patience": ">=1", "spike_accept_after": ">=0",
+        "max_skipped_iterations_in_a_row": ">=0", "max_skipped_iterations": ">=0",
+        "error_injection_rate": ">=0", "spike_skip_samples": ">=0", "spike_lr_iters": ">=0",
+        "mtbf_hours": ">0",
+    },
+}
+"""Section -> field -> the range every value given must lie in (None = not given is always
+fine; floats must also be finite). The optimizer's hyperparameters (--lr, --adam-eps, ...)
+have their own checks. tests/test_numeric_ranges.py fails on a numeric field missing here."""
+
+_BOUNDS = {">=0": (0, True), ">=1": (1, True), ">0": (0, False)}
+
+
+def _flag(section: str, name: str) -> str:
+    """The command-line flag of a config field (its metadata's, else the dashed name)."""
+    meta = next(f.metadata for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    return meta.get("flag", f"--{_dash(name)}")
+
+
+def numeric_range_errors(section: str, values: dict) -> list[str]:
+    """One message per value of `section` (field -> given value) outside its range, checked
+    before the dataclasses derive anything from them (a 0 there would divide by zero)."""
+    errors = []
+    for name, rule in NUMERIC_RANGES.get(section, {}).items():
+        value = values.get(name)
+        if value is None or isinstance(value, bool):
+            continue
+        low, inclusive = _BOUNDS[rule]
+        if not ((value >= low if inclusive else value > low) and math.isfinite(value)):
+            finite = "" if isinstance(value, int) else " and finite"
+            errors.append(f"{_flag(section, name)} must be {rule[:-1]} {rule[-1]}{finite}, "
+                          f"got {value}")
     return errors

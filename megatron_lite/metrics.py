@@ -29,6 +29,7 @@ from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
+from megatron_lite.unattended import job_id
 
 # Dense bf16 peak TFLOP/s by device-name fragment (first match wins, so variants come first).
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
@@ -199,6 +200,7 @@ class MetricsLogger:
         self.hosts = _gather_hosts(pstate)
         self.stragglers = StragglerDetector(lg.straggler_threshold, lg.straggler_intervals)
         self.jsonl: IO[str] | None = None
+        self.job = job_id()
         self.wandb: Any = None
         self.wandb_sync_hint = ""
         self.tensorboard: Any = None
@@ -254,7 +256,7 @@ class MetricsLogger:
 
     def _write(self, record: dict, extra: dict | None = None) -> None:
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json.dumps(self._tagged(record)) + "\n")
         if self.wandb is not None:
             values = {k: v for k, v in record.items() if k != "iteration"}
             self.wandb.log({**values, **(extra or {})}, step=record["iteration"])
@@ -264,6 +266,11 @@ class MetricsLogger:
                                                    ).items():
                 self.tensorboard.add_scalar(name, value, step)
             self.tensorboard.flush()
+
+    def _tagged(self, record: dict) -> dict:
+        """The JSONL copy of `record`, with the Slurm job that wrote it (a run's one file
+        gathers every job's records; unattended.py reads them across jobs)."""
+        return {**record, "job": self.job} if self.job else record
 
     def log_train(self, *, iteration: int, consumed_samples: int, loss: float, lr: float,
                   grad_norm: float, iter_time_s: float, tokens: int, skipped: int,
@@ -345,7 +352,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json.dumps(self._tagged(record)) + "\n")
         if self.wandb is not None:
             name = record["event"]
             numbers = {f"events/{name}/{k}": v for k, v in record.items()
@@ -370,8 +377,9 @@ class MetricsLogger:
         print(f"checkpoint at iter {iteration} | saved {gbytes:.3f} GB in {seconds:.2f} s "
               f"({rate:.2f} GB/s)", flush=True)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"iteration": iteration, "checkpoint_save_s": seconds,
-                                         "checkpoint_gbytes": gbytes}) + "\n")
+            self.jsonl.write(json.dumps(self._tagged({
+                "iteration": iteration, "checkpoint_save_s": seconds,
+                "checkpoint_gbytes": gbytes})) + "\n")
         if self.wandb is not None:
             self.wandb.log({"checkpoint/save_s": seconds, "checkpoint/gbytes": gbytes,
                             "checkpoint/gbytes_per_s": rate}, step=iteration)

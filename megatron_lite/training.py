@@ -55,7 +55,9 @@ from megatron_lite.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from megatron_lite.planner import pipeline_op_costs
 from megatron_lite.profiling import StepHooks
 from megatron_lite.provenance import git_commit
-from megatron_lite.reliability import Guard, report_partial_checkpoints
+from megatron_lite.reliability import Guard, preflight, report_partial_checkpoints
+from megatron_lite.startup_paths import check_paths
+from megatron_lite.unattended import RunJournal
 
 MAX_EPOCHS = 4
 """More passes over the training data than this draw a start-up warning."""
@@ -75,7 +77,8 @@ class TrainResult:
 def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
-    apply_checkpoint_args(cfg)  # --use-checkpoint-args: the model shape comes from there
+    check_paths(cfg)  # a bad --save or --log-jsonl found now, not after the run
+    apply_checkpoint_args(cfg, env.world_size)  # the model shape may come from there
     tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     if env.rank == 0:
         for warning in tokenizer.warnings:
@@ -83,6 +86,10 @@ def run(cfg: Config) -> TrainResult:
     validate(cfg, env.world_size)
     if cfg.train.deterministic_mode:  # before the first cuBLAS handle and NCCL communicator
         determinism.enable()
+    if cfg.reliability.preflight == "quick":  # a bad node is named before it joins
+        peak = detect_peak_tflops(torch.device("cuda", env.local_rank), cfg.logging.peak_tflops
+                                  )[0] if torch.cuda.is_available() else None
+        preflight.check_rank(env.local_rank, peak)
     startup = StartupTimes()
     with startup.timed("rendezvous"):  # launch checks first: refused by name, not a hang
         pstate = parallel_state.initialize(cfg, env)
@@ -110,6 +117,8 @@ class Trainer:
     """Profiler window, manual GC, cache emptying (each a no-op unless asked for)."""
     startup: StartupTimes | None = None
     """Start-up phase times, reported after the first step (None: not reported)."""
+    journal: RunJournal | None = None
+    """The run's resume event after the first step (None: not written)."""
     on_phase: Callable[[str], None] | None = None
     """Told each part of an iteration once it has run ("train_step", "guard", "log", "eval",
     "checkpoint"): the dry run lists what it proved and measures each part's bytes."""
@@ -143,6 +152,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
             if pstate.rank == 0:
                 report_partial_checkpoints(checkpointer.load_dir)
             start_iteration = checkpointer.load()
+        journal = RunJournal(cfg.logging.log_jsonl, pstate.rank)  # before the logger writes
+        journal.start_iteration = start_iteration
         peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
         log_startup(cfg, pstate, chunks, peak, launch_source)
         log_memory(cfg, pstate, chunks, optimizer)
@@ -157,9 +168,11 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync)
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
-        result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader, valid_loader,
-                                    logger, checkpointer, guard, hooks, startup),
-                            start_iteration)
+        with guard.watch_peers():  # a lost peer is named, not a backend traceback
+            result = train_loop(Trainer(cfg, pstate, runner, optimizer, train_loader,
+                                        valid_loader, logger, checkpointer, guard, hooks,
+                                        startup, journal), start_iteration)
+        journal.train_end(result.iteration, cfg.train.train_iters, logger.log_event)
         if loaders.test is not None and cfg.train.eval_iters > 0:
             result.test_loss = evaluate(cfg, runner, loaders.test, pstate)
             logger.log_eval(result.iteration, result.test_loss, split="test")
@@ -198,6 +211,8 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         if iteration == start_iteration + 1 and trainer.startup is not None:
             trainer.startup.seconds["first step"] = window[-1][1]
             trainer.startup.report(trainer.pstate)
+        if iteration == start_iteration + 1 and trainer.journal is not None:
+            trainer.journal.first_step(iteration, trainer.logger.log_event)
         result.losses.append(step.loss)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
             _log_window(trainer, iteration, lr, window, skipped)

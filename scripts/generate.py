@@ -1,9 +1,11 @@
 """Generate text from a checkpoint (any parallel layout) on one process.
 
-    python scripts/generate.py --load CKPT_DIR --tokenizer-model TOK.model \
+    python scripts/generate.py --load CKPT_DIR [--tokenizer-model TOK.model] \
         --prompt "def main(" --max-new-tokens 64 [--top-k 0] [--temperature 1.0]
 
-The checkpoint is gathered into one TP=PP=1 model (megatron_lite.export.load_model).
+The checkpoint is gathered into one TP=PP=1 model (megatron_lite.export.load_model). The
+tokenizer is the run's (its --tokenizer-type and files, from the checkpoint's config); the
+tokenizer flags of pretrain.py replace it, e.g. when the files have moved.
 --top-k 0 is greedy decoding. No KV cache: each new token reruns the (short) context, which
 is plenty for the small models this is meant to inspect.
 """
@@ -18,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.export import load_model, model_logits
-from tokenizer.tokenizer import Tokenizer
+from tokenizer.spec import TextTokenizer, TokenizerSpec, add_tokenizer_flags, load_tokenizer
 
 
 def sample_next(logits: torch.Tensor, top_k: int, temperature: float,
@@ -52,27 +55,56 @@ def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="checkpoint directory (latest is used)")
     parser.add_argument("--ckpt-step", type=int, help="use this iteration instead of latest")
-    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=0, help="0 = greedy")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    add_tokenizer_flags(parser)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     model_cfg, chunk = load_model(Path(args.load), args.ckpt_step)
-    tok = Tokenizer(args.tokenizer_model)
+    tok = _tokenizer(args, Path(args.load))
     if tok.vocab_size != model_cfg.vocab_size:
-        parser.error(f"--tokenizer-model has {tok.vocab_size} tokens but the checkpoint's model "
+        parser.error(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's model "
                      f"has a vocabulary of {model_cfg.vocab_size}: pass the training tokenizer")
-    prompt = tok.encode(args.prompt) if args.prompt else [tok.bos_id or tok.eod_id]
+    prompt = tok.encode([args.prompt])[0] if args.prompt else []
+    if not prompt:  # nothing to continue: start a document
+        start = tok.bos_id if tok.bos_id is not None else tok.eod_id
+        if start is None:
+            parser.error("the tokenizer has no BOS or EOD token to start from: pass --prompt")
+        prompt = [start]
     out = generate(chunk, prompt, vocab_size=model_cfg.vocab_size,
                    context=model_cfg.max_position_embeddings,
                    max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                   temperature=args.temperature, eos_id=tok.eos_id, seed=args.seed)
+                   temperature=args.temperature, eos_id=tok.eod_id, seed=args.seed)
     print(args.prompt + tok.decode(out))
     return 0
+
+
+def _tokenizer(args: argparse.Namespace, load: Path) -> TextTokenizer:
+    """The tokenizer flags given here, else the run's, from the checkpoint's saved config."""
+    given = {"tokenizer_type": args.tokenizer_type, "tokenizer_model": args.tokenizer_model,
+             "vocab_file": args.vocab_file, "merge_file": args.merge_file}
+    if any(given.values()):
+        data = {**given, "tiktoken_pattern": args.tiktoken_pattern,
+                "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+                "special_tokens": args.tokenizer_special_tokens,
+                "null_tokenizer_eod_id": args.null_tokenizer_eod_id,
+                "tokenizer_hf_no_include_special_tokens":
+                    args.tokenizer_hf_no_include_special_tokens}
+        vocab = args.vocab_size
+    else:
+        ckpt_dir = ckpt_files.resolve_checkpoint_dir(load, args.ckpt_step)
+        saved = ckpt_files.read_metadata(ckpt_dir)["config"]
+        data, vocab = saved["data"], saved["model"]["vocab_size"]
+    spec = TokenizerSpec.from_data_config(data, vocab)
+    if spec is None:
+        raise ckpt_files.CheckpointError(f"the run saved in {load} had no tokenizer (mock or "
+                                         "id-only data): pass --tokenizer-model and its "
+                                         "--tokenizer-type")
+    return load_tokenizer(spec)
 
 
 def main(argv: list[str] | None = None) -> int:

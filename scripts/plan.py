@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from megatron_lite.planner import (
     search,
     total_params,
 )
+from megatron_lite.reliability.spikes import young_daly_interval_s
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "seq_length", "vocab_size")
@@ -72,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--data-parallel-sharding-strategy (column ZeRO: its stage 0-3)")
     flt.add_argument("--recompute", choices=["none", "selective", "full"])
     ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    ckpt = ap.add_argument_group("checkpoint interval (Young/Daly)")
+    ckpt.add_argument("--save-seconds", type=_save_seconds, metavar="S|RUN.jsonl",
+                      help="measured time a save blocks training: seconds, or a run's "
+                      "--log-jsonl file (the median of its checkpoint_save_s)")
+    ckpt.add_argument("--mtbf-hours", type=float, help="job-level mean time between failures")
     pic = ap.add_argument_group("picture")
     pic.add_argument("--timeline", metavar="OUT.png",
                      help="draw #1's pipeline schedules (stages x time) into this PNG")
@@ -257,6 +264,22 @@ def draw_timeline(path: Path, lines: list[Timeline], pp: int, microbatches: int)
     plt.close(fig)
 
 
+def _save_seconds(text: str) -> float:
+    """A number, or the median checkpoint_save_s of a --log-jsonl file."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: neither seconds nor a JSONL file")
+    saves = sorted(json.loads(line)["checkpoint_save_s"] for line in path.read_text().splitlines()
+                   if '"checkpoint_save_s"' in line)
+    if not saves:
+        raise argparse.ArgumentTypeError(f"{text}: no checkpoint_save_s records (no save yet)")
+    return saves[len(saves) // 2]
+
+
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.timeline_microbatches is not None and (args.timeline is None
@@ -264,6 +287,10 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
                           "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
+    if args.tp and args.tp > args.gpus_per_node:
+        raise ConfigError(f"--tp {args.tp}: TP wider than a node ({args.gpus_per_node} GPUs, "
+                          "--gpus-per-node): its all-reduces in every layer need NVLink; use "
+                          f"--tp {args.gpus_per_node} or less and PP/DP across nodes")
     cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
                       if f.name != "dp_overlap"}
     cluster = Cluster(**cluster_fields, dp_overlap=not args.no_dp_overlap)
@@ -273,6 +300,12 @@ def _main(argv: list[str]) -> int:
         raise ConfigError("no valid layout (check that --global-batch-size is divisible by "
                           "dp x micro-batch and the filters agree with the GPU count)")
     print(report(model, cluster, gbs, tokens, plans, args.top))
+    fitting = [p for p in plans if p.fits]
+    if args.save_seconds and args.mtbf_hours and fitting:
+        best = young_daly_interval_s(args.save_seconds, 3600 * args.mtbf_hours)
+        print(f"checkpoint interval (Young/Daly, a save blocks {args.save_seconds:.3g} s, MTBF "
+              f"{args.mtbf_hours:g} h): every {best / 60:.1f} min = --save-interval "
+              f"{max(1, round(best / fitting[0].step_s))} at #1's {fitting[0].step_s:.3g} s/step")
     if args.timeline:
         fitting = [p for p in plans if p.fits]
         if not fitting or fitting[0].layout.pp == 1:

@@ -8,7 +8,9 @@ grad norm, tokens/s and MFU; runs overlaid, one colour each, labelled by file na
 record's missing field is skipped, so files of older or newer versions still plot. Records
 with an "event" key are drawn as dotted vertical lines in the run's colour, named on the
 loss panel. A resumed run appends to its file and repeats the iterations after its last
-checkpoint: the latest record of an iteration wins, as training continued from it.
+checkpoint: the latest record of an iteration wins, as training continued from it. For a run
+launched by scripts/common.sh (its `job_end` records) it prints the run's goodput line: kept
+training-step time over the allocated time of all its jobs (megatron_lite/unattended.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite.errors import UserError, add_debug_flag, run_cli
+from megatron_lite.unattended import goodput_line
 
 PANELS = (("loss", "loss"), ("eval_loss", "eval loss"), ("lr", "learning rate"),
           ("grad_norm", "grad norm"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
@@ -118,6 +121,9 @@ def _main(argv: list[str]) -> int:
     runs = {label: read_run(path) for label, path in zip(labels(args.runs), args.runs)}
     plot(runs, args.out)
     print(f"wrote {args.out} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    for label, records in runs.items():
+        if any(r.get("event") == "job_end" for r in records):
+            print(f"{label}: {goodput_line(records)}")
     return 0
 
 

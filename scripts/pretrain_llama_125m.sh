@@ -44,9 +44,9 @@ TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iter
                --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 200 --lr-decay-style cosine
                --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
                --init-method-std 0.02 --eval-interval 500 --eval-iters 10 --seed 1234)
-# Per-rank parallel saves; a requeued job (same CKPT_DIR) resumes from `latest`. Slurm's
+# Per-rank parallel saves; every job of the run (same CKPT_DIR) resumes from `latest`. Slurm's
 # USR1 (--signal above) makes every rank save at the same iteration and exit 0.
-CHECKPOINT_ARGS=(--save "${CKPT_DIR:-$RUN_DIR/checkpoints}" --save-interval 1000
+CHECKPOINT_ARGS=(--save "$CKPT_DIR" --save-interval 1000
                  --save-interval-minutes 60 --save-keep-last 3 --async-save
                  --hang-timeout-seconds 1800)
 LOGGING_ARGS=(--log-interval 10 --log-jsonl "$RUN_DIR/metrics.jsonl"

@@ -13,7 +13,9 @@
 # Llama-3-8B shape, 64 GPUs (8 nodes x 8 H100/H200 80 GB). Submit from the repository root:
 #   DATA_MANIFEST=/shared/data/train.manifest.json TOKENIZER_MODEL=/shared/tok.model \
 #   sbatch scripts/pretrain_llama_8b.sh
-# 48 h jobs chain with `sbatch --dependency=singleton` (same job name = one at a time).
+# The job resubmits itself (sbatch --dependency=afterany:<job>, up to MAX_RESUBMITS) after the
+# time limit, a preemption or a failure, and restarts in place after a crash (MAX_RESTARTS);
+# every job of the run shares runs/<RUN_NAME> and resumes from its checkpoint (common.sh).
 #
 # Model: 32 layers, hidden 4096, 32 heads, 8 KV groups (GQA), SwiGLU 14336, seq 8192, untied
 #   embeddings, vocab 128256 assumed below (the tokenizer sets it). 8.03 B parameters, 7.50 B of
@@ -51,9 +53,9 @@ TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iter
                --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2000 --lr-decay-style cosine
                --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
                --init-method-std 0.02 --eval-interval 1000 --eval-iters 10 --seed 1234)
-# Per-rank parallel saves; a requeued job (same CKPT_DIR) resumes from `latest`. Slurm's
+# Per-rank parallel saves; every job of the run (same CKPT_DIR) resumes from `latest`. Slurm's
 # USR1 (--signal above) makes every rank save at the same iteration and exit 0.
-CHECKPOINT_ARGS=(--save "${CKPT_DIR:-$RUN_DIR/checkpoints}" --save-interval 500
+CHECKPOINT_ARGS=(--save "$CKPT_DIR" --save-interval 500
                  --save-interval-minutes 60 --save-keep-last 3 --async-save
                  --hang-timeout-seconds 1800)
 LOGGING_ARGS=(--log-interval 10 --log-jsonl "$RUN_DIR/metrics.jsonl"

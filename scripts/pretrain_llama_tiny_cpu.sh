@@ -31,7 +31,8 @@ TRAINING_ARGS=(--micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iter
                --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine
                --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
                --eval-interval 10 --eval-iters 2 --seed 1234)
-CHECKPOINT_ARGS=()
+# Saved every 10 iterations: a second run of this script resumes from `latest`.
+CHECKPOINT_ARGS=(--save "$CKPT_DIR" --save-interval 10)
 LOGGING_ARGS=(--log-interval 5 --log-jsonl "$RUN_DIR/metrics.jsonl" --wandb-mode disabled)
 
 ml_launch

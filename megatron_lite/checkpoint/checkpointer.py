@@ -28,6 +28,7 @@ import hashlib
 import math
 import platform
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +50,14 @@ from megatron_lite.checkpoint.reshard import (
     local_slice,
     model_parameters,
 )
-from megatron_lite.config import Config, ModelConfig
+from megatron_lite.config import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    data_parallel_size,
+    schedule_lengths,
+)
 from megatron_lite.data.format import find_manifest
 from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.layers import tags
@@ -179,6 +187,10 @@ class HostStaging:
         """Host bytes this staging holds: the buffer and --async-save's copies."""
         held = [self.buffer] if self.buffer is not None else []
         return sum(t.untyped_storage().nbytes() for t in [*held, *self.buffers.values()])
+
+
+FREE_SPACE_MARGIN = 1.1
+"""A save needs its tensor bytes times this free (headers, metadata, the filesystem's slack)."""
 
 
 class _SaveJob:
@@ -359,6 +371,7 @@ class Checkpointer:
         job = _SaveJob(tmp, self.snapshot(copy), self.on_file_written,
                        None if copy else self.staging.pieces,
                        write=self.pstate.device.type != "meta")
+        self._check_free_space(iteration, job)
         meta = self._metadata() if self.pstate.rank == 0 else {}
         blocking = time.perf_counter() - start
         self._pending = (job, iteration, meta, start, blocking)
@@ -372,15 +385,15 @@ class Checkpointer:
 
     def _non_finite_tensors(self) -> list[str]:
         """Names of this rank's weights and optimizer tensors that hold a NaN/Inf: one
-        read-only pass (the largest |x| of each, NaN/Inf through) and one sync."""
+        read-only pass (each one's min and max, NaN/Inf through) and one sync."""
         named = [] if self.optimizer.shard_params else [  # ZeRO-3: the masters are the weights
             (name, param.detach()) for name, _, param in model_parameters(self.chunks, self.tied)]
         named += [(f"optimizer {k}", t) for k, t in self.optimizer.state_dict()["tensors"].items()]
         named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named or named[0][1].is_meta:
             return []
-        largest = torch._foreach_norm([t for _, t in named], math.inf)
-        finite = torch.isfinite(torch.stack([x.double() for x in largest])).tolist()
+        ends = [torch.stack(torch.aminmax(t)).double() for _, t in named]  # NaN through
+        finite = torch.isfinite(torch.stack(ends)).all(dim=1).tolist()
         return [n for (n, _), ok in zip(named, finite) if not ok]
 
     def _refuse_non_finite(self, iteration: int) -> None:
@@ -402,6 +415,27 @@ class Checkpointer:
             "skips non-finite gradients and updates unless --no-check-for-nan-in-loss-and-grad)")
         err.same_on_every_rank = True  # type: ignore[attr-defined]
         raise err
+
+    def _check_free_space(self, iteration: int, job: _SaveJob) -> None:
+        """Refuse a save the disk cannot hold before a byte of it is written (collective): a
+        disk that fills mid-save leaves a partial checkpoint, and every later save fails too.
+        Checked against the tensor bytes of all ranks (the save directory is shared)."""
+        if not job.write:
+            return
+        need = float(sum(t.numel() * t.element_size() for _, tensors, _ in job.items
+                         for t in tensors.values()))
+        total = self._all_reduce(need, dist.ReduceOp.SUM)
+        free = float(shutil.disk_usage(job.tmp).free)
+        short = self._all_reduce(float(total * FREE_SPACE_MARGIN > free), dist.ReduceOp.MAX)
+        if not short:
+            return
+        if self.pstate.rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        raise ckpt_files.CheckpointError(
+            f"saving iteration {iteration} to {self.save_dir}: needs about {total / 1e9:.3f} GB "
+            f"(x{FREE_SPACE_MARGIN:g} margin) but only {free / 1e9:.3f} GB are free there (on "
+            "at least one rank); free space (fewer --save-keep-last) or point --save at a "
+            "larger filesystem. The previous checkpoint is kept")
 
     def _commit(self) -> None:
         job, iteration, meta, start, blocking = self._pending
@@ -469,8 +503,10 @@ class Checkpointer:
         return exit_now
 
     def finish(self, iteration: int) -> None:
-        """End of training: save the final state unless it is already on disk; wait."""
-        if self.save_dir is not None and self._on_disk != iteration:
+        """End of training: save the final state unless it is on disk or being written
+        (--async-save's save of the last interval); wait."""
+        in_flight = self._pending[1] if self._pending is not None else None
+        if self.save_dir is not None and iteration not in (self._on_disk, in_flight):
             self.save(iteration)
         self.wait()
 
@@ -515,8 +551,10 @@ class Checkpointer:
         seconds = time.perf_counter() - start
         if self.pstate.rank == 0:
             saved = reader.meta["layout"]
+            cp = saved.get("cp", 1)  # the layout's "dp" counts dp x cp ranks (its shards)
             print(f"checkpoint: loaded iteration {iteration} from {ckpt_dir} (saved with tp "
-                  f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp']}): {total / 1e9:.4f} GB "
+                  f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp'] // cp}"
+                  f"{f', cp {cp}' if cp > 1 else ''}): {total / 1e9:.4f} GB "
                   f"read in {seconds:.3f} s ({total / 1e9 / seconds:.3f} GB/s); RNG "
                   f"{'restored' if restored_rng else 'not restored'}"
                   f"{'' if restored_rng else ' (layout changed or --no-load-rng)'}",
@@ -631,15 +669,19 @@ class Checkpointer:
         return True
 
 
-def apply_checkpoint_args(cfg: Config) -> None:
+def apply_checkpoint_args(cfg: Config, world_size: int) -> None:
     """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model section
     / the LR-schedule flags with those saved in the checkpoint --load (or --save) would load.
+    Without either schedule flag a resume must keep the saved schedule, as Megatron's does.
     Runs before the model is built (every rank reads the same small metadata file)."""
     ckpt_cfg = cfg.checkpoint
-    if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
-        return
     root = ckpt_cfg.load or ckpt_cfg.save
     ckpt_dir = ckpt_files.resolve_checkpoint_dir(Path(root), ckpt_cfg.ckpt_step) if root else None
+    if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
+        if ckpt_dir is not None and not ckpt_cfg.override_opt_param_scheduler:
+            _check_schedule_unchanged(cfg, world_size, ckpt_files.read_metadata(ckpt_dir),
+                                      ckpt_dir)
+        return
     if ckpt_dir is None:
         raise ckpt_files.CheckpointError(
             "--use-checkpoint-args / --use-checkpoint-opt_param-scheduler read the config of "
@@ -652,3 +694,39 @@ def apply_checkpoint_args(cfg: Config) -> None:
         schedule = {k: v for k, v in saved["optim"].items()
                     if k.startswith(("lr", "min_lr", "decoupled"))}
         cfg.optim = dataclasses.replace(cfg.optim, **schedule)
+
+
+def _schedule_values(optim: OptimConfig, train: TrainConfig, dp_size: int) -> dict[str, object]:
+    """What Megatron's scheduler checks on resume, in its units (lengths in samples)."""
+    lengths = schedule_lengths(optim, train,
+                               train.global_batch_size or train.micro_batch_size * dp_size)
+    return {"learning rate (--lr)": optim.lr, "minimum learning rate (--min-lr)": optim.min_lr,
+            "warm-up samples (--lr-warmup-*)": lengths.warmup,
+            "decay samples (--lr-decay-*, --train-iters/--train-samples)": lengths.decay,
+            "decay style (--lr-decay-style)": optim.lr_decay_style,
+            "weight decay (--weight-decay)": optim.weight_decay}
+
+
+def _check_schedule_unchanged(cfg: Config, world_size: int, meta: dict, ckpt_dir: Path) -> None:
+    """Refuse a resume whose LR or weight-decay schedule differs from the checkpoint's: the
+    run would silently continue on another curve. --finetune and --no-load-optim start the
+    schedule afresh, so they are not checked."""
+    if cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
+        return
+
+    def known(section: type, values: dict) -> dict:
+        names = {f.name for f in dataclasses.fields(section)}
+        return {k: v for k, v in values.items() if k in names}
+
+    saved = meta["config"]
+    then = _schedule_values(dataclasses.replace(cfg.optim, **known(OptimConfig, saved["optim"])),
+                            dataclasses.replace(cfg.train, **known(TrainConfig, saved["train"])),
+                            meta["layout"]["dp"])
+    now = _schedule_values(cfg.optim, cfg.train, data_parallel_size(cfg, world_size))
+    changed = [f"{name}: {then[name]} in the checkpoint, {now[name]} now"
+               for name in now if now[name] != then[name]]
+    if changed:
+        raise ckpt_files.CheckpointError(
+            f"the checkpoint {ckpt_dir} was trained on another schedule ({'; '.join(changed)}). "
+            "Pass --override-opt_param-scheduler to continue on this run's flags, or "
+            "--use-checkpoint-opt_param-scheduler to continue on the checkpoint's")

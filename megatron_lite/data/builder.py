@@ -164,7 +164,8 @@ def _real_datasets(cfg: Config, dp_rank: int, dp_size: int, gbs: int,
                             for which, (paths, n) in enumerate(zip(
                                 (d.train_data_path, d.valid_data_path, d.test_data_path),
                                 needed))]
-            if d.verify_checksums and not train_only and (coordinator is None or prep.required):
+            preparer = coordinator is None or coordinator.rank == coordinator.preparer
+            if d.verify_checksums and not train_only and preparer:
                 with prep.timed("data validation"):  # the preparer hashes for its readers
                     _verify(cfg, node_local)
         except (ShardError, ValueError) as e:

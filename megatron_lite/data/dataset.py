@@ -182,10 +182,10 @@ def open_source(path: str, dp_rank: int = 0, dp_size: int = 1, node_local: bool 
                                  f"{path} (made by data_tools.preprocess --num-shards)")
             prefixes = [prefixes[i] for i in shards_for_dp_rank(len(prefixes), dp_rank, dp_size)]
         verdicts = ShardVerdicts(cache_dir or _default_cache(prefixes), prep.rank, prep.required)
-        # A manifest records the tokenizer that made the shard (checked against ours earlier),
-        # so a sample of its ids suffices; a bare .bin/.idx pair is scanned in full.
-        corpus = Corpus([verdicts.open(p, hint, vocab_size, full=manifest is None)
-                         for p in prefixes])
+        # Every id, manifest or not: a manifest says which tokenizer made the shard, not that
+        # its bytes are still what that tokenizer wrote (the scan costs bench/token_scan.py's
+        # seconds per billion tokens, once per shard version: see `fingerprint`).
+        corpus = Corpus([verdicts.open(p, hint, vocab_size) for p in prefixes])
     total = manifest.total_tokens if manifest else int(corpus.sizes.sum(dtype=np.int64))
     return Source(path, corpus, manifest, total)
 
@@ -239,8 +239,8 @@ def build_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: 
 
     `num_samples` are the samples THIS rank will request per split (global counts in global
     mode; global / dp in node-local mode, with `node_local=(dp_rank, dp_size)`). With
-    `vocab_size`, a sample of every shard's token ids is checked against it (all of them
-    without a manifest). `prep`: this rank's part in the job's start-up (see `Prep`).
+    `vocab_size`, every token id of every shard is checked against it (once per shard
+    version, `ShardVerdicts`). `prep`: this rank's part in the job's start-up (see `Prep`).
     """
     blend = parse_blend(data_path)
     sources = [open_source(p, *(node_local or (0, 1)), node_local=node_local is not None,

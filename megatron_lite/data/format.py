@@ -40,6 +40,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 REGENERATE_HINT = ("regenerate it with `python -m data_tools.preprocess --input ... "
                    "--output-prefix ... --tokenizer-model ...`")
 _CHUNK = 1 << 22  # entries per chunk when streaming index arrays (bounded memory)
+SCAN_CHUNK = 1 << 20  # tokens per chunk of the id scan: 2 MiB of uint16, stays in cache
 
 
 class ShardError(UserError, ValueError):
@@ -106,12 +107,19 @@ def write_index(path: str | Path, dtype: np.dtype, lengths: np.ndarray,
 
 
 class _GrowableArray:
-    """An append-only int array that spills to a temporary file, so memory stays bounded."""
+    """An append-only int array that spills to a temporary file, so memory stays bounded;
+    `count` > 0 reopens the file of an interrupted run, cut back to that many values."""
 
-    def __init__(self, path: Path, dtype: str) -> None:
+    def __init__(self, path: Path, dtype: str, count: int = 0) -> None:
         self.path, self.dtype = path, np.dtype(dtype)
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in finish()
-        self.count = 0
+        self._file = open(path, "r+b" if count else "wb")  # noqa: SIM115 - closed in finish()
+        if count:
+            self._file.truncate(count * self.dtype.itemsize)
+            self._file.seek(0, os.SEEK_END)
+        self.count = count
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def extend(self, values: np.ndarray) -> None:
         self._file.write(np.asarray(values, dtype=self.dtype).tobytes())
@@ -131,16 +139,30 @@ class ShardWriter:
     crash at any point leaves no shard that looks valid.
     """
 
-    def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
+    def __init__(self, prefix: str | Path, dtype: np.dtype, tag: str | None = None,
+                 resume: dict | None = None) -> None:
+        """`tag`: the temporary names' suffix (default per process); `resume`: a `state()`
+        of an interrupted writer with the same tag, whose files it continues."""
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
-        tag = f".tmp{os.getpid()}"
+        tag = tag or f".tmp{os.getpid()}"
         self.tmp_bin = Path(f"{prefix}.bin{tag}")
         self.tmp_idx = Path(f"{prefix}.idx{tag}")
-        self._lengths = _GrowableArray(Path(f"{prefix}.lengths{tag}"), "<i4")
-        self._bin = open(self.tmp_bin, "wb")  # noqa: SIM115 - closed in finalize()/abort()
         self._hash = hashlib.sha256()
-        self.documents = 0
-        self.tokens = 0
+        self.documents = resume["documents"] if resume else 0
+        self.tokens = resume["tokens"] if resume else 0
+        self._lengths = _GrowableArray(Path(f"{prefix}.lengths{tag}"), "<i4", self.documents)
+        self._bin = open(self.tmp_bin, "r+b" if resume else "wb")  # noqa: SIM115 - closed in finalize()/abort()
+        if resume:  # cut back to what the progress record covers; the hash covers it again
+            self._bin.truncate(resume["bin_bytes"])
+            while block := self._bin.read(1 << 24):
+                self._hash.update(block)
+
+    def state(self) -> dict:
+        """What a resumed writer needs; everything written so far is flushed first."""
+        self._bin.flush()
+        self._lengths.flush()
+        return {"bin_bytes": self._bin.tell(), "documents": self.documents,
+                "tokens": self.tokens}
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as one flat token array and their lengths."""
@@ -265,40 +287,30 @@ class IndexedShard:
         self._bin = (np.memmap(self.bin_path, dtype=self.dtype, mode="r")
                      if bin_size else np.zeros(0, self.dtype))
 
-    def _spans(self, full: bool, sample: int) -> list[tuple[int, int]]:
-        n = self.num_tokens
-        return [(0, n)] if full or n <= 2 * sample else [(0, sample), (n - sample, n)]
+    def token_range(self, chunk: int = SCAN_CHUNK) -> tuple[int, int]:
+        """(smallest, largest) token id over the whole shard; (0, -1) for an empty shard.
 
-    def token_range(self, full: bool = False, sample: int = 1 << 16, chunk: int = 1 << 26
-                    ) -> tuple[int, int]:
-        """(smallest, largest) token id over the whole shard (`full`) or its first and last
-        `sample` tokens; (0, -1) for an empty shard. What `ShardVerdicts` caches."""
+        Every token is read once, in cache-sized chunks so that the max pass reads what the
+        min pass just brought into cache (memory bandwidth, not two trips to RAM per token);
+        `bench/token_scan.py` measures it. What `ShardVerdicts` caches."""
         lows, highs = [], []
-        for begin, end in self._spans(full, sample):
-            for start in range(begin, end, chunk):
-                piece = self._bin[start:min(end, start + chunk)]
-                if piece.size:
-                    lows.append(int(piece.min()))
-                    highs.append(int(piece.max()))
+        for start in range(0, self.num_tokens, chunk):
+            piece = self._bin[start:start + chunk]
+            lows.append(int(piece.min()))
+            highs.append(int(piece.max()))
         return (min(lows), max(highs)) if lows else (0, -1)
 
-    def check_vocab(self, vocab_size: int, full: bool = False, sample: int = 1 << 16,
-                    chunk: int = 1 << 26) -> None:
-        """Every token id must be in [0, vocab_size); the error names the token offset.
-
-        `full` scans the whole shard in chunks (a few seconds per billion tokens); without it
-        only the first and last `sample` tokens are read, the cheap check for shards whose
-        manifest already vouches for the tokenizer.
-        """
-        for begin, end in self._spans(full, sample):
-            for lo in range(begin, end, chunk):
-                piece = self._bin[lo:min(end, lo + chunk)]
-                if piece.size and (int(piece.max()) >= vocab_size or int(piece.min()) < 0):
-                    bad = np.flatnonzero((piece >= vocab_size) | (piece < 0))[0]
-                    raise _fail(self.bin_path, f"token id {int(piece[bad])} at token offset "
-                                f"{lo + int(bad)} is outside the vocabulary [0, {vocab_size}); "
-                                "the shard was made with another tokenizer (pass that "
-                                "--tokenizer-model) or is corrupt", None)
+    def check_vocab(self, vocab_size: int, chunk: int = SCAN_CHUNK) -> None:
+        """Every token id must be in [0, vocab_size); the error names the file, the token
+        offset and the id (the first bad one), so the user can see which data is wrong."""
+        for lo in range(0, self.num_tokens, chunk):
+            piece = self._bin[lo:lo + chunk]
+            if int(piece.max()) >= vocab_size or int(piece.min()) < 0:
+                bad = np.flatnonzero((piece >= vocab_size) | (piece < 0))[0]
+                raise _fail(self.bin_path, f"token id {int(piece[bad])} at token offset "
+                            f"{lo + int(bad)} is outside the vocabulary [0, {vocab_size}) "
+                            "of the tokenizer (not the padded one); the shard was made with "
+                            "another tokenizer (pass that --tokenizer-model) or is corrupt", None)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -316,14 +328,35 @@ class IndexedShard:
 # ---------------------------------------------------------------- validation verdicts
 
 
-def _stat_key(prefix: str) -> str:
-    """What identifies one version of a shard's files without reading them: sizes,
-    modification times and the `.idx` header (a rewritten shard changes at least one)."""
-    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-    with open(idx, "rb") as f:
-        header = f.read(HEADER.size)
-    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in (idx, bin_)]
-    h = hashlib.blake2b(json.dumps(stats).encode() + header, digest_size=8)
+FINGERPRINT_SAMPLES = 64  # blocks of each file hashed into a shard's fingerprint
+_FINGERPRINT_BLOCK = 4096
+
+
+def fingerprint(prefix: str) -> str:
+    """What a verdict is cached under: the identity of both files' current contents, as far
+    as it can be known without reading them all.
+
+    Per file: size, inode, modification time and *change* time (ctime), plus a hash of
+    `FINGERPRINT_SAMPLES` 4 KiB blocks spread evenly over it (first and last included) and the
+    `.idx` header (in its first block). Any write through the filesystem moves ctime, and only
+    a change of the system clock sets it back (`touch`/`os.utime` restoring the mtime moves
+    it too), so a shard rewritten or patched in place with its size and mtime kept is
+    scanned again. What it cannot see: bytes changed beneath the filesystem (bit rot, a
+    raw-device write) outside the sampled blocks; only `--verify-checksums` (every byte
+    against the manifest's sha256) catches those. Copying a shard (a new inode and ctime)
+    makes it a new shard: scanned once more. No device number: a shared filesystem's differs
+    between nodes, and every node must find the verdict one rank wrote.
+    """
+    h = hashlib.blake2b(digest_size=12)
+    for path in (Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
+        st = path.stat()
+        h.update(struct.pack("<5q", st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns,
+                             FINGERPRINT_SAMPLES))
+        last = max(0, st.st_size - _FINGERPRINT_BLOCK)
+        with open(path, "rb") as f:
+            for k in range(FINGERPRINT_SAMPLES):
+                f.seek(last * k // (FINGERPRINT_SAMPLES - 1))
+                h.update(f.read(_FINGERPRINT_BLOCK))
     return h.hexdigest()
 
 
@@ -331,10 +364,10 @@ class ShardVerdicts:
     """Shard validation done once per file, its verdict cached as JSON in `directory`.
 
     Validating a shard means the header and size checks, the pointer pass over its index and
-    (with a vocabulary) the token-id range scan: the whole `.bin` for a shard without a
-    manifest. On a thousand ranks that restart, doing it everywhere every time is the slow
-    part of start-up; so the first rank to do it records the verdict (the token-id range it
-    found) keyed by `_stat_key`, and later readers (other ranks, restarts) only read the header.
+    (with a vocabulary) the scan of every token id. On a thousand ranks that restart, doing it
+    everywhere every time is the slow part of start-up; so the first rank to do it records the
+    verdict (the token-id range it found) keyed by the shard's `fingerprint`, and later
+    readers (other ranks, restarts) only read the header and the fingerprint's samples.
     A rank that scans says so in one `data: rank R scanned ...` line. `required` (a multi-rank
     job's preparing rank): an unwritable directory is an error, since every rank would redo
     the work; otherwise a warning.
@@ -349,31 +382,29 @@ class ShardVerdicts:
     def _path(self, prefix: str) -> Path | None:
         if self.directory is None:
             return None
-        return self.directory / f"{Path(prefix).name}.{_stat_key(prefix)}.json"
+        return self.directory / f"{Path(prefix).name}.{fingerprint(prefix)}.json"
 
-    def _load(self, path: Path | None, full: bool, vocab_size: int | None) -> dict | None:
+    def _load(self, path: Path | None, vocab_size: int | None) -> dict | None:
         if path is None or not path.is_file():
             return None
         try:
             verdict = json.loads(path.read_text())
         except (OSError, ValueError):
             return None  # unreadable or half-written by an old version: validate again
-        scan = verdict.get("scan")
-        enough = vocab_size is None or scan == "full" or (scan == "sample" and not full)
-        return verdict if enough else None
+        return verdict if vocab_size is None or verdict.get("scan") == "full" else None
 
-    def open(self, prefix: str, hint: str | None = None, vocab_size: int | None = None,
-             full: bool = False) -> IndexedShard:
-        """The shard, validated now or by an earlier verdict; token ids checked against
-        `vocab_size` (all of them with `full`, else a sample) when given."""
+    def open(self, prefix: str, hint: str | None = None,
+             vocab_size: int | None = None) -> IndexedShard:
+        """The shard, validated now or by an earlier verdict; every token id checked against
+        `vocab_size` (the tokenizer's, not the padded one) when given."""
         if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
             return IndexedShard(prefix, hint)  # raises, naming the missing file
         path = self._path(prefix)
-        verdict = self._load(path, full, vocab_size)
+        verdict = self._load(path, vocab_size)
         if verdict is not None:
             shard = IndexedShard(prefix, hint, check_pointers=False)
             if vocab_size is not None and not _in_vocab(verdict, vocab_size):
-                shard.check_vocab(vocab_size, full=verdict["scan"] == "full")  # names the offset
+                shard.check_vocab(vocab_size)  # raises, naming the offset
             return shard
         if self.required:
             self._check_writable()  # before the work that nobody could reuse
@@ -382,14 +413,14 @@ class ShardVerdicts:
         verdict = {"prefix": str(prefix), "tokens": shard.num_tokens, "scan": None,
                    "min_id": 0, "max_id": -1, "rank": self.rank}
         if vocab_size is not None:
-            verdict["scan"] = "full" if full else "sample"
-            verdict["min_id"], verdict["max_id"] = shard.token_range(full)
-            print(f"data: rank {self.rank} scanned {prefix} ({shard.num_tokens:,} tokens, "
-                  f"{'all' if full else 'a sample'}; ids {verdict['min_id']}..{verdict['max_id']})"
-                  f" in {time.perf_counter() - started:.2f} s", flush=True)
+            verdict["scan"] = "full"
+            verdict["min_id"], verdict["max_id"] = shard.token_range()
+            print(f"data: rank {self.rank} scanned {prefix} ({shard.num_tokens:,} tokens, all; "
+                  f"ids {verdict['min_id']}..{verdict['max_id']}) in "
+                  f"{time.perf_counter() - started:.2f} s", flush=True)
         self._save(path, verdict)
         if vocab_size is not None and not _in_vocab(verdict, vocab_size):
-            shard.check_vocab(vocab_size, full=full)  # raises, naming the token offset
+            shard.check_vocab(vocab_size)  # raises, naming the token offset
         return shard
 
     def _message(self, error: OSError | str) -> str:

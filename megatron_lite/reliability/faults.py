@@ -10,6 +10,7 @@ Kinds: `exit` (os._exit(1)), `kill` (SIGKILL to itself), `hang` (sleeps forever 
 `spike` (this rank's local loss x SPIKE_FACTOR), `nan_update` (this rank's LR is NaN for the
 step, so its proposed optimizer update is not finite), `slow_data` (this rank's loader takes
 SLOW_DATA_S longer to hand over the iteration's batch), `sigterm` (SIGTERM to itself between steps),
+`sigterm_launcher` (SIGTERM to its parent, torchrun's agent, which forwards it to every worker),
 `sigterm_in_save` / `kill_in_save` (SIGTERM / SIGKILL to itself while writing the checkpoint of
 that iteration, after its first file is written).
 
@@ -34,7 +35,7 @@ from torch import Tensor
 
 FAULT_ENV = "MEGATRON_LITE_FAULT"
 KINDS = ("exit", "kill", "hang", "nan_loss", "nan_grad", "spike", "sigterm", "sigterm_in_save",
-         "kill_in_save", "slow_data", "nan_update")
+         "kill_in_save", "slow_data", "sigterm_launcher", "nan_update")
 SPIKE_FACTOR = 20.0
 SLOW_DATA_S = 0.2
 _SPEC = re.compile(r"rank(\d+):iter(\d+)(?:-(\d+))?:([a-z_]+)(?::attempt(\d+))?")
@@ -112,6 +113,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.take(iteration, "sigterm"):
             signal.raise_signal(signal.SIGTERM)
+        if self.take(iteration, "sigterm_launcher"):
+            os.kill(os.getppid(), signal.SIGTERM)
         if self.take(iteration, "hang"):
             while True:  # a stuck rank: only the watchdog or a collective timeout ends this
                 time.sleep(3600)

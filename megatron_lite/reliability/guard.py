@@ -43,7 +43,8 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -56,9 +57,12 @@ from megatron_lite.errors import UserError
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.reliability.faults import FaultInjector
+from megatron_lite.reliability.heartbeat import Heartbeat, default_store, interval_for, lost_peer
 from megatron_lite.reliability.signals import ExitMonitor
 from megatron_lite.reliability.spikes import SpikeDetector, young_daly_interval_s
 from megatron_lite.reliability.watchdog import Watchdog
+
+_SIGNAL_EXIT = "exit signal received"
 
 
 class NonFiniteError(RuntimeError):
@@ -134,6 +138,9 @@ class Guard:
         self.exits = ExitMonitor(r.exit_duration_in_mins)
         self.watchdog = (Watchdog(r.hang_timeout_seconds, pstate.rank)
                          if r.hang_timeout_seconds else None)
+        self.heartbeat: Heartbeat | None = None
+        """Started by `start` on a multi-rank job (names a stuck or lost peer)."""
+        self._phase = "start-up"
         self.spikes = SpikeDetector(r.spike_threshold) if r.spike_threshold else None
         self.skip_set = set(r.skip_iterations)
         self.counters = Counters()
@@ -163,7 +170,13 @@ class Guard:
 
     def start(self) -> Guard:
         self.exits.install()
+        store = (default_store() if self.pstate.world_size > 1
+                 and self.pstate.device.type != "meta" else None)  # not in a dry run
+        if store is not None:
+            self.heartbeat = Heartbeat(store, self.pstate.rank, self.pstate.world_size,
+                                       interval_for(self.rel.hang_timeout_seconds)).start()
         if self.watchdog is not None:
+            self.watchdog.heartbeat = self.heartbeat
             self.watchdog.start()
         return self
 
@@ -171,11 +184,29 @@ class Guard:
         self.exits.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def phase(self, name: str) -> None:
-        """Name what the loop does next (the watchdog reports it if it hangs there)."""
+        """Name what the loop does next (the watchdog reports it if it hangs there, and the
+        heartbeat tells the other ranks)."""
+        self._phase = name
         if self.watchdog is not None:
             self.watchdog.phase(name, self._iteration)
+        if self.heartbeat is not None:
+            self.heartbeat.enter(name, self._iteration)
+
+    @contextmanager
+    def watch_peers(self) -> Iterator[None]:
+        """A collective that fails because a peer stopped answering becomes one
+        `PeerLostError` naming that rank (from the heartbeats), not a backend traceback."""
+        try:
+            yield
+        except Exception as err:
+            lost = lost_peer(self.heartbeat, err, self._iteration, self._phase)
+            if lost is None:
+                raise
+            raise lost from err
 
     def attach(self, optimizer: object, checkpointer: object, loader: object | None = None
                ) -> None:
@@ -328,7 +359,7 @@ class Guard:
         signals, timed_out, loss_bad, grads_bad = values[:4]
         decision = Decision()
         if signals:
-            decision.exit_reason = (f"exit signal received by {int(signals)} of "
+            decision.exit_reason = (f"{_SIGNAL_EXIT} by {int(signals)} of "
                                     f"{self.pstate.world_size} ranks")
         elif timed_out:
             decision.exit_reason = (f"--exit-duration-in-mins {self.rel.exit_duration_in_mins:g}"
@@ -440,6 +471,15 @@ class Guard:
                   lr_until=self._lr_scaled_until)
 
     def log_exit(self, iteration: int, reason: str) -> None:
+        """The exit event (collective after a signal: the signal's count is taken again
+        here, since a rank that got it after the agreement has got it by now)."""
+        if self.decision.exit_reason is not None and \
+                self.decision.exit_reason.startswith(_SIGNAL_EXIT):
+            got = torch.tensor([float(self.exits.received is not None)],
+                               device=self.pstate.device)
+            comms.all_reduce_(got, self.pstate.world_group)
+            count = 0 if got.is_meta else int(got.item())
+            reason = f"{_SIGNAL_EXIT} by {count} of {self.pstate.world_size} ranks"
         saved = (f"checkpoint of iteration {iteration} in {self.cfg.checkpoint.save}"
                  if self.cfg.checkpoint.save else "nothing saved (no --save)")
         self._log(f"exiting cleanly after iteration {iteration}: {reason}; {saved}",

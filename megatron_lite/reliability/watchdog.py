@@ -9,6 +9,12 @@ a daemon thread checks every second whether the current phase has run for longer
 collective-bearing step started), dumps every thread's Python stack with faulthandler, and
 exits with HANG_EXIT_CODE so that the scheduler or torchrun restarts the job.
 
+With heartbeats (reliability/heartbeat.py), the firing rank also names the ranks that stopped
+answering, with host, pid and the phase they were last in, and the live ranks stuck in one
+phase. A stale rank on this host (checked by pid and its launch environment) is SIGKILLed
+before this rank exits: a stopped or frozen process ignores the launcher's SIGTERM, and torchrun
+would otherwise wait out its --shutdown-timeout (30 s) before the job ends.
+
 A second, C-level timer (faulthandler.dump_traceback_later) backs the thread up at twice the
 timeout, for a main thread stuck in native code while holding the GIL.
 """
@@ -17,11 +23,15 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+from megatron_lite.reliability.heartbeat import Heartbeat, Verdict
 
 HANG_EXIT_CODE = 3
 """Exit status after a detected hang (distinct from 1, a Python error)."""
@@ -38,6 +48,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self.heartbeat: Heartbeat | None = None
+        """Set before `start` to name stale peers when firing."""
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -71,14 +83,18 @@ class Watchdog:
                 self._fire(phase, elapsed, iteration)
 
     def _fire(self, phase: str, elapsed: float, iteration: int) -> None:
+        verdict = (self.heartbeat.verdict(stuck_after_s=self.timeout_s)
+                   if self.heartbeat is not None else None)
+        peers = ("A peer rank may be stuck or dead (its log says which)" if verdict is None
+                 else f"Heartbeats: {verdict.describe()}")
         header = (f"hang watchdog: rank {self.rank} on host {socket.gethostname()}, iteration "
                   f"{iteration}: phase '{phase}' has run for {elapsed:.1f} s, more than "
-                  f"--hang-timeout-seconds {self.timeout_s:g}. A peer rank may be stuck or dead "
-                  f"(its log says which); stacks of every thread of this rank follow. Exiting "
-                  f"with status {HANG_EXIT_CODE} so the job can be restarted from the last "
-                  f"checkpoint.\n")
+                  f"--hang-timeout-seconds {self.timeout_s:g}. {peers}. Stacks of every thread "
+                  f"of this rank follow. Exiting with status {HANG_EXIT_CODE} so the job can be "
+                  f"restarted from the last checkpoint.\n")
         sys.stderr.flush()
-        _write_fd(sys.__stderr__.fileno(), header + self._stacks())
+        killed = _kill_local_stale(verdict) if verdict is not None else ""
+        _write_fd(sys.__stderr__.fileno(), header + killed + self._stacks())
         os._exit(HANG_EXIT_CODE)
 
     def _stacks(self) -> str:
@@ -96,6 +112,31 @@ class Watchdog:
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
             return ""
         return "".join(f"[rank {self.rank}] {line}\n" for line in lines)
+
+
+def _kill_local_stale(verdict: Verdict) -> str:
+    """SIGKILL the stale ranks running on this host; returns a line per rank killed.
+
+    A pid is trusted only if that process was launched as that rank of this job (its RANK
+    and MASTER_PORT match), so a reused pid or a host name shared by two machines kills
+    nothing."""
+    host, port = socket.gethostname(), os.environ.get("MASTER_PORT")
+    lines = []
+    for rank, beat, _ in verdict.stale:
+        if beat is None or beat.host != host or port is None:
+            continue
+        try:
+            env = Path(f"/proc/{beat.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and f"MASTER_PORT={port}".encode() in env:
+            try:
+                os.kill(beat.pid, signal.SIGKILL)
+            except OSError:
+                continue
+            lines.append(f"hang watchdog: killed stale rank {rank} (pid {beat.pid}) on this host "
+                         "so that the launcher ends the job now\n")
+    return "".join(lines)
 
 
 def _write_fd(fd: int, text: str) -> None:

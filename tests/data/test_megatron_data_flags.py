@@ -48,9 +48,9 @@ def test_blend_syntax_weighted_unweighted_and_mixed() -> None:
     assert parse_blend(["A", "B"]) == [(None, "A"), (None, "B")]
     assert parse_blend(["A", "B", "C"]) == [(None, "A"), (None, "B"), (None, "C")]
     assert parse_blend(["0.3", "A", "70", "B"]) == [(0.3, "A"), (70.0, "B")]
-    with pytest.raises(ConfigError, match=r"--valid-data-path 0\.3 A B C: give paths"):
+    with pytest.raises(ConfigError, match=r"--valid-data-path 0\.3 A B C: `B` stands where"):
         parse_blend(["0.3", "A", "B", "C"], "--valid-data-path")
-    with pytest.raises(ConfigError, match="--data-path -1 A 2 B: weights must be"):
+    with pytest.raises(ConfigError, match="--data-path -1 A 2 B: weight -1 is not a finite"):
         parse_blend(["-1", "A", "2", "B"])
 
 

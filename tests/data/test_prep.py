@@ -1,4 +1,4 @@
-"""Start-up data preparation done once: shard verdicts cached by (size, mtime, header), the
+"""Start-up data preparation done once: shard verdicts cached by content fingerprint, the
 index built by one rank while the others wait at a barrier and memory-map it, unwritable
 caches refused by flag, and a preparer's failure or delay reported by name on every rank."""
 
@@ -43,40 +43,32 @@ def bare_shard(prefix: Path, docs: int = 30, top: int = VOCAB, seed: int = 0) ->
 def test_a_shard_is_scanned_once_then_trusted(tmp_path, capsys):
     bare_shard(tmp_path / "s")
     verdicts = ShardVerdicts(tmp_path / "cache", rank=3)
-    first = verdicts.open(str(tmp_path / "s"), vocab_size=VOCAB, full=True)
+    first = verdicts.open(str(tmp_path / "s"), vocab_size=VOCAB)
     out = capsys.readouterr().out
     assert out.count("data: rank 3 scanned") == 1 and f"ids 0..{VOCAB - 1}" in out
     (verdict,) = (tmp_path / "cache" / "shard_checks").glob("s.*.json")
     assert '"scan": "full"' in verdict.read_text()
     again = ShardVerdicts(tmp_path / "cache", rank=5).open(str(tmp_path / "s"),
-                                                           vocab_size=VOCAB, full=True)
+                                                           vocab_size=VOCAB)
     assert capsys.readouterr().out == ""  # the verdict stands: no scan, no pointer pass
     assert again.num_tokens == first.num_tokens
     np.testing.assert_array_equal(again[3], first[3])
-    # a sample verdict does not answer a full question; a full one answers a sample one
-    bare_shard(tmp_path / "t", seed=1)
-    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "t"), vocab_size=VOCAB, full=False)
-    assert "a sample" in capsys.readouterr().out
-    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "t"), vocab_size=VOCAB, full=True)
-    assert "scanned" in capsys.readouterr().out
-    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "t"), vocab_size=VOCAB, full=False)
-    assert capsys.readouterr().out == ""
 
 
 def test_a_rewritten_shard_is_validated_again(tmp_path, capsys):
     bare_shard(tmp_path / "s")
-    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB, full=True)
+    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB)
     capsys.readouterr()
     bare_shard(tmp_path / "s", top=500, seed=2)  # same name, other tokenizer: new size/mtime
     with pytest.raises(fmt.ShardError, match=r"token id .* at token offset .* outside"):
-        ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB, full=True)
+        ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB)
     assert "scanned" in capsys.readouterr().out
     # the verdict records the range, so the next start refuses it without a scan, by offset
     with pytest.raises(fmt.ShardError, match="at token offset"):
-        ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB, full=True)
+        ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=VOCAB)
     st = os.stat(tmp_path / "s.bin")
     os.utime(tmp_path / "s.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched
-    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=600, full=True)
+    ShardVerdicts(tmp_path / "cache").open(str(tmp_path / "s"), vocab_size=600)
     assert "scanned" in capsys.readouterr().out
 
 

@@ -2,17 +2,20 @@
 GPT2BPETokenizer give transformers' ids, vocabulary and EOS; TikTokenizer gives plain tiktoken's
 ids shifted past Megatron's special tokens; each preprocesses a corpus, and a Megatron Llama-3
 style run (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR --eod-mask-loss)
-preprocesses, trains, finds its document ends and exports a tokenizer AutoTokenizer loads."""
+preprocesses, trains, finds its document ends, exports a tokenizer AutoTokenizer loads, and
+generates with the tokenizer its checkpoint names."""
 
 from __future__ import annotations
 
 import base64
 import json
 import math
+import runpy
 from pathlib import Path
 
 import pytest
 import tiktoken
+import torch
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -21,7 +24,7 @@ from megatron_lite.arguments import parse_config
 from megatron_lite.config import ConfigError
 from megatron_lite.data.builder import build_loaders, resolve_tokenizer
 from megatron_lite.data.format import IndexedShard, load_manifest
-from megatron_lite.export import export
+from megatron_lite.export import export, load_model, model_logits
 from megatron_lite.training import run
 from tokenizer.spec import TokenizerSpec, load_tokenizer
 from tokenizer.tiktoken_vocab import PATTERNS, byte_chars
@@ -204,8 +207,8 @@ def test_preprocess_writes_the_ids_and_records_the_tokenizer(files, tmp_path, ki
     assert t["flags"].startswith(f"--tokenizer-type {kind}")
 
 
-def test_llama3_style_run_preprocesses_trains_finds_documents_and_exports(files, tmp_path
-                                                                          ) -> None:
+def test_llama3_style_run_preprocesses_trains_finds_documents_and_exports(files, tmp_path,
+                                                                          capsys) -> None:
     tok_flags = ["--tokenizer-type", "HuggingFaceTokenizer",
                  "--tokenizer-model", str(files["llama3"])]
     prefix, _ = _preprocess(tmp_path, "llama", *tok_flags)
@@ -240,3 +243,17 @@ def test_llama3_style_run_preprocesses_trains_finds_documents_and_exports(files,
         resolve_tokenizer(parse_config([*argv[4:], *wrong]))
     same = [*wrong[:-1], str(eod)]  # Megatron's way to read Llama-3 shards without the files
     assert resolve_tokenizer(parse_config([*argv[4:], *same])).eod_id == eod
+
+    # scripts/generate.py finds the run's tokenizer in the checkpoint: greedy ids, decoded
+    generate = runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "generate.py"))
+    assert generate["main"](["--load", str(tmp_path / "ckpt"), "--prompt", "Hello",
+                             "--max-new-tokens", "3"]) == 0
+    model_cfg, chunk = load_model(tmp_path / "ckpt")
+    prompt = ours.encode(["Hello"])[0]
+    ids = list(prompt)
+    for _ in range(3):
+        ids.append(int(model_logits(chunk, torch.tensor([ids]), model_cfg.vocab_size)[0, -1]
+                       .argmax()))
+        if ids[-1] == eod:
+            break
+    assert capsys.readouterr().out.splitlines()[-1] == "Hello" + ours.decode(ids[len(prompt):])
