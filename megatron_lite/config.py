@@ -305,8 +305,43 @@ class OptimConfig:
             if self.lr_warmup_iters or self.lr_warmup_samples:
                 raise ConfigError("--lr-warmup-fraction replaces --lr-warmup-iters / "
                                   "--lr-warmup-samples; pass only one of them")
+        errors = optim_value_errors(self)
+        if errors:
+            raise ConfigError("; ".join(errors))
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
+
+
+def optim_value_errors(optim: OptimConfig) -> list[str]:
+    """Optimizer values that would make the first update non-finite or wrong in sign (a NaN
+    LR, eps 0 on a never-updated element: 0/0), refused before anything starts."""
+    def bad(value: float | None, low: float, high: float = math.inf, *,
+            open_low: bool = False, open_high: bool = False) -> bool:
+        if value is None:
+            return False
+        return not (math.isfinite(value) and (value > low if open_low else value >= low)
+                    and (value < high if open_high else value <= high))
+
+    rules = [("lr", optim.lr, "a finite number >= 0", bad(optim.lr, 0.0)),
+             ("min-lr", optim.min_lr, "a finite number >= 0", bad(optim.min_lr, 0.0)),
+             ("lr-warmup-init", optim.lr_warmup_init, "a finite number >= 0",
+              bad(optim.lr_warmup_init, 0.0)),
+             ("decoupled-lr", optim.decoupled_lr, "a finite number >= 0",
+              bad(optim.decoupled_lr, 0.0)),
+             ("decoupled-min-lr", optim.decoupled_min_lr, "a finite number >= 0",
+              bad(optim.decoupled_min_lr, 0.0)),
+             ("weight-decay", optim.weight_decay, "a finite number >= 0",
+              bad(optim.weight_decay, 0.0)),
+             ("clip-grad", optim.clip_grad, "a finite number >= 0 (0 = no clipping)",
+              bad(optim.clip_grad, 0.0)),
+             ("adam-beta1", optim.adam_beta1, "in [0, 1)",
+              bad(optim.adam_beta1, 0.0, 1.0, open_high=True)),
+             ("adam-beta2", optim.adam_beta2, "in [0, 1)",
+              bad(optim.adam_beta2, 0.0, 1.0, open_high=True)),
+             ("adam-eps", optim.adam_eps, "a finite number > 0 (e.g. 1e-8: with 0 an element "
+              "whose gradient has always been 0 updates by 0/0 = NaN)",
+              bad(optim.adam_eps, 0.0, open_low=True))]
+    return [f"--{flag} {value} must be {what}" for flag, value, what, wrong in rules if wrong]
 
 
 @dataclass
@@ -909,7 +944,8 @@ class ReliabilityConfig:
     """Dump every thread's stack and exit non-zero when one phase of an iteration (or a save)
     takes longer than this; set it above the slowest save. None = off."""
     check_for_nan_in_loss_and_grad: bool = True
-    """Check the local loss and local gradients for NaN/Inf before any reduction."""
+    """Check the local loss and local gradients for NaN/Inf before any reduction, and skip an
+    optimizer step whose update is not sure to leave the weights and Adam state finite."""
     on_nan: str = field(default="skip", metadata={"choices": ["skip", "stop"]})
     """On NaN/Inf: skip the step on every rank (no update), or stop the run."""
     spike_threshold: float | None = None

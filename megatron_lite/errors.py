@@ -31,6 +31,10 @@ DEBUG_ENV = "MEGATRON_LITE_DEBUG"
 class UserError(Exception):
     """Something the user gave cannot work; the message names it and the fix."""
 
+    same_on_every_rank = False
+    """Every rank raises it together, after agreeing (e.g. the skip-limit stop): rank 0 alone
+    prints it, as before the process groups exist."""
+
 
 def is_user_error(err: BaseException) -> bool:
     # Imported here: tokenizer/ loads sentencepiece, which config.py (importing us) must not.
@@ -51,7 +55,7 @@ def found_on_rank(rank: int) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if is_user_error(err):
+        if is_user_error(err) and not getattr(err, "same_on_every_rank", False):
             err.found_on_rank = rank  # type: ignore[attr-defined]
         raise
 

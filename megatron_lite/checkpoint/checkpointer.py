@@ -3,7 +3,10 @@
 Save (every rank, collectively): rank 0 prepares `iter_XXXXXXX.tmp/`; each rank copies its
 own state to host memory (weights of its (tp, pp) slice on DP rank 0, its optimizer shard,
 its RNG and loader state) and writes it, in parallel with every other rank; then the file
-sizes are gathered and rank 0 commits (see files.py). With --async-save the writes run in a
+sizes are gathered and rank 0 commits (see files.py). Before any of that the ranks agree that
+every weight and optimizer tensor is finite: a save of NaN/Inf is refused with the tensors
+named, nothing written and nothing deleted (a --save-keep-last rotation would otherwise drop
+the last good checkpoint for a poisoned one). With --async-save the writes run in a
 background thread while training continues; the commit happens at the first iteration where
 every rank has finished (one tiny all-reduce per iteration while a save is in flight), and
 a new save first waits for the previous one.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import platform
 import random
 import shutil
@@ -356,6 +360,7 @@ class Checkpointer:
         self.wait()
         start = time.perf_counter()
         self.optimizer.finish_param_sync()
+        self._refuse_non_finite(iteration)
         tmp = self.save_dir / (ckpt_files.iter_dir_name(iteration) + ".tmp")
         if self.pstate.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
@@ -377,6 +382,39 @@ class Checkpointer:
         else:
             job.run()
             self._commit()
+
+    def _non_finite_tensors(self) -> list[str]:
+        """Names of this rank's weights and optimizer tensors that hold a NaN/Inf: one
+        read-only pass (each one's min and max, NaN/Inf through) and one sync."""
+        named = [] if self.optimizer.shard_params else [  # ZeRO-3: the masters are the weights
+            (name, param.detach()) for name, _, param in model_parameters(self.chunks, self.tied)]
+        named += [(f"optimizer {k}", t) for k, t in self.optimizer.state_dict()["tensors"].items()]
+        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        if not named or named[0][1].is_meta:
+            return []
+        ends = [torch.stack(torch.aminmax(t)).double() for _, t in named]  # NaN through
+        finite = torch.isfinite(torch.stack(ends)).all(dim=1).tolist()
+        return [n for (n, _), ok in zip(named, finite) if not ok]
+
+    def _refuse_non_finite(self, iteration: int) -> None:
+        """Every rank: raise (before anything is written) when some rank's state is not
+        finite; one small all-reduce per save, a gather of the names only when it is."""
+        bad = self._non_finite_tensors()
+        found = self._all_reduce(float(bool(bad)), dist.ReduceOp.MAX)
+        if not found or math.isnan(found):  # NaN: a dry run on meta tensors, no values
+            return
+        where = [f"rank {r}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                 for r, names in enumerate(self._gather(bad)) if names]
+        kept = ckpt_files.list_iterations(self.save_dir)
+        last = (f"the newest checkpoint there, iteration {kept[-1]}, is kept" if kept else
+                "no checkpoint was there")
+        err = ckpt_files.CheckpointError(
+            f"refusing to save iteration {iteration} to {self.save_dir}: non-finite values "
+            f"(NaN/Inf) in {'; '.join(where)}. Nothing was written and nothing deleted; {last}. "
+            "Resume from it and look for the cause in the events above (the NaN/Inf guard "
+            "skips non-finite gradients and updates unless --no-check-for-nan-in-loss-and-grad)")
+        err.same_on_every_rank = True  # type: ignore[attr-defined]
+        raise err
 
     def _check_free_space(self, iteration: int, job: _SaveJob) -> None:
         """Refuse a save the disk cannot hold before a byte of it is written (collective): a

@@ -32,6 +32,26 @@ def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_
     Returns a scalar tensor of `dtype` (the accumulation dtype, the same on every rank: fp32,
     or float64 under --fp64); NaN/Inf anywhere propagates into it.
     """
+    return global_norm_and_sums(grads, None, pstate, sharded_over_dp=sharded_over_dp,
+                                dtype=dtype)[0]
+
+
+def global_norm_and_sums(grads: Iterable[Tensor], carry: Tensor | None, pstate: ParallelState,
+                         *, sharded_over_dp: bool, dtype: torch.dtype = torch.float32
+                         ) -> tuple[Tensor, Tensor | None]:
+    """`global_norm`, and `carry` (a 1-D tensor of `dtype`) summed over the same group in the
+    same all-reduce: other per-step numbers ride along at no extra collective or sync."""
+    sq = _local_square_sum(grads, pstate, dtype)
+    group = pstate.world_group if sharded_over_dp else pstate.mp_group
+    if carry is None:
+        comms.all_reduce_(sq, group)
+        return sq.sqrt(), None
+    both = comms.all_reduce_(torch.cat([sq.reshape(1), carry]), group)
+    return both[0].sqrt(), both[1:]
+
+
+def _local_square_sum(grads: Iterable[Tensor], pstate: ParallelState, dtype: torch.dtype
+                      ) -> Tensor:
     grads = [g for g in grads if g.numel()]
     if grads:
         # One fused pass per piece with fp32 accumulation (no fp32 copy of bf16 gradients),
@@ -40,9 +60,7 @@ def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_
         sq = torch.stack(norms).square().sum()
     else:
         sq = torch.zeros((), dtype=dtype, device=pstate.device)
-    group = pstate.world_group if sharded_over_dp else pstate.mp_group
-    comms.all_reduce_(sq, group)
-    return sq.sqrt()
+    return sq
 
 
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:

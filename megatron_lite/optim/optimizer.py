@@ -32,6 +32,18 @@ Per step the training loop calls `zero_grad()`, runs every micro-batch's backwar
   slice into the model's parameter buffer, then (ZeRO-1) all-gather every bucket's parameters;
   with --overlap-param-gather the all-gathers run in the background and each module waits
   for its buckets in a forward pre-hook of the next step.
+- The update's finite check (with --check-for-nan-in-loss-and-grad, the default): the step is
+  skipped unless the update it proposes is sure to leave weights and Adam state finite, decided
+  before anything is written, so nothing needs restoring (no second copy of the state). Each
+  rank bounds its proposed update from its shard's largest |weight|, |m|, v and its LR
+  (`_update_bound_terms`); those terms ride in the gradient norm's all-reduce (the same
+  collective and host sync as before), summed over the same group: every DP shard under
+  ZeRO-1/2/3, the model-parallel ranks without sharding (DP replicas hold identical state).
+  With the reduced norm G bounding every clipped gradient element, AdamW's new weight obeys
+  |p'| <= P (1 + lr wd) + lr / (1 - b1^t) * (M + G) / eps, and m', v' stay below M + G and
+  V + G^2: finite inputs, a finite LR and a bound below the dtype's largest value / 16 mean a
+  finite update. NaN/Inf in a weight or moment, a NaN LR, or an update that would overflow skip
+  the step on every rank, as a NaN gradient does.
 """
 
 from __future__ import annotations
@@ -51,7 +63,12 @@ from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
 from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
-from megatron_lite.optim.clip import clip_coefficient, counts_toward_norm, global_norm
+from megatron_lite.optim.clip import (
+    clip_coefficient,
+    counts_toward_norm,
+    global_norm,
+    global_norm_and_sums,
+)
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
@@ -67,7 +84,13 @@ class StepResult:
     grad_norm: float
     """Global gradient norm before clipping; NaN/Inf when some gradient was not finite."""
     skipped: bool
-    """True when the norm was not finite and the parameters were left unchanged."""
+    """True when the norm or the proposed update was not finite: nothing was changed."""
+    skip_reason: str | None = None
+    """Why it was skipped, naming the ranks where the update check found the cause."""
+
+UPDATE_LIMIT_DIVISOR = 16.0
+"""The update check wants its bound below the dtype's largest value over this (a margin for
+the rounding of the bound's own arithmetic and of the bf16 copy of the weights)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +198,15 @@ class Optimizer:
         self.grad_check: Callable[[torch.Tensor], None] | None = None
         """Called with each bucket's local gradients right before its DP reduction (NaN/Inf
         checks that can name the rank; see megatron_lite/reliability)."""
+        self.check_update = cfg.reliability.check_for_nan_in_loss_and_grad
+        """Skip a step whose update could leave a non-finite weight or Adam moment."""
+        self.on_skip: Callable[[str], None] | None = None
+        """Told why `step` skipped (the reliability guard's event names the cause)."""
+        self._state_max = torch.zeros(3)
+        """This step's largest |master|, |exp_avg|, exp_avg_sq (for the skip message)."""
+        self._update_limit = min(
+            [torch.finfo(b.param.dtype).max for b in self.buffers]
+            + [torch.finfo(s.master.dtype).max for s in self.shards]) / UPDATE_LIMIT_DIVISOR
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
         self.fsdp: zero3.FullyShardedParams | None = None
@@ -484,11 +516,20 @@ class Optimizer:
             raise RuntimeError("Optimizer.step() needs finalize_grads() after the backward passes")
         self._finalized = False
         self.finish_param_sync()
-        norm = global_norm([g for s in self.shards for g in s.norm_pieces()], self.pstate,
-                           sharded_over_dp=self.sharded, dtype=self.math_dtype)
-        norm_value = comms.host_scalar(norm)
-        if not (norm.is_meta or math.isfinite(norm_value)):  # meta: a dry run, no values
-            return StepResult(norm_value, skipped=True)
+        carry = self._update_bound_terms(lr, decoupled_lr) if self.check_update else None
+        norm, sums = global_norm_and_sums([g for s in self.shards for g in s.norm_pieces()],
+                                          carry, self.pstate, sharded_over_dp=self.sharded,
+                                          dtype=self.math_dtype)
+        if sums is None or norm.is_meta:  # meta: a dry run, no values
+            norm_value, terms = comms.host_scalar(norm), None
+        else:
+            norm_value, *terms = torch.cat([norm.reshape(1), sums]).cpu().tolist()  # 1 sync
+        if not (norm.is_meta or math.isfinite(norm_value)):
+            return self._skipped(norm_value, "non-finite gradient norm")
+        if terms is not None and not self._update_is_finite(terms, norm_value):
+            assert carry is not None
+            return self._skipped(norm_value, self._update_culprits(carry, norm_value, lr,
+                                                                   decoupled_lr))
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
@@ -499,6 +540,60 @@ class Optimizer:
             with self.wait_clock:
                 self._start_param_sync(async_op=False)
         return StepResult(norm_value, skipped=False)
+
+    def _skipped(self, norm_value: float, why: str) -> StepResult:
+        if self.on_skip is not None:
+            self.on_skip(why)
+        return StepResult(norm_value, skipped=True, skip_reason=why)
+
+    def _update_bound_terms(self, lr: float, decoupled_lr: float | None) -> torch.Tensor:
+        """This rank's [P (1 + lr wd), M, V, lr / (1 - b1^t)] (module docstring): the largest
+        |master|, |exp_avg| and exp_avg_sq of its shards, NaN when one holds a NaN; read-only
+        passes over the state, no sync."""
+        rates = [lr] if decoupled_lr is None else [lr, decoupled_lr]
+        top = max(rates) if all(math.isfinite(r) for r in rates) else math.nan
+        optim = self.cfg.optim
+        device, dtype = self.pstate.device, self.math_dtype
+        largest = []
+        for pick in (lambda s: s.master, lambda s: s.exp_avg, lambda s: s.exp_avg_sq):
+            parts = [pick(s) for s in self.shards if pick(s).numel()]
+            # aminmax: one pass, no |x| temporary, NaN through (an inf-norm is ~20x slower
+            # on CPU); v >= 0, so its max is its largest magnitude
+            tops = [torch.maximum(lo.neg(), hi) for lo, hi in map(torch.aminmax, parts)]
+            largest.append(torch.stack([t.to(dtype) for t in tops]).max() if tops
+                           else torch.zeros((), dtype=dtype, device=device))
+        self._state_max = torch.stack(largest)
+        bias1 = 1.0 - optim.adam_beta1 ** (self._step + 1)
+        step_size = torch.full((), top / bias1, dtype=dtype, device=device)  # a fill, no copy
+        return torch.stack([largest[0] * (1.0 + top * optim.weight_decay), largest[1],
+                            largest[2], step_size])
+
+    def _update_is_finite(self, terms: list[float], norm: float) -> bool:
+        """The summed bound terms say every new weight and moment is finite (docstring)."""
+        decayed, moment, variance, step_size = terms
+        clip = self.cfg.optim.clip_grad
+        grad = min(norm, clip) if clip > 0 else norm  # bounds every clipped gradient element
+        eps = self.cfg.optim.adam_eps  # > 0 once validated; 0 (set later) is 0/0 somewhere
+        ratio = (moment + grad) / eps if eps > 0 else math.inf
+        bounds = (ratio, step_size * ratio, decayed + step_size * ratio, variance + grad ** 2)
+        return all(math.isfinite(b) and b <= self._update_limit for b in bounds)
+
+    def _update_culprits(self, carry: torch.Tensor, norm: float, lr: float,
+                         decoupled_lr: float | None) -> str:
+        """The rare path after a failed update check: the ranks whose own terms fail it, and
+        their numbers (collective over the norm's group, which every member joins: they all
+        skip)."""
+        p, m, v = self._state_max.tolist()
+        rates = [lr] if decoupled_lr is None else [lr, decoupled_lr]
+        mine = None
+        if not self._update_is_finite(carry.tolist(), norm):
+            mine = (f"rank {self.pstate.rank} (largest |weight| {p:.3g}, |Adam m| {m:.3g}, "
+                    f"Adam v {v:.3g}, LR {', '.join(f'{r:.3g}' for r in rates)}, --adam-eps "
+                    f"{self.cfg.optim.adam_eps:g}, gradient norm {norm:.3g})")
+        group = self.pstate.world_group if self.sharded else self.pstate.mp_group
+        found = [x for x in comms.all_gather_objects(mine, group, self.pstate.device) if x]
+        where = "; ".join(found) if found else "no single rank (only the summed bound overflows)"
+        return f"the update would not be finite on {where}"
 
     def params_norm(self) -> float:
         """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""

@@ -7,7 +7,8 @@ Megatron's --error-injection-rate drill (NaN losses at random steps, in a real r
 
 Kinds: `exit` (os._exit(1)), `kill` (SIGKILL to itself), `hang` (sleeps forever in the loop),
 `nan_loss` / `nan_grad` (this rank's local loss / one local gradient element becomes NaN),
-`spike` (this rank's local loss x SPIKE_FACTOR), `slow_data` (this rank's loader takes
+`spike` (this rank's local loss x SPIKE_FACTOR), `nan_update` (this rank's LR is NaN for the
+step, so its proposed optimizer update is not finite), `slow_data` (this rank's loader takes
 SLOW_DATA_S longer to hand over the iteration's batch), `sigterm` (SIGTERM to itself between steps),
 `sigterm_launcher` (SIGTERM to its parent, torchrun's agent, which forwards it to every worker),
 `sigterm_in_save` / `kill_in_save` (SIGTERM / SIGKILL to itself while writing the checkpoint of
@@ -34,7 +35,7 @@ from torch import Tensor
 
 FAULT_ENV = "MEGATRON_LITE_FAULT"
 KINDS = ("exit", "kill", "hang", "nan_loss", "nan_grad", "spike", "sigterm", "sigterm_in_save",
-         "kill_in_save", "slow_data", "sigterm_launcher")
+         "kill_in_save", "slow_data", "sigterm_launcher", "nan_update")
 SPIKE_FACTOR = 20.0
 SLOW_DATA_S = 0.2
 _SPEC = re.compile(r"rank(\d+):iter(\d+)(?:-(\d+))?:([a-z_]+)(?::attempt(\d+))?")
@@ -124,6 +125,10 @@ class FaultInjector:
         if self.take(iteration, "spike"):
             return local * SPIKE_FACTOR
         return local
+
+    def corrupt_lr(self, iteration: int, scale: float) -> float:
+        """The LR multiplier of this rank's step: NaN for a `nan_update` fault."""
+        return float("nan") if self.take(iteration, "nan_update") else scale
 
     def corrupt_grad(self, iteration: int, grad: Tensor) -> None:
         """Called with each local gradient bucket before its reduction."""

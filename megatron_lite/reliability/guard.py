@@ -22,10 +22,16 @@ NaN/Inf message names the rank, host, iteration and whether it was the loss or a
 
 Recovery is bounded: a rank that keeps producing NaN/Inf would otherwise make the run skip
 steps forever while it consumes data. After --max-skipped-iterations-in-a-row skipped steps in
-a row, or --max-skipped-iterations in all (NaN/Inf, spikes, non-finite gradient norms; not
---skip-iterations, which the user asked for), the loop saves and `SkipLimitError` ends the run
-with a non-zero exit. A run of --spike-accept-after spikes in a row is taken as a genuine level
-shift: the detector restarts its statistics from those losses and the step trains.
+a row, or --max-skipped-iterations in all (NaN/Inf, spikes, non-finite gradient norms or
+updates; not --skip-iterations, which the user asked for), the loop saves and `SkipLimitError`
+ends the run: one `error:` line naming the rank and iteration of the last skip.
+
+Spikes are told apart by rank: with a spike threshold, `decide`'s all-reduce also carries each
+rank's share of the loss (one slot per rank), so a spike names the ranks whose own loss is above
+the limit. A run of --spike-accept-after spikes in a row is taken as a genuine level shift only
+when every rank's loss rose (the detector restarts its statistics from those losses and the step
+trains); a spike carried by some ranks is a fault and never becomes the new level: it keeps
+being skipped (and rolled back with --on-spike rollback) until the skip limit stops the run.
 
 Every skip, rollback, recovery and exit is an event `{"event", "iteration", "time", ...}`: kept
 in the checkpointed history, printed on rank 0, and handed to `on_event` (the metrics logger's
@@ -47,6 +53,7 @@ import torch
 from torch import Tensor
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.errors import UserError
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.reliability.faults import FaultInjector
@@ -62,8 +69,11 @@ class NonFiniteError(RuntimeError):
     """NaN/Inf in a loss or gradient with --on-nan stop."""
 
 
-class SkipLimitError(RuntimeError):
-    """Too many skipped steps in a row or in total: the run saved and stops (non-zero exit)."""
+class SkipLimitError(UserError):
+    """Too many skipped steps in a row or in total: the run saved and stops (exit 2, one
+    `error:` line: every rank agreed on it)."""
+
+    same_on_every_rank = True
 
 
 @dataclass
@@ -107,7 +117,8 @@ class Counters:
     events: list[dict] = field(default_factory=list)
     """Every action with its numbers (event, iteration, time, values), oldest first."""
     other_skipped: int = 0
-    """Optimizer steps skipped for a non-finite gradient norm (NaN checks off)."""
+    """Optimizer steps skipped for a non-finite gradient norm (NaN checks off) or a proposed
+    update that would not be finite."""
 
     @property
     def skipped(self) -> int:
@@ -144,6 +155,12 @@ class Guard:
         self._skipped_in_a_row = 0
         self._lr_scaled_until = 0
         self._advised = False
+        self._local_loss: Tensor | None = None
+        """This rank's share of the loss (TP rank 0 only), for the per-rank spike slots."""
+        self._optimizer_skip: str | None = None
+        """Why the optimizer skipped this iteration's step (`Optimizer.on_skip`)."""
+        self._culprit = ""
+        """What the latest skip found and where (named by the skip-limit stop)."""
         self.decision = Decision()
         """This iteration's agreed decision (reset by `begin`)."""
         self.on_event: Callable[[dict], None] | None = None
@@ -196,6 +213,7 @@ class Guard:
         """Check each gradient bucket before its DP reduction; fire `*_in_save` faults after
         each checkpoint file is written and `slow_data` faults in the loader's fetch."""
         optimizer.grad_check = self.check_grads  # type: ignore[attr-defined]
+        optimizer.on_skip = self._note_optimizer_skip  # type: ignore[attr-defined]
         checkpointer.on_file_written = (  # type: ignore[attr-defined]
             lambda: self.faults.file_written(self._iteration))
         if loader is not None and self.faults.faults:
@@ -206,11 +224,16 @@ class Guard:
         """Start of an iteration whose batch starts at sample `consumed_samples`."""
         self._iteration, self._consumed = iteration, consumed_samples
         self._loss_bad, self._grad_bad = False, None
+        self._local_loss, self._optimizer_skip = None, None
         self.decision = Decision()
         self.phase("forward-backward")
         self.faults.before_step(iteration)
         scale = self.rel.spike_lr_factor if iteration <= self._lr_scaled_until else 1.0
+        scale = self.faults.corrupt_lr(iteration, scale)
         return StepPlan(lr_scale=scale, skip_data=self._skip_data(iteration, consumed_samples))
+
+    def _note_optimizer_skip(self, why: str) -> None:
+        self._optimizer_skip = why
 
     def after_step(self, step: StepOutcome) -> Decision:
         """The step is done: a loss that updated the weights joins the spike statistics;
@@ -220,9 +243,13 @@ class Guard:
         if step.skipped and not self.decision.skip:
             if self._iteration in self.skip_set:  # --skip-iterations: asked for, not counted
                 return self.decision
-            self.counters.other_skipped += 1  # the optimizer found a non-finite norm
-            self._log(f"iteration {self._iteration}: optimizer step skipped (non-finite "
-                      "gradient norm)", event="grad_norm_skip")
+            self.counters.other_skipped += 1  # the optimizer found a non-finite norm/update
+            why = self._optimizer_skip or "non-finite gradient norm"
+            update = why != "non-finite gradient norm"
+            self._culprit = f"iteration {self._iteration}: {why}"
+            self._log(f"iteration {self._iteration}: optimizer step skipped on every rank, "
+                      f"nothing changed: {why}",
+                      event="update_skip" if update else "grad_norm_skip", reason=why)
         if step.skipped:
             self._skipped_in_a_row += 1
             self._check_skip_limits()
@@ -246,19 +273,23 @@ class Guard:
             return
         self.decision.stop_reason = (
             f"{why}: {self.counters.nan_skipped} for NaN/Inf, {self.counters.spike_skipped} for "
-            f"loss spikes, {self.counters.other_skipped} for a non-finite gradient norm")
+            f"loss spikes, {self.counters.other_skipped} for a non-finite gradient norm or "
+            f"update; the last at {self._culprit}")
         self.decision.rollback = False
 
     def log_stop(self, iteration: int) -> SkipLimitError:
         """The event and the error that end the run after the loop saved `iteration`."""
         reason = self.decision.stop_reason
-        saved = (f"checkpoint of iteration {iteration} saved in {self.cfg.checkpoint.save}"
+        saved = (f"checkpoint of iteration {iteration} saved in {self.cfg.checkpoint.save} "
+                 "(the weights of the last trained step)"
                  if self.cfg.checkpoint.save else "nothing saved (no --save)")
-        self._log(f"stopping after iteration {iteration}: {reason}; {saved}. The weights are "
-                  "those of the last trained step; find the faulty rank or batch in the events "
-                  "above, then resume (raise the limit to go on as before)", event="stop",
+        todo = ("check the named rank's GPU and host, or the batches of the skipped iterations "
+                "(--skip-iterations skips a bad one), then resume from the checkpoint; raise "
+                "--max-skipped-iterations-in-a-row / --max-skipped-iterations to go on as before")
+        self._log(f"stopping after iteration {iteration}: {reason}; {saved}", event="stop",
                   reason=reason)
-        return SkipLimitError(f"stopped after iteration {iteration}: {reason}; {saved}")
+        return SkipLimitError(f"stopped after iteration {iteration}: {reason}; {saved}. To go "
+                              f"on: {todo}")
 
     def _log(self, text: str, **event: object) -> None:
         name = event.pop("event")
@@ -288,6 +319,8 @@ class Guard:
         (which stage holds it depends on the schedule: the last, or stage 0 under ZBV)."""
         self.phase("gradient reduction and loss all-reduce")
         local = self.faults.corrupt_loss(self._iteration, local)
+        if self.spikes is not None and self.pstate.tp_rank == 0:
+            self._local_loss = local.detach()
         if self.rel.check_for_nan_in_loss_and_grad:
             finite = torch.isfinite(local).all()
             # meta (a dry run): no value to check; the flag still travels in `decide`
@@ -314,10 +347,16 @@ class Guard:
                               float(self.pstate.rank == 0 and self.exits.out_of_time()),
                               float(self._loss_bad), float(grad_bad)],
                              dtype=torch.float32, device=self.pstate.device)
+        if self.spikes is not None:  # + each rank's share of the loss, in its own slot
+            shares = torch.zeros(self.pstate.world_size, dtype=torch.float32,
+                                 device=self.pstate.device)
+            if self._local_loss is not None:
+                shares[self.pstate.rank] = self._local_loss.to(torch.float32)
+            flags = torch.cat([flags, shares])
         comms.all_reduce_(flags, self.pstate.world_group)
         # meta (a dry run): the reduction ran, its flags have no value: nothing was raised
-        signals, timed_out, loss_bad, grads_bad = ([0.0] * 4 if flags.is_meta
-                                                   else flags.tolist())
+        values = [0.0] * 4 if flags.is_meta else flags.tolist()
+        signals, timed_out, loss_bad, grads_bad = values[:4]
         decision = Decision()
         if signals:
             decision.exit_reason = (f"{_SIGNAL_EXIT} by {int(signals)} of "
@@ -328,7 +367,7 @@ class Guard:
         if loss_bad or grads_bad:
             self._non_finite(iteration, decision)
         elif self.spikes is not None:
-            self._spike_rule(iteration, loss, decision)
+            self._spike_rule(iteration, loss, decision, values[4:])
         self.decision = decision
         return decision
 
@@ -352,48 +391,59 @@ class Guard:
                                  "from the last checkpoint (consider --skip-iterations "
                                  f"{iteration} if the batch is bad)")
         self.counters.nan_skipped += 1
+        self._culprit = f"iteration {iteration}: NaN/Inf in {found}"
         decision.skip, decision.reason = True, "nan"
         self._log(f"{where}; step skipped on every rank (--on-nan skip), "
                   f"{self.counters.nan_skipped} skipped so far", event="nan_skip", found=found)
 
-    def _spike_rule(self, iteration: int, loss: float, decision: Decision) -> None:
+    def _spike_rule(self, iteration: int, loss: float, decision: Decision,
+                    shares: list[float]) -> None:
         assert self.spikes is not None
         limit = self.spikes.limit()
         if not self.spikes.is_spike(loss):
             self._consecutive_spikes = 0
             self._spike_run = []
             return
+        assert limit is not None
         self._consecutive_spikes += 1
+        ranks, where = spiking_ranks(shares, limit)
+        everywhere = len(ranks) == sum(1 for x in shares if x)  # every share holder's rose
         accept = self.rel.spike_accept_after
-        if accept and self._consecutive_spikes >= accept:
-            self._accept_level(iteration, loss, limit)
+        lasting = bool(accept) and self._consecutive_spikes >= accept
+        if lasting and everywhere:
+            self._accept_level(iteration, loss, limit, where)
             return
         self._spike_run.append(loss)
         decision.skip, decision.reason = True, "spike"
         self.counters.spike_skipped += 1
+        self._culprit = f"iteration {iteration}: a loss spike {where}"
         rollback = (self.rel.on_spike == "rollback"
                     and self._consecutive_spikes >= self.rel.spike_patience)
         action = (f"rolling back ({self._consecutive_spikes} in a row)" if rollback else
                   f"step skipped (spike {self._consecutive_spikes} in a row)")
+        if lasting:
+            action += (" and not taken as a new level (--spike-accept-after "
+                       f"{accept}): only some ranks' loss rose, a fault, not the data")
         self._log(f"iteration {iteration}: loss spike {loss:.4f} > limit {limit:.4f} "
-                  f"(--spike-threshold {self.rel.spike_threshold:g}); {action}; its batch "
-                  f"(from sample {self._consumed}) is not trained on", event="spike",
-                  spike_loss=loss, limit=limit, rollback=rollback,
+                  f"(--spike-threshold {self.rel.spike_threshold:g}) {where}; {action}; its "
+                  f"batch (from sample {self._consumed}) is not trained on", event="spike",
+                  spike_loss=loss, limit=limit, rollback=rollback, ranks=ranks,
                   consumed_samples=self._consumed)
         decision.rollback = rollback
 
-    def _accept_level(self, iteration: int, loss: float, limit: float | None) -> None:
-        """--spike-accept-after spikes in a row: a new level, not an outlier. The statistics
-        restart from the run's losses (`after_step` adds this one) and this step trains."""
+    def _accept_level(self, iteration: int, loss: float, limit: float, where: str) -> None:
+        """--spike-accept-after spikes in a row on every rank: a new level, not an outlier. The
+        statistics restart from the run's losses (`after_step` adds this one); it trains."""
         assert self.spikes is not None
         run = self._consecutive_spikes
         self.spikes.reset(self._spike_run)
         self._consecutive_spikes, self._spike_run = 0, []
         self._log(f"iteration {iteration}: loss {loss:.4f} above the limit {limit:.4f} for {run} "
-                  f"steps in a row (--spike-accept-after {self.rel.spike_accept_after}): "
-                  "accepted as the new level; the spike statistics restart from these losses "
-                  "and this step trains", event="spike_level_accepted", spike_loss=loss,
-                  limit=limit, spikes_in_a_row=run)
+                  f"steps in a row {where}, every rank's loss rose (--spike-accept-after "
+                  f"{self.rel.spike_accept_after}): accepted as the new level; the spike "
+                  "statistics restart from these losses and this step trains",
+                  event="spike_level_accepted", spike_loss=loss, limit=limit,
+                  spikes_in_a_row=run)
 
     # ---- rollback ----------------------------------------------------------------------------
 
@@ -409,12 +459,16 @@ class Guard:
         self._lr_scaled_until = restored_iteration + self.rel.spike_lr_iters
         self._consecutive_spikes, self._spike_run = 0, []
         self.counters.rollbacks += 1
+        lr = (f"LR x{self.rel.spike_lr_factor:g} through iteration {self._lr_scaled_until}"
+              if self.rel.spike_lr_iters and self.rel.spike_lr_factor != 1 else
+              "LR unchanged (--spike-lr-iters / --spike-lr-factor lower it for a while)")
         self._log(f"loss spike rollback at iteration {at_iteration}: reloaded iteration "
                   f"{restored_iteration}, consumed_samples {restored} -> {restored + skip} "
-                  f"({skip} samples skipped), LR x{self.rel.spike_lr_factor:g} through "
-                  f"iteration {self._lr_scaled_until}", event="rollback",
-                  restored_iteration=restored_iteration, skipped_samples=skip,
-                  consumed_samples=restored + skip, lr_until=self._lr_scaled_until)
+                  f"({skip} samples skipped), {lr}", event="rollback",
+                  from_iteration=at_iteration, to_iteration=restored_iteration,
+                  reason=self._culprit, restored_iteration=restored_iteration,
+                  skipped_samples=skip, consumed_samples=restored + skip,
+                  lr_until=self._lr_scaled_until)
 
     def log_exit(self, iteration: int, reason: str) -> None:
         """The exit event (collective after a signal: the signal's count is taken again
@@ -475,6 +529,21 @@ class Guard:
         if self.spikes is not None and state.get("spikes"):
             self.spikes.load_state_dict(state["spikes"])
 
+
+
+def spiking_ranks(shares: list[float], limit: float) -> tuple[list[int], str]:
+    """The ranks whose own loss is above the spike `limit`, and words naming them. A rank's
+    own loss is its share of the global loss times the ranks holding a share (TP rank 0 of
+    the head's stage; a share is exactly 0 elsewhere); with none above, the largest one."""
+    holders = {r: x for r, x in enumerate(shares) if x}
+    if not holders:
+        return [], ""
+    own = {r: x * len(holders) for r, x in holders.items()}
+    ranks = [r for r, x in own.items() if x > limit] or [max(own, key=own.__getitem__)]
+    named = ", ".join(f"{r} (its loss {own[r]:.4f})" for r in ranks)
+    others = [x for r, x in own.items() if r not in ranks]
+    rest = f"; the other ranks {min(others):.4f}-{max(others):.4f}" if others else ""
+    return ranks, f"on rank{'s' if len(ranks) > 1 else ''} {named}{rest}"
 
 
 def report_partial_checkpoints(load_dir: Path | None) -> list[str]:
