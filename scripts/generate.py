@@ -63,22 +63,22 @@ def _main(argv: list[str]) -> int:
     add_tokenizer_flags(parser)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model_cfg, chunk = load_model(Path(args.load), args.ckpt_step)
-    tok = _tokenizer(args, Path(args.load))
-    if tok.vocab_size != model_cfg.vocab_size:
-        parser.error(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's model "
-                     f"has a vocabulary of {model_cfg.vocab_size}: pass the training tokenizer")
-    prompt = tok.encode([args.prompt])[0] if args.prompt else []
-    if not prompt:  # nothing to continue: start a document
-        start = tok.bos_id if tok.bos_id is not None else tok.eod_id
-        if start is None:
-            parser.error("the tokenizer has no BOS or EOD token to start from: pass --prompt")
-        prompt = [start]
-    out = generate(chunk, prompt, vocab_size=model_cfg.vocab_size,
-                   context=model_cfg.max_position_embeddings,
-                   max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                   temperature=args.temperature, eos_id=tok.eod_id, seed=args.seed)
+    with torch.no_grad():
+        model_cfg, chunk = load_model(Path(args.load), args.ckpt_step)
+        tok = _tokenizer(args, Path(args.load))
+        if tok.vocab_size != model_cfg.vocab_size:
+            parser.error(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's model "
+                         f"has a vocabulary of {model_cfg.vocab_size}: pass the training tokenizer")
+        prompt = tok.encode([args.prompt])[0] if args.prompt else []
+        if not prompt:  # nothing to continue: start a document
+            start = tok.bos_id if tok.bos_id is not None else tok.eod_id
+            if start is None:
+                parser.error("the tokenizer has no BOS or EOD token to start from: pass --prompt")
+            prompt = [start]
+        out = generate(chunk, prompt, vocab_size=model_cfg.vocab_size,
+                       context=model_cfg.max_position_embeddings,
+                       max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                       temperature=args.temperature, eos_id=tok.eod_id, seed=args.seed)
     print(args.prompt + tok.decode(out))
     return 0
 

@@ -707,6 +707,11 @@ def _schedule_values(optim: OptimConfig, train: TrainConfig, dp_size: int) -> di
             "weight decay (--weight-decay)": optim.weight_decay}
 
 
+def _saved_dp(layout: dict) -> int:
+    """The data-parallel size (CP ranks not counted) a checkpoint was trained at."""
+    return layout["world_size"] // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
+
+
 def _check_schedule_unchanged(cfg: Config, world_size: int, meta: dict, ckpt_dir: Path) -> None:
     """Refuse a resume whose LR or weight-decay schedule differs from the checkpoint's: the
     run would silently continue on another curve. --finetune and --no-load-optim start the
@@ -721,7 +726,7 @@ def _check_schedule_unchanged(cfg: Config, world_size: int, meta: dict, ckpt_dir
     saved = meta["config"]
     then = _schedule_values(dataclasses.replace(cfg.optim, **known(OptimConfig, saved["optim"])),
                             dataclasses.replace(cfg.train, **known(TrainConfig, saved["train"])),
-                            meta["layout"]["dp"])
+                            _saved_dp(meta["layout"]))
     now = _schedule_values(cfg.optim, cfg.train, data_parallel_size(cfg, world_size))
     changed = [f"{name}: {then[name]} in the checkpoint, {now[name]} now"
                for name in now if now[name] != then[name]]
