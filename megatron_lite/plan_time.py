@@ -69,7 +69,7 @@ April 2021 (DGX A100 80 GB, seq 2048, fp16, full recompute), every other constan
 beforehand; tests/test_plan_time.py replays the rows and lists the residual of each. The rows
 barely constrain d_half (their smallest GEMM dimension is >= 96): 0-40 fit equally well."""
 
-H100_FIT = {"gemm_efficiency": 0.53, "gemm_half_dim": A100_FIT["gemm_half_dim"]}
+H100_FIT = {"gemm_efficiency": 0.52, "gemm_half_dim": A100_FIT["gemm_half_dim"]}
 """e_max fitted once by least squares on the MFU of the nine GPT rows (1.7B-462B) of
 Megatron-LM's H100 table (README@d98e8a6, images/model_table.png: seq 4096, vocab 131,072,
 bf16, DP/TP overlap), d_half taken from `A100_FIT`; residuals in tests/test_plan_time.py.
@@ -184,10 +184,12 @@ def gemm_efficiency(m: float, n: float, k: float, hw: Hardware) -> float:
     return hw.gemm_efficiency * d / (d + hw.gemm_half_dim)
 
 
-def gemm_s(m: float, n: float, k: float, hw: Hardware, e: int = 2, batch: float = 1.0) -> float:
-    """Seconds of `batch` GEMMs of (m, n, k): the roofline of their FLOPs and bytes."""
+def gemm_s(m: float, n: float, k: float, hw: Hardware, e: int = 2, batch: float = 1.0,
+           on_chip: bool = False) -> float:
+    """Seconds of `batch` GEMMs of (m, n, k): the roofline of their FLOPs and bytes
+    (`on_chip`: a fused kernel's operands never reach HBM, only its FLOPs count)."""
     flops = 2 * m * n * k * batch
-    moved = e * (m * k + k * n + m * n) * batch
+    moved = 0.0 if on_chip else e * (m * k + k * n + m * n) * batch
     return max(flops / (hw.peak_tflops * 1e12 * gemm_efficiency(m, n, k, hw)),
                moved / (hw.hbm_gbps * 1e9))
 
@@ -239,11 +241,13 @@ class Pass:
     backward_flops: float = 2.0
     """Backward / forward GEMM work: 2 (input and weight gradients); 2.5 for flash."""
     backward_bytes: float = 2.0
+    on_chip: bool = False
+    """Flash attention: the score tiles stay on-chip (its HBM traffic is `streamed`)."""
 
     def costs(self, hw: Hardware, e: int, backward: bool = False) -> Costs:
         """The forward, or (`backward`) the backward, as `Costs`."""
         fg, fb = (self.backward_flops, self.backward_bytes) if backward else (1.0, 1.0)
-        times = [gemm_s(m, n, k, hw, e, b) * fg for m, n, k, b in self.gemms]
+        times = [gemm_s(m, n, k, hw, e, b, self.on_chip) * fg for m, n, k, b in self.gemms]
         flops = sum(2 * m * n * k * b for m, n, k, b in self.gemms) * fg
         gemm_kernels = len(self.gemms) * (2 if backward else 1)
         kernels = self.kernels * (2 if backward else 1)
@@ -320,7 +324,7 @@ def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
         # average s/2 keys), reading q, k, v and writing out; the backward reruns q·kᵀ and
         # p·v, and computes dv, dp, dq, dk: 5 matmuls for the forward's 2
         core = Pass(((tokens, w.seq / 2, d, heads), (tokens, d, w.seq / 2, heads)),
-                    e * tokens * (2 * q + 2 * kv), 1, backward_flops=2.5)
+                    e * tokens * (2 * q + 2 * kv), 1, backward_flops=2.5, on_chip=True)
         return body, core
     # unfused: per sequence and head, scores [s_local, s] = q·kᵀ and context = p·v over the
     # whole (masked) square; scale-mask-softmax reads and writes the scores, dropout reads,

@@ -218,6 +218,10 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
              "counts causal attention (6·l·q·s), HFU adds what recomputation reruns (causal)",
              ""]
     fitting = [p for p in plans if p.fits]
+    if any(p.mfu > cluster.gemm_efficiency for p in fitting[:top]):
+        lines += [f"note: MFU above the GEMMs' {cluster.gemm_efficiency:.0%} counts the masked "
+                  f"half of attention at seq {model.seq_length}, which is never computed; "
+                  "MFUc and HFU are what runs", ""]
     lines += ["fitting layouts, fastest first:", HEADER]
     lines += [row(i + 1, p, cluster.gpus) for i, p in enumerate(fitting[:top])] or ["  (none)"]
     best = fitting[0].tokens_per_s if fitting else 0.0
