@@ -186,7 +186,7 @@ def test_calibration_file_fits_the_curve(tmp_path) -> None:
 def test_plan_cli_json_and_explain(capsys) -> None:
     import scripts.plan as plan_cli
 
-    common = ["--preset", "125M", "--gpus", "16", "--pp", "1"]
+    common = ["--preset", "125M", "--gpus", "16", "--pp", "1", "--tp", "2"]
     assert plan_cli.main([*common, "--top", "3", "--json", "--hardware", "a100-80gb"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3 and rows[0]["step_s"] <= rows[1]["step_s"]
