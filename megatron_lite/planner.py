@@ -48,6 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megatron_lite import plan_time
 from megatron_lite.config import (
     Config,
     ConfigError,
@@ -118,6 +119,10 @@ class ModelShape:
     vocab: int
     gated_mlp: bool = True
     """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+    block: str = "llama"
+    """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
+    it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
+    a planning-only shape (`gpt_shape`) so published runs can be planned as they were run."""
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
@@ -127,6 +132,48 @@ class ModelShape:
                    ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
                    query_groups=model.num_query_groups, head_dim=model.head_dim,
                    vocab=model.padded_vocab_size(tp_size))
+
+
+BLOCKS = ("llama", "gpt")
+
+
+def gpt_shape(model: ModelConfig, tp: int = 1) -> ModelShape:
+    """`model` as a GPT block (`ModelShape.block`): --ffn-hidden-size is the GeLU MLP's width."""
+    return dataclasses.replace(ModelShape.from_config(model, tp), gated_mlp=False, block="gpt")
+
+
+def gpt_memory_stand_in(model: ModelConfig) -> ModelConfig:
+    """The Llama config the memory model sizes a GPT block with: SwiGLU of width 2f/3 rounded
+    to 128 has the GeLU MLP's parameters (3·h·2f/3 = 2·h·f). Its activations are a planning
+    approximation (GPT's LayerNorm, GeLU and dropout masks are not what our block saves)."""
+    return dataclasses.replace(model, ffn_hidden_size=max(128, round(2 * model.ffn_hidden_size
+                                                                    / 3 / 128) * 128))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the run computes besides its layout (scripts/plan.py --block, --attention,
+    --grad-reduce-in-bf16): what the step-time model times."""
+
+    block: str = "llama"
+    """`BLOCKS`: llama (ours) or gpt (planning only, `ModelShape.block`)."""
+    attention: str = "flash"
+    """flash (ours: SDPA / flash attention) or unfused (materialised softmax + dropout, as
+    Megatron-LM ran GPT in 2021)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the DP reduction (2: --grad-reduce-in-bf16, and
+    Megatron-LM 2021's fp16 default)."""
+    p2p_scatter_gather: bool = False
+    """Megatron-LM's scatter-gather across stages (its 2021 default, not ours): without SP a
+    stage sends 1/t of each activation and the next all-gathers it over TP."""
+    dtype_bytes: int = 2
+    """Activation element size the time model moves: 2 (bf16), 4 (fp32, the CPU runs). The
+    memory model keeps bf16."""
+
+
+def model_shape(model: ModelConfig, tp: int, block: str = "llama") -> ModelShape:
+    """The shape FLOPs and time are counted on, for `block`."""
+    return gpt_shape(model, tp) if block == "gpt" else ModelShape.from_config(model, tp)
 
 
 def matmul_params_per_layer(shape: ModelShape) -> int:
@@ -754,35 +801,56 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
 
 
 DEFAULT_DEVICE = "H100 SXM 80 GB"
-"""The device `Cluster`'s defaults describe."""
+"""The device `Cluster`'s defaults describe (plan_time.PRESETS["h100-sxm"])."""
+
+_H100 = plan_time.PRESETS["h100-sxm"]
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Hardware and efficiency assumptions (defaults: `DEFAULT_DEVICE`, 8 per node, 400 Gb/s
-    NIC per GPU)."""
+    """Hardware assumptions (defaults: `DEFAULT_DEVICE`, 8 per node, 400 Gb/s NIC per GPU;
+    `from_hardware` takes another plan_time preset). The step-time model is plan_time's."""
 
     gpus: int
     gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0
-    peak_tflops: float = 989.0
+    gpu_memory_gib: float = _H100.gpu_memory_gib
+    peak_tflops: float = _H100.peak_tflops
     """Dense bf16 peak per GPU."""
-    compute_efficiency: float = 0.55
-    """Fraction of peak the GEMM-bound compute reaches (communication and bubble come on top)."""
-    intra_node_gbps: float = 360.0
+    gemm_efficiency: float = _H100.gemm_efficiency
+    """e_max: fraction of peak the largest GEMMs reach (plan_time.A100_FIT)."""
+    gemm_half_dim: float = _H100.gemm_half_dim
+    """d_half: the smallest GEMM dimension at which efficiency is e_max / 2."""
+    intra_node_gbps: float = _H100.intra_node_gbps
     """Achieved collective bus bandwidth per GPU inside a node (NVLink), GB/s."""
-    inter_node_gbps: float = 40.0
+    inter_node_gbps: float = _H100.inter_node_gbps
     """Achieved bus bandwidth per GPU across nodes (400 Gb/s NIC at 80%), GB/s."""
-    latency_us: float = 20.0
+    latency_us: float = _H100.latency_us
     """Fixed cost per collective or p2p transfer."""
-    hbm_gbps: float = 2500.0
-    """Achieved memory bandwidth for the (memory-bound) optimizer step, GB/s."""
+    hbm_gbps: float = _H100.hbm_gbps
+    """Achieved memory bandwidth of memory-bound kernels and the optimizer step, GB/s."""
+    op_us: float = _H100.op_us
+    """Fixed cost per kernel (launch interval; CPU: dispatch, added to the work)."""
     allowance_gib: float = 3.0
     """Not modelled elsewhere: CUDA context + NCCL buffers (~1 GiB), gradient buckets,
     allocator fragmentation."""
     dp_overlap: bool = True
     """--overlap-grad-reduce / --overlap-param-gather: DP collectives hide behind the last
     micro-batch's backward (grads) and the first micro-batch's forward (params)."""
+    tp_overlap: bool = False
+    """--tp-comm-overlap: TP collectives hide behind the layers' GEMMs (else exposed)."""
+    host_bound: bool = False
+    """A CPU: ops run one after another on the host, their fixed costs add up."""
+
+    @classmethod
+    def from_hardware(cls, gpus: int, hw: plan_time.Hardware, **overrides) -> Cluster:
+        """A cluster of `gpus` devices of `hw` (a plan_time preset or calibration)."""
+        shared = {f: getattr(hw, f) for f in plan_time.hardware_fields()}
+        return cls(gpus=gpus, **{**shared, "host_bound": hw.host_bound, **overrides})
+
+    @property
+    def hardware(self) -> plan_time.Hardware:
+        return plan_time.Hardware(**{f: getattr(self, f) for f in plan_time.hardware_fields()},
+                                  host_bound=self.host_bound)
 
 
 @dataclass(frozen=True)
@@ -822,7 +890,9 @@ class Plan:
     """Memory total including the allowance."""
     step_s: float
     compute_s: float
+    """GEMMs of the slowest stage's micro-batches."""
     tp_comm_s: float
+    """Exposed TP collectives."""
     p2p_s: float
     """Pipeline transfers plus the exposed part of the CP ring's K/V transfers."""
     bubble_s: float
@@ -832,21 +902,114 @@ class Plan:
     flops_per_token: float
     """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP."""
     mfu: float
-    """tokens/s x flops_per_token / (GPUs x peak), as the training log's `mfu`."""
+    """tokens/s x flops_per_token / (GPUs x peak), as the training log's `mfu` (attention
+    counted as if not causal: it can exceed what the GPU executes at long sequences)."""
     days: float
     fits: bool
     reason: str
+    memory_s: float = 0.0
+    """Memory-bound kernels of the slowest stage's micro-batches."""
+    overhead_s: float = 0.0
+    """What the fixed cost per kernel adds."""
+    mfu_causal: float = 0.0
+    """MFU with causal attention FLOPs (the log's `mfu_causal`): never above e_max."""
+    hfu: float = 0.0
+    """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs)."""
+    hfu_causal: float = 0.0
 
 
-def _layer_work_per_token(shape: ModelShape, seq_length: int, rc: Recompute) -> float:
-    """FLOPs one layer executes per token in a training step, which is what takes time: causal
-    attention (flash attention skips the masked half), plus the forward (a third of the
-    training FLOPs) that recomputation reruns: the whole layer (full) or the attention core
-    (selective)."""
-    attention = attention_flops_per_layer(shape, seq_length, causal=True)
-    layer = 6 * matmul_params_per_layer(shape) + attention
-    rerun = {"full": layer, "selective": attention}.get(rc.granularity, 0.0)
-    return layer + rerun / 3
+def _recompute_layers(lay: Layout, layers: int) -> tuple[int, bool]:
+    """(layers whose whole forward is rerun, attention cores rerun) of a stage's micro-batch:
+    full uniform reruns every layer, full block the first N of each chunk."""
+    rc = lay.recompute
+    if rc.granularity == "full":
+        per_chunk = layers // lay.chunks
+        n = per_chunk if rc.method == "uniform" else min(rc.num_layers, per_chunk)
+        return n * lay.chunks, False
+    return 0, rc.granularity == "selective"
+
+
+def _work(model: ModelConfig, lay: Layout, opts: RunOptions) -> plan_time.Work:
+    return plan_time.Work(model.seq_length // lay.cp * lay.micro_batch, model.seq_length,
+                          lay.tp, lay.sequence_parallel, opts.dtype_bytes, opts.attention,
+                          lay.cp)
+
+
+def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int,
+                opts: RunOptions = RunOptions()) -> tuple[float, float, float, plan_time.Costs]:
+    """(compute, exposed TP comm, p2p, compute by kind) seconds for one micro-batch through
+    all chunks of a stage (plan_time.microbatch_costs).
+
+    Under CP a rank computes s/cp tokens, each still attending over the whole sequence (the
+    zigzag split gives every rank the same causal work). Ring attention sends the local K/V
+    cp - 1 times in forward and K/V plus fp32 dK/dV again in backward (layers/attention.py);
+    the transfers overlap the blocks' attention, so only the excess over that attention's
+    time is charged, in p2p."""
+    shape, hw = model_shape(model, lay.tp, opts.block), c.hardware
+    w = _work(model, lay, opts)
+    tokens, e = w.tokens, w.e
+    rerun, selective = _recompute_layers(lay, layers)
+    head = stage == (0 if lay.schedule == "zbv" else lay.pp - 1)
+    costs = plan_time.microbatch_costs(shape, w, hw, layers, rerun, selective, head, stage == 0)
+    tp_bw = c.intra_node_gbps if lay.tp <= c.gpus_per_node else c.inter_node_gbps
+    # per layer: fwd 2 + bwd 2 all-reduce-sized collectives (SP: all-gather + reduce-scatter
+    # pairs, same bytes); full recompute reruns the 2 forward ones; +1 for embedding or head
+    colls = 4 * layers + 2 * rerun + (stage == 0) + head
+    tp_comm = colls * plan_time.collective_s(e * tokens * model.hidden_size, lay.tp, tp_bw,
+                                             c.latency_us, "all_reduce")
+    if c.tp_overlap:
+        tp_comm = max(0.0, tp_comm - costs.gemm)
+    p2p = 0.0
+    if lay.pp > 1:
+        pp_bw = c.inter_node_gbps if lay.tp * lay.dp >= c.gpus_per_node else c.intra_node_gbps
+        act = e * tokens * model.hidden_size
+        split = lay.sequence_parallel or opts.p2p_scatter_gather
+        p2p = plan_time.collective_s(act / lay.tp if split else act, 1, pp_bw, c.latency_us,
+                                     "p2p")
+        if opts.p2p_scatter_gather and not lay.sequence_parallel:
+            p2p += plan_time.collective_s(act, lay.tp, tp_bw, c.latency_us, "all_gather")
+        p2p *= 2 * lay.chunks
+    if lay.cp > 1:
+        cp_bw = c.intra_node_gbps if lay.tp * lay.cp <= c.gpus_per_node else c.inter_node_gbps
+        kv = e * tokens * 2 * shape.query_groups * shape.head_dim / lay.tp  # this TP rank's
+        # forward K/V, backward K/V + fp32 dK/dV, for each of cp - 1 steps
+        ring = (lay.cp - 1) * ((kv + kv + 2 * kv) / (cp_bw * 1e9) + 3 * c.latency_us * 1e-6)
+        p2p += layers * max(0.0, ring - plan_time.attention_s(shape, w, hw))
+    return costs.total, tp_comm, p2p, costs
+
+
+def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatches: int,
+             grad_bytes: int = 4) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds, grads reduced in `grad_bytes`.
+
+    ZeRO-2 reduce-scatters every micro-batch (its default accumulation), hidden behind each
+    micro-batch's backward; ZeRO-3 also all-gathers the bf16 parameters twice per
+    micro-batch (forward, backward), hidden behind the whole micro-batch.
+    """
+    replicas = lay.dp * lay.cp  # gradients are reduced (and sharded) over DP x CP
+    bw = c.intra_node_gbps if lay.tp * replicas <= c.gpus_per_node else c.inter_node_gbps
+    zero, m = lay.zero_stage, microbatches
+
+    def ring(nbytes: float, kind: str) -> float:
+        return plan_time.collective_s(nbytes, replicas, bw, c.latency_us, kind)
+
+    if zero == 0:
+        grads, params = ring(grad_bytes * n_params, "all_reduce"), 0.0
+    else:
+        grads = ring(grad_bytes * n_params, "reduce_scatter") * (m if zero >= 2 else 1)
+        params = ring(2 * n_params, "all_gather") * (2 * m if zero == 3 else 1)
+    if c.dp_overlap:
+        # a chunk's gradients are final after its last backward; interleaved, stage 0 runs
+        # the last p micro-batches of chunk j (1/v of a stage each) j·p/v stage backwards
+        # before the end (Megatron's order), so the reduction overlaps that cool-down too
+        v = lay.chunks if lay.pp > 1 and lay.schedule is None else 1
+        hide = m * stage_s if zero >= 2 else stage_s * (1 + (v - 1) * lay.pp / v)
+        grads = max(0.0, grads - 2 / 3 * hide)
+        params = max(0.0, params - (hide if zero == 3 else 1 / 3 * stage_s))
+    owned = n_params / replicas if zero else n_params
+    # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
+    optimizer = 34 * owned / (c.hbm_gbps * 1e9)
+    return grads + params, optimizer
 
 
 def pipeline_op_costs(model: ModelConfig, tp: int = 1) -> tuple[float, float, float]:
@@ -876,105 +1039,54 @@ def bubble_time(pp: int, stage_s: float, chunks: int, schedule: str,
     return (pp - 1) * stage_s / chunks
 
 
-def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, factor: float) -> float:
-    """Ring collective: factor = 2 for all-reduce, 1 for all-gather / reduce-scatter."""
-    if ranks == 1:
-        return 0.0
-    return factor * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + latency_s
-
-
-def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int) -> tuple:
-    """(compute, TP comm, p2p) seconds for one micro-batch through all chunks of a stage.
-
-    Under CP a rank computes s/cp tokens, each still attending over the whole sequence (the
-    zigzag split gives every rank the same causal work). Ring attention sends the local K/V
-    cp - 1 times in forward and K/V plus fp32 dK/dV again in backward (layers/attention.py);
-    each transfer overlaps one block's attention, so only the excess over that attention
-    time is charged, in p2p."""
-    tokens, e = model.seq_length // lay.cp * lay.micro_batch, 2
-    shape = ModelShape.from_config(model, lay.tp)
-    work = layers * _layer_work_per_token(shape, model.seq_length, lay.recompute)
-    if stage == (0 if lay.schedule == "zbv" else lay.pp - 1):
-        work += 6 * shape.vocab * shape.hidden  # the output layer
-    compute = tokens * work / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency)
-    lat = c.latency_us * 1e-6
-    tp_bw = c.intra_node_gbps if lay.tp <= c.gpus_per_node else c.inter_node_gbps
-    # per layer: fwd 2 + bwd 2 all-reduce-sized collectives (SP: all-gather + reduce-scatter
-    # pairs, same bytes); full recompute reruns the 2 forward ones; +1 for embedding or head
-    per_layer = 4 + (2 if lay.recompute.granularity == "full" else 0)
-    colls = layers * per_layer + (stage == 0) + (stage == lay.pp - 1)
-    tp_comm = colls * _ring_s(e * tokens * model.hidden_size, lay.tp, tp_bw, lat, 2)
-    p2p = 0.0
-    if lay.pp > 1:
-        pp_bw = c.inter_node_gbps if lay.tp * lay.dp >= c.gpus_per_node else c.intra_node_gbps
-        shard = lay.tp if lay.sequence_parallel else 1
-        p2p = 2 * lay.chunks * (e * tokens * model.hidden_size / shard / (pp_bw * 1e9) + lat)
-    if lay.cp > 1:
-        cp_bw = c.intra_node_gbps if lay.tp * lay.cp <= c.gpus_per_node else c.inter_node_gbps
-        kv = e * tokens * 2 * shape.query_groups * shape.head_dim / lay.tp  # this TP rank's
-        # forward K/V, backward K/V + fp32 dK/dV, for each of cp - 1 steps
-        ring = (lay.cp - 1) * ((kv + kv + 2 * kv) / (cp_bw * 1e9) + 3 * lat)
-        attention = (tokens * attention_flops_per_layer(shape, model.seq_length, causal=True)
-                     / lay.tp / (c.peak_tflops * 1e12 * c.compute_efficiency))
-        p2p += layers * max(0.0, ring - attention)
-    return compute, tp_comm, p2p
-
-
-def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatches: int
-             ) -> tuple[float, float]:
-    """(exposed DP communication, optimizer step) seconds; grads reduced in fp32.
-
-    ZeRO-2 reduce-scatters every micro-batch (its default accumulation), hidden behind each
-    micro-batch's backward; ZeRO-3 also all-gathers the bf16 parameters twice per
-    micro-batch (forward, backward), hidden behind the whole micro-batch.
-    """
-    lat = c.latency_us * 1e-6
-    replicas = lay.dp * lay.cp  # gradients are reduced (and sharded) over DP x CP
-    bw = c.intra_node_gbps if lay.tp * replicas <= c.gpus_per_node else c.inter_node_gbps
-    zero, m = lay.zero_stage, microbatches
-    if zero == 0:
-        grads, params = _ring_s(4 * n_params, replicas, bw, lat, 2), 0.0
-    else:
-        grads = _ring_s(4 * n_params, replicas, bw, lat, 1) * (m if zero >= 2 else 1)
-        params = _ring_s(2 * n_params, replicas, bw, lat, 1) * (2 * m if zero == 3 else 1)
-    if c.dp_overlap:
-        hide = m * stage_s if zero >= 2 else stage_s
-        grads = max(0.0, grads - 2 / 3 * hide)
-        params = max(0.0, params - (hide if zero == 3 else 1 / 3 * stage_s))
-    owned = n_params / replicas if zero else n_params
-    # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
-    optimizer = 34 * owned / (c.hbm_gbps * 1e9)
-    return grads + params, optimizer
+def recompute_flops_per_token(shape: ModelShape, seq_length: int, lay: Layout,
+                              causal: bool = False) -> float:
+    """Forward FLOPs per token that recomputation reruns (the HFU numerator's extra, counted
+    the MFU's way: a third of the rerun layers' training FLOPs)."""
+    rerun, selective = _recompute_layers(lay, shape.layers)
+    attention = attention_flops_per_layer(shape, seq_length, causal)
+    layer = 6 * matmul_params_per_layer(shape) + attention
+    return (rerun * layer + (shape.layers * attention if selective else 0.0)) / 3
 
 
 def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
-             train_tokens: float) -> Plan:
+             train_tokens: float, opts: RunOptions = RunOptions()) -> Plan:
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
+    mem_model = gpt_memory_stand_in(model) if opts.block == "gpt" else model
     mbs = global_batch // (lay.dp * lay.micro_batch)
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp)
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
                      lay.schedule)
     per_stage = model.num_layers // lay.pp
-    mems = [stage_memory(model, spec, i, per_stage) for i in range(lay.pp)]
+    mems = [stage_memory(mem_model, spec, i, per_stage) for i in range(lay.pp)]
     worst = max(mems, key=lambda est: est.total_bytes)
-    times = [_stage_time(model, lay, c, per_stage, i) for i in range(lay.pp)]
-    compute, tp_comm, p2p = max(times, key=sum)
+    times = [_stage_time(model, lay, c, per_stage, i, opts) for i in range(lay.pp)]
+    compute, tp_comm, p2p, costs = max(times, key=lambda t: sum(t[:3]))
     stage_s = compute + tp_comm + p2p
     bubble = bubble_time(lay.pp, stage_s, lay.chunks, lay.schedule_name,
-                         pipeline_op_costs(model, lay.tp))
-    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s, mbs)
+                         pipeline_op_costs(mem_model, lay.tp))
+    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s, mbs,
+                           opts.grad_reduce_bytes)
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
-    flops = training_flops_per_token(ModelShape.from_config(model, lay.tp), model.seq_length)
+    shape = model_shape(model, lay.tp, opts.block)
+    flops = training_flops_per_token(shape, model.seq_length)
+    causal = training_flops_per_token(shape, model.seq_length, causal=True)
+    per_gpu = tokens_s / c.gpus / 1e12 / c.peak_tflops
     mfu = tokens_s * flops / c.gpus / 1e12 / c.peak_tflops  # as metrics.MetricsLogger
+    hfu = per_gpu * (flops + recompute_flops_per_token(shape, model.seq_length, lay))
+    hfu_causal = per_gpu * (causal + recompute_flops_per_token(shape, model.seq_length, lay,
+                                                               causal=True))
     need = worst.total_bytes / GIB + c.allowance_gib
     fits = need <= c.gpu_memory_gib
     reason = "" if fits else (
         f"needs {need:.1f} > {c.gpu_memory_gib:g} GiB (stage {worst.stage}: states "
         f"{worst.state_bytes / GIB:.1f} + activations {worst.activation_bytes / GIB:.1f} + "
         f"allowance {c.allowance_gib:g})")
-    return Plan(lay, mbs, worst, need, step, mbs * compute, mbs * tp_comm, mbs * p2p, bubble,
-                dp_s, opt_s, tokens_s, flops, mfu, train_tokens / tokens_s / 86400, fits, reason)
+    return Plan(lay, mbs, worst, need, step, mbs * costs.gemm, mbs * tp_comm, mbs * p2p, bubble,
+                dp_s, opt_s, tokens_s, flops, mfu, train_tokens / tokens_s / 86400, fits, reason,
+                memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
+                mfu_causal=per_gpu * causal, hfu=hfu, hfu_causal=hfu_causal)
 
 
 def _divisors(n: int) -> list[int]:
@@ -1032,7 +1144,7 @@ def recompute_options(model: ModelConfig, lay: Layout) -> list[Recompute]:
 
 
 def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: float,
-           keep=lambda lay: True) -> list[Plan]:
+           keep=lambda lay: True, opts: RunOptions = RunOptions()) -> list[Plan]:
     """Every layout (filtered by `keep`) with its cheapest fitting recompute, best first.
 
     For each layout the recompute options are tried from cheapest to most recompute; the
@@ -1042,7 +1154,7 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     plans = []
     for base in layouts(model, c, global_batch):
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
-                          train_tokens) for rc in recompute_options(model, base)]
+                          train_tokens, opts) for rc in recompute_options(model, base)]
         tried = [p for p in tried if keep(p.layout)]
         if not tried:
             continue

@@ -2,6 +2,9 @@
 # Every check that needs a CUDA GPU, in one run, with the results in one folder:
 #   kernel_tests   the kernel tests on the device (with the real-size `gpu` ones)
 #   kernel_bench   the kernel benchmark (bench/kernels.py)
+#   calibrate      the planner's calibration file (bench/gpu_calibrate.py): GEMMs of the 8B
+#                  preset's shapes at TP 1-8, copy bandwidth, kernel cost, and collectives' bus
+#                  bandwidth when there are 2+ GPUs; then scripts/plan.py --calibration on it
 #   train_kernels  a short bf16 training run with the Triton kernels on and off (same loss curve,
 #                  each one's step time)
 #   multirank      two ranks sharing the GPU over cuda:gloo: TP=2 + SP, PP=2, CP=2 (ring
@@ -22,13 +25,14 @@ REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(mkdir -p "${1:-gpu_check}" && cd "${1:-gpu_check}" && pwd)
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
-ONLY=" ${GPU_CHECK_ONLY:-kernel_tests kernel_bench train_kernels multirank train_1b train_3b} "
+ONLY=" ${GPU_CHECK_ONLY:-kernel_tests kernel_bench calibrate train_kernels multirank train_1b train_3b} "
 cd "$REPO_DIR" || exit 1
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 status=0
 : > "$OUT/parts.tsv"
-rm -f "$OUT/summary.txt" "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt"
+rm -f "$OUT/summary.txt" "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt" \
+    "$OUT/calibration.txt" "$OUT/calibration.json"
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/parts.tsv"; }
 
 part() {  # part NAME GROUP NEED_S COMMAND...: runs it within the budget, logs to $OUT/NAME.log
@@ -77,6 +81,10 @@ part kernel_tests kernel_tests 30 "$PYTHON" -m pytest -q -p no:cacheprovider tes
 part kernel_bench kernel_bench 30 "$PYTHON" bench/kernels.py --dtype bf16 --tokens 8192 \
     && cp bench/results/kernels.json "$OUT/"
 
+part calibrate calibrate 40 "$PYTHON" bench/gpu_calibrate.py --out "$OUT" \
+    && part plan_calibrated calibrate 0 "$PYTHON" scripts/plan.py --preset 8B --gpus 8 \
+        --top 3 --explain --calibration "$OUT/calibration.json"
+
 # ~0.4B-parameter Llama on mock data: 20 steps each way.
 TRAIN=(--mock-data --vocab-size 32000 --num-layers 8 --hidden-size 2048 --num-attention-heads 16
        --group-query-attention --num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4
@@ -122,6 +130,11 @@ part train_3b train_3b 200 "$PYTHON" bench/gpu_train.py --model 3b --out "$OUT"
     if [[ -s $OUT/kernel_bench.log ]]; then
         echo "kernel bench:"
         grep -v '^wrote ' "$OUT/kernel_bench.log" | sed 's/^/  /'
+    fi
+    cat "$OUT/calibration.txt" 2>/dev/null
+    if [[ -s $OUT/plan_calibrated.log ]]; then
+        echo "planner with that calibration (8B on 8 GPUs, #1's step):"
+        sed -n '/^step time of #1/,$p' "$OUT/plan_calibrated.log" | sed 's/^/  /'
     fi
     if [[ -s $OUT/train_compare.log ]]; then
         echo "Triton kernels on vs off (0.4B, bf16, 20 steps):"

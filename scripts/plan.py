@@ -7,8 +7,15 @@
         --seq-length 4096 --vocab-size 32000 --gpus 64 --gpu-memory-gib 40 --peak-tflops 312
     python scripts/plan.py --preset 8B --gpus 32 --pp 4 --timeline schedules.png \
         --timeline-microbatches 8                    # draw #1's pipeline schedules
+    python scripts/plan.py --preset 8B --gpus 64 --hardware a100-80gb --explain  # #1's step
+    python scripts/plan.py --preset 1B --gpus 8 --json                 # ranked plans as JSON
+    python scripts/plan.py --block gpt --attention unfused --num-layers 24 --hidden-size 2304 \
+        --num-attention-heads 24 --seq-length 2048 --vocab-size 51200 --global-batch-size 512 \
+        --gpus 32 --hardware a100-80gb --tp 1 --recompute full     # a published 2021 GPT run
 
-The model lives in megatron_lite/planner.py (assumptions in its docstrings and in `Cluster`).
+Memory lives in megatron_lite/planner.py, the step-time model in megatron_lite/plan_time.py
+(assumptions in their docstrings; --hardware presets, flags override them; --calibration reads
+what scripts/gpu_check.sh measured on a GPU). --hardware cpu measures this machine first.
 Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
 schedules ranked on the best plan's TP x CP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
 step time, bubble, memory), and the pretrain.py flags of the best plan. --timeline draws those
@@ -26,21 +33,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite import plan_time
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.pipeline.schedule import build_schedule, schedule_chunks
 from megatron_lite.planner import (
+    BLOCKS,
     GIB,
     PRESETS,
     SHARDING,
     Cluster,
     Plan,
+    RunOptions,
     pipeline_op_costs,
     pretrain_flags,
     search,
     total_params,
 )
 from megatron_lite.reliability.spikes import young_daly_interval_s
+
+DEFAULT_HELP = {"peak_tflops": "dense bf16 TFLOP/s", "gemm_efficiency": "e_max of the GEMM curve",
+                "gemm_half_dim": "its d_half", "hbm_gbps": "achieved GB/s",
+                "intra_node_gbps": "NVLink bus GB/s", "inter_node_gbps": "network GB/s per GPU",
+                "op_us": "fixed us per kernel"}
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "seq_length", "vocab_size")
@@ -56,16 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     model.add_argument("--global-batch-size", type=int, help="sequences per step")
     model.add_argument("--train-tokens", type=float, help="token budget (default 20 x params)")
-    cl = ap.add_argument_group("cluster (defaults: H100 SXM 80 GB nodes of 8)")
+    cl = ap.add_argument_group("cluster (a --hardware preset in nodes of 8; flags override it)")
     cl.add_argument("--gpus", type=int, required=True)
-    defaults = Cluster(gpus=1)
+    cl.add_argument("--hardware", choices=sorted(plan_time.PRESETS), default="h100-sxm",
+                    help="device preset (default h100-sxm; cpu: measured on this machine)")
+    cl.add_argument("--calibration", metavar="FILE",
+                    help="GEMM, bandwidth and collective timings written by scripts/gpu_check.sh"
+                         " (its calibrate part): replace the preset's curve and bandwidths")
     for f in dataclasses.fields(Cluster):
-        if f.name in ("gpus", "dp_overlap"):
+        if f.name == "gpus" or isinstance(f.default, bool):
             continue
-        cl.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
-                        default=getattr(defaults, f.name), help=f"(default {f.default})")
+        cl.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+                        help=f"(default: the preset's; {DEFAULT_HELP.get(f.name, '')})")
     cl.add_argument("--no-dp-overlap", action="store_true",
                     help="DP collectives fully exposed (no --overlap-grad-reduce)")
+    cl.add_argument("--tp-comm-overlap", action="store_true",
+                    help="TP collectives hidden behind the layers' GEMMs (Megatron's flag)")
+    run = ap.add_argument_group("how the run computes")
+    run.add_argument("--block", choices=BLOCKS, default="llama",
+                     help="llama (ours) or gpt (LayerNorm, GeLU MLP of --ffn-hidden-size, "
+                          "default 4h, learned positions; planning only)")
+    run.add_argument("--attention", choices=["flash", "unfused"], default="flash",
+                     help="unfused: materialised softmax + dropout (GPT as run in 2021)")
+    run.add_argument("--grad-reduce-in-bf16", action="store_true",
+                     help="reduce gradients over DP in 16 bits (time only)")
+    run.add_argument("--fp32", action="store_true",
+                     help="time fp32 activations (the CPU runs); memory stays bf16")
     flt = ap.add_argument_group("restrict the search")
     for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
@@ -79,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measured time a save blocks training: seconds, or a run's "
                       "--log-jsonl file (the median of its checkpoint_save_s)")
     ckpt.add_argument("--mtbf-hours", type=float, help="job-level mean time between failures")
+    out = ap.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print the ranked layouts as a JSON list instead of the report")
+    out.add_argument("--explain", type=int, nargs="?", const=1, metavar="N",
+                     help="break plan #N's step time down (default #1)")
     pic = ap.add_argument_group("picture")
     pic.add_argument("--timeline", metavar="OUT.png",
                      help="draw #1's pipeline schedules (stages x time) into this PNG")
@@ -102,6 +138,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
     if missing:
         raise ConfigError("give --preset or " +
                           ", ".join("--" + n.replace("_", "-") for n in missing))
+    if args.block == "gpt" and fields.get("ffn_hidden_size") is None:
+        fields["ffn_hidden_size"] = 4 * fields["hidden_size"]  # GPT's GeLU MLP
     if not base:
         fields.setdefault("ffn_hidden_size", None)
         fields.setdefault("num_query_groups", None)
@@ -109,6 +147,30 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
     if gbs is None:
         raise ConfigError("give --global-batch-size (sequences per step)")
     return ModelConfig(**fields), gbs
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The --hardware preset (cpu: measured now), the --calibration file over it, then the
+    flags over both."""
+    hw = plan_time.PRESETS[args.hardware]
+    if args.hardware == "cpu":
+        hw = dataclasses.replace(hw, **plan_time.measure_cpu(4 if args.fp32 else 2))
+    if args.calibration:
+        hw = plan_time.load_calibration(args.calibration, hw)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
+             if f.name != "gpus" and not isinstance(f.default, bool)
+             and getattr(args, f.name) is not None}
+    bad = [k for k, v in flags.items() if k != "allowance_gib" and v <= 0]
+    if bad:
+        raise ConfigError(f"--{bad[0].replace('_', '-')} {flags[bad[0]]}: give a positive "
+                          "number")
+    return Cluster.from_hardware(args.gpus, hw, dp_overlap=not args.no_dp_overlap,
+                                 tp_overlap=args.tp_comm_overlap, **flags)
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(args.block, args.attention, 2 if args.grad_reduce_in_bf16 else 4,
+                      dtype_bytes=4 if args.fp32 else 2)
 
 
 def _keep(args: argparse.Namespace):
@@ -127,7 +189,8 @@ def _keep(args: argparse.Namespace):
 
 HEADER = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
           f"{'m':>5} {'ZeRO':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
-          f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7}")
+          f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7} {'MFUc':>5} "
+          f"{'HFU':>5}")
 
 
 def row(i: int, plan: Plan, gpus: int) -> str:
@@ -138,7 +201,8 @@ def row(i: int, plan: Plan, gpus: int) -> str:
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
             f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
             f"{plan.bubble_s / plan.step_s:>6.1%} {plan.tokens_per_s / gpus:>10,.0f} "
-            f"{plan.mfu:>5.1%} {plan.days:>7.1f}")
+            f"{plan.mfu:>5.1%} {plan.days:>7.1f} {plan.mfu_causal:>5.1%} "
+            f"{plan.hfu_causal:>5.1%}")
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
@@ -148,15 +212,22 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
              f"ffn {model.ffn_hidden_size}, heads {model.num_attention_heads}/"
              f"{model.num_query_groups} KV, seq {model.seq_length}, vocab {model.vocab_size}",
              f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node), "
-             f"{cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s at "
-             f"{cluster.compute_efficiency:.0%}, NVLink {cluster.intra_node_gbps:g} GB/s, "
+             f"{cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s, GEMMs at "
+             f"{cluster.gemm_efficiency:.0%} x d/(d + {cluster.gemm_half_dim:g}), HBM "
+             f"{cluster.hbm_gbps:g} GB/s, NVLink {cluster.intra_node_gbps:g} GB/s, "
              f"network {cluster.inter_node_gbps:g} GB/s per GPU, allowance "
              f"{cluster.allowance_gib:g} GiB",
              f"batch {gbs} x {model.seq_length} = {gbs * model.seq_length / 1e6:.2f}M tokens; "
              f"budget {tokens / 1e9:,.0f}B tokens",
              "memory in GiB on the fullest rank; bubble = share of the step; MFU counts "
-             "6N + 12·l·q·s per token, as the training log's `mfu` (not recompute)", ""]
+             "6N + 12·l·q·s per token, as the training log's `mfu` (not recompute); MFUc "
+             "counts causal attention (6·l·q·s), HFU adds what recomputation reruns (causal)",
+             ""]
     fitting = [p for p in plans if p.fits]
+    if any(p.mfu > cluster.gemm_efficiency for p in fitting[:top]):
+        lines += [f"note: MFU above the GEMMs' {cluster.gemm_efficiency:.0%} counts the masked "
+                  f"half of attention at seq {model.seq_length}, which is never computed; "
+                  "MFUc and HFU are what runs", ""]
     lines += ["fitting layouts, fastest first:", HEADER]
     lines += [row(i + 1, p, cluster.gpus) for i, p in enumerate(fitting[:top])] or ["  (none)"]
     best = fitting[0].tokens_per_s if fitting else 0.0
@@ -176,6 +247,42 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
                   for i, p in enumerate(schedule_ranking(plans, fitting[0]))]
     if fitting:
         lines += ["", "pretrain.py flags for #1:", " ".join(pretrain_flags(model, fitting[0], gbs))]
+    return "\n".join(lines)
+
+
+def plan_record(plan: Plan, gpus: int) -> dict:
+    """One plan for --json: the layout, its times (s) and utilisations (fractions)."""
+    lay = plan.layout
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp,
+            "schedule": lay.schedule_name, "vpp": lay.chunks, "micro_batch_size": lay.micro_batch,
+            "microbatches": plan.microbatches, "sharding": lay.sharding,
+            "sequence_parallel": lay.sequence_parallel, "recompute": lay.recompute.label(),
+            "step_s": plan.step_s, "mfu": plan.mfu, "mfu_causal": plan.mfu_causal,
+            "hfu": plan.hfu, "hfu_causal": plan.hfu_causal,
+            "tokens_per_s_per_gpu": plan.tokens_per_s / gpus, "days": plan.days,
+            "memory_gib": plan.need_gib, "fits": plan.fits, "reason": plan.reason,
+            "breakdown_s": dict(breakdown(plan))}
+
+
+def breakdown(plan: Plan) -> list[tuple[str, float]]:
+    """The step's parts (they add up to step_s)."""
+    return [("GEMM compute", plan.compute_s), ("memory-bound work", plan.memory_s),
+            ("kernel overhead", plan.overhead_s), ("exposed TP communication", plan.tp_comm_s),
+            ("PP p2p + exposed CP ring", plan.p2p_s), ("pipeline bubble", plan.bubble_s),
+            ("exposed DP communication", plan.dp_exposed_s), ("optimizer step", plan.optimizer_s)]
+
+
+def explain(plan: Plan, index: int, gpus: int) -> str:
+    """--explain: plan #index's step time by part, in ms and % of the step."""
+    lay = plan.layout
+    lines = [f"step time of #{index}: TP {lay.tp} CP {lay.cp} PP {lay.pp} ({lay.schedule_name}"
+             f", v {lay.chunks}) DP {lay.dp}, micro-batch {lay.micro_batch} x "
+             f"{plan.microbatches}, ZeRO {lay.zero_stage}, recompute {lay.recompute.label()}"]
+    lines += [f"  {name:<26} {1e3 * s:>11,.1f} ms {s / plan.step_s:>6.1%}"
+              for name, s in breakdown(plan)]
+    lines += [f"  {'step':<26} {1e3 * plan.step_s:>11,.1f} ms",
+              f"  tokens/s/GPU {plan.tokens_per_s / gpus:,.0f}; MFU {plan.mfu:.1%} (causal "
+              f"{plan.mfu_causal:.1%}), HFU {plan.hfu:.1%} (causal {plan.hfu_causal:.1%})"]
     return "\n".join(lines)
 
 
@@ -291,14 +398,15 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--tp {args.tp}: TP wider than a node ({args.gpus_per_node} GPUs, "
                           "--gpus-per-node): its all-reduces in every layer need NVLink; use "
                           f"--tp {args.gpus_per_node} or less and PP/DP across nodes")
-    cluster_fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
-                      if f.name != "dp_overlap"}
-    cluster = Cluster(**cluster_fields, dp_overlap=not args.no_dp_overlap)
+    cluster, opts = cluster_from_args(args), options_from_args(args)
     tokens = args.train_tokens or 20 * total_params(model)
-    plans = search(model, cluster, gbs, tokens, keep=_keep(args))
+    plans = search(model, cluster, gbs, tokens, keep=_keep(args), opts=opts)
     if not plans:
         raise ConfigError("no valid layout (check that --global-batch-size is divisible by "
                           "dp x micro-batch and the filters agree with the GPU count)")
+    if args.json:
+        print(json.dumps([plan_record(p, cluster.gpus) for p in plans[:args.top]], indent=1))
+        return 0
     print(report(model, cluster, gbs, tokens, plans, args.top))
     fitting = [p for p in plans if p.fits]
     if args.save_seconds and args.mtbf_hours and fitting:
@@ -306,6 +414,11 @@ def _main(argv: list[str]) -> int:
         print(f"checkpoint interval (Young/Daly, a save blocks {args.save_seconds:.3g} s, MTBF "
               f"{args.mtbf_hours:g} h): every {best / 60:.1f} min = --save-interval "
               f"{max(1, round(best / fitting[0].step_s))} at #1's {fitting[0].step_s:.3g} s/step")
+    if args.explain is not None:
+        if not 1 <= args.explain <= len(plans):
+            raise ConfigError(f"--explain {args.explain}: give 1 to {len(plans)} (the plans "
+                              "ranked above, fitting first)")
+        print("\n" + explain(plans[args.explain - 1], args.explain, cluster.gpus))
     if args.timeline:
         fitting = [p for p in plans if p.fits]
         if not fitting or fitting[0].layout.pp == 1:

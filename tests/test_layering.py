@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
     "optim": {"config", "parallel", "layers"},
     "data": {"config", "errors"},
-    "planner": {"config"},
+    "planner": {"config", "plan_time"},
+    "plan_time": {"errors"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
     "unattended": set(),

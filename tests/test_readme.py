@@ -102,7 +102,7 @@ COMMANDS: dict[str, Cheap] = {
     "--tensor-model-parallel-size 2 --sequence-parallel --mock-data --train-iters 20": Cheap(
         "--context-parallel-size N", "--help"),  # the run itself: test_pretrain_context_parallel
     "python scripts/plan.py --preset 8B --seq-length 131072 --global-batch-size 32 --gpus 64":
-        Cheap("--context-parallel-size 8"),
+        Cheap("--context-parallel-size 16"),
     "python scripts/plan.py --preset 70B --seq-length 32768 --global-batch-size 128 --gpus 512":
         Cheap("--context-parallel-size 4"),
     "python bench/context_parallel.py": HELP,

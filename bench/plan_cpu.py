@@ -1,0 +1,200 @@
+"""The planner's step time on this CPU against pretrain.py's measured iteration time.
+
+For scripts/demo.sh's model (4 x 192, 4 heads, seq 128, micro-batch 16, vocab 4096) and
+scripts/shakespeare_char_cpu.sh's (nanoGPT's 4 x 128, ffn 384, seq 64, batch 12, its char
+vocabulary), both fp32 on one process: `--hardware cpu` measures this machine (matmul rate,
+copy bandwidth, the cost of one small op, plan_time.measure_cpu), the model's own GEMM shapes
+are timed for its peak (a CPU's rate depends on the shape and on who shares the cores), the
+planner predicts one iteration, and pretrain.py runs the same model on mock data (same
+shapes, same work per iteration) for --iters iterations; the median after --warmup is the
+measurement. Target: prediction within +-30%. Prints a table and writes bench/results/plan_cpu.json.
+
+    OMP_NUM_THREADS=1 python bench/plan_cpu.py [--iters 30] [--warmup 5]
+    python bench/plan_cpu.py --count-ops      # aten ops of one layer (CPU_KERNELS_PER_LAYER)
+    python bench/plan_cpu.py --gemm-curve     # fp32 GEMM rate by size (CPU_GEMM_HALF_DIM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_lite import plan_time  # noqa: E402
+from megatron_lite.arguments import parse_config  # noqa: E402
+from megatron_lite.planner import Cluster, Layout, Recompute, RunOptions, evaluate  # noqa: E402
+
+MODELS = {
+    "demo": ["--num-layers", "4", "--hidden-size", "192", "--num-attention-heads", "4",
+             "--seq-length", "128", "--micro-batch-size", "16", "--vocab-size", "4096"],
+    # the char tokenizer of Tiny Shakespeare: 65 characters + sentencepiece's specials
+    "shakespeare_char": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads",
+                         "4", "--ffn-hidden-size", "384", "--seq-length", "64",
+                         "--micro-batch-size", "12", "--vocab-size", "68"],
+}
+"""Each script's model and batch, as its pretrain.py command gives them."""
+
+
+def _median_s(fn, seconds: float) -> float:
+    """Median seconds of `fn` over at least `seconds` (and 3 calls), after one warm-up."""
+    fn()
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def model_gemm_rate(flags: list[str], seconds: float = 0.1) -> float:
+    """TFLOP/s of the model's own GEMMs on this CPU, as autograd runs them: each layer and
+    head GEMM forward (x @ wᵀ), its input gradient (dy @ w) and its weight gradient
+    (dyᵀ @ x), medians, FLOP-weighted (the CPU's GEMM rate at these shapes is the peak the
+    flat CPU curve uses)."""
+    from megatron_lite.planner import model_shape
+
+    cfg = parse_config(["--mock-data", *flags])
+    shape = model_shape(cfg.model, 1)
+    work = plan_time.Work(cfg.model.seq_length * cfg.train.micro_batch_size,
+                          cfg.model.seq_length, e=4)
+    body, _ = plan_time.layer_passes(shape, work, plan_time.PRESETS["cpu"])
+    gemms = [(m, n, k) for m, n, k, _ in body.gemms] + [(work.tokens, shape.vocab, shape.hidden)]
+    flops = seconds_total = 0.0
+    for m, n, k in gemms:
+        x, w, dy = (torch.randn(int(r), int(c)) for r, c in ((m, k), (n, k), (m, n)))
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
+            flops += 2 * m * n * k
+            seconds_total += _median_s(lambda a=a, b=b: a @ b, seconds)
+    return flops / seconds_total / 1e12
+
+
+def predict(flags: list[str], hw: plan_time.Hardware) -> dict:
+    """The planner's fp32 iteration on one CPU process, and its parts."""
+    cfg = parse_config(["--mock-data", *flags])
+    mbs = cfg.train.micro_batch_size
+    plan = evaluate(cfg.model, Layout(1, 1, 1, 1, mbs, "no_shard", Recompute(), False),
+                    Cluster.from_hardware(1, hw), mbs, 1e9, RunOptions(dtype_bytes=4))
+    return {"step_s": plan.step_s, "gemm_s": plan.compute_s, "memory_s": plan.memory_s,
+            "overhead_s": plan.overhead_s, "optimizer_s": plan.optimizer_s}
+
+
+def measure(flags: list[str], iters: int, warmup: int) -> dict:
+    """pretrain.py on mock data: median iteration time after `warmup`, and its spread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, str(ROOT / "pretrain.py"), "--mock-data", *flags,
+               "--train-iters", str(iters), "--lr", "1e-3", "--eval-iters", "0",
+               "--log-interval", "1", "--wandb-mode", "disabled", "--seed", "1",
+               "--log-jsonl", str(log)]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        times = [json.loads(line)["iter_time_ms"] / 1e3 for line in log.read_text().splitlines()
+                 if '"iter_time_ms"' in line][warmup:]
+    times.sort()
+    return {"median_s": statistics.median(times), "p10_s": times[len(times) // 10],
+            "p90_s": times[len(times) * 9 // 10], "samples": len(times)}
+
+
+def count_ops(flags: list[str]) -> dict[str, int]:
+    """aten ops one transformer layer dispatches outside its GEMMs, forward and backward, on
+    the CPU reference path (what CPU_KERNELS_PER_LAYER stands for)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_lite.model.llama import BuildOptions, LlamaChunk
+    from megatron_lite.parallel.state import single_process_state
+
+    gemms = ("mm", "addmm", "bmm", "matmul", "linear", "_scaled_dot_product")
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.__name__.split(".")[0].startswith(gemms):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = parse_config(["--mock-data", *flags])
+    layer = LlamaChunk(cfg.model, single_process_state(), range(1), pre_process=False,
+                       post_process=False, opts=BuildOptions(seed=0))
+    x = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size,
+                    requires_grad=True)
+    with Count() as fwd:
+        out = layer(x)
+    with Count() as bwd:
+        out.sum().backward()
+    return {"forward": fwd.n, "backward": bwd.n}
+
+
+def gemm_curve(seconds: float = 0.3) -> tuple[list[tuple[int, float]], float, float]:
+    """fp32 GFLOP/s of 2048 x d x d GEMMs (medians) and the (e_max, d_half) fitted to them,
+    relative to the d = 1024 rate."""
+    rates = []
+    for d in (16, 32, 64, 128, 256, 512, 1024):
+        a, b = torch.randn(2048, d), torch.randn(d, d)
+        rates.append((d, 2 * 2048 * d * d / _median_s(lambda a=a, b=b: a @ b, seconds) / 1e9))
+    top = rates[-1][1]
+    e_max, half = plan_time.fit_gemm_curve([(d, r / top) for d, r in rates])
+    return rates, e_max, half
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--count-ops", action="store_true")
+    ap.add_argument("--gemm-curve", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_cpu.json")
+    args = ap.parse_args(argv)
+    if args.count_ops:
+        for name, flags in MODELS.items():
+            print(name, count_ops(flags))
+        return 0
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    if args.gemm_curve:
+        rates, e_max, half = gemm_curve()
+        print(" ".join(f"d={d}: {r:.0f}" for d, r in rates), "GFLOP/s")
+        print(f"fit vs d=1024: e_max {e_max:.2f}, d_half {half:.0f}")
+        return 0
+    measured_hw = plan_time.measure_cpu(4)
+    hw = dataclasses.replace(plan_time.PRESETS["cpu"], **measured_hw)
+    rows = []
+    for name, flags in MODELS.items():
+        rate = model_gemm_rate(flags)
+        model_hw = dataclasses.replace(hw, peak_tflops=rate)
+        pred, got = predict(flags, model_hw), measure(flags, args.iters, args.warmup)
+        rows.append({"model": name, "gemm_tflops": rate, "predicted": pred, "measured": got,
+                     "ratio": pred["step_s"] / got["median_s"]})
+    print(f"CPU ({threads} thread(s)): matmul {measured_hw['peak_tflops'] * 1e3:.0f} GFLOP/s "
+          f"(peak), copy {measured_hw['hbm_gbps']:.1f} GB/s, {measured_hw['op_us']:.1f} us/op")
+    print(f"{'model':<18} {'GEMM GF/s':>9} {'predicted ms':>12} {'(gemm':>7} {'memory':>7} "
+          f"{'ops)':>6} {'measured ms':>11} {'p10-p90':>13} {'pred/meas':>9}")
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        print(f"{r['model']:<18} {1e3 * r['gemm_tflops']:>9.1f} {1e3 * p['step_s']:>12.1f} "
+              f"{1e3 * p['gemm_s']:>7.1f} "
+              f"{1e3 * p['memory_s']:>7.1f} {1e3 * p['overhead_s']:>6.1f} "
+              f"{1e3 * m['median_s']:>11.1f} {1e3 * m['p10_s']:>6.1f}-{1e3 * m['p90_s']:<6.1f} "
+              f"{r['ratio']:>9.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"threads": threads, "hardware": measured_hw, "rows": rows},
+                                   indent=1))
+    print(f"wrote {args.out}")
+    return 0 if all(0.7 <= r["ratio"] <= 1.3 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
