@@ -394,11 +394,11 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
                           "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
-    if args.tp and args.tp > args.gpus_per_node:
-        raise ConfigError(f"--tp {args.tp}: TP wider than a node ({args.gpus_per_node} GPUs, "
-                          "--gpus-per-node): its all-reduces in every layer need NVLink; use "
-                          f"--tp {args.gpus_per_node} or less and PP/DP across nodes")
     cluster, opts = cluster_from_args(args), options_from_args(args)
+    if args.tp and args.tp > cluster.gpus_per_node:
+        raise ConfigError(f"--tp {args.tp}: TP wider than a node ({cluster.gpus_per_node} GPUs, "
+                          "--gpus-per-node): its all-reduces in every layer need NVLink; use "
+                          f"--tp {cluster.gpus_per_node} or less and PP/DP across nodes")
     tokens = args.train_tokens or 20 * total_params(model)
     plans = search(model, cluster, gbs, tokens, keep=_keep(args), opts=opts)
     if not plans:
