@@ -288,6 +288,16 @@ class OptimConfig:
     """Iteration-based schedule, --lr-decay-style WSD: iterations of the final decay phase."""
     weight_decay: float = 0.01
     """Decoupled weight decay, applied to weights with >= 2 dims only (not norms)."""
+    start_weight_decay: float | None = None
+    """With --weight-decay-incr-style linear/cosine: the weight decay of the first step."""
+    end_weight_decay: float | None = None
+    """With --weight-decay-incr-style linear/cosine: the weight decay at the end of training
+    (--train-iters x --global-batch-size or --train-samples samples)."""
+    weight_decay_incr_style: str = field(default="constant", metadata={
+        "choices": ["constant", "linear", "cosine"]})
+    """How the weight decay moves from --start-weight-decay to --end-weight-decay over the
+    training samples, as Megatron's scheduler does (cosine: (1 - cos(pi r)) / 2 of the way at
+    fraction r); constant = --weight-decay throughout."""
     adam_beta1: float = 0.9
     """Adam beta1."""
     adam_beta2: float = 0.999
@@ -305,9 +315,27 @@ class OptimConfig:
             if self.lr_warmup_iters or self.lr_warmup_samples:
                 raise ConfigError("--lr-warmup-fraction replaces --lr-warmup-iters / "
                                   "--lr-warmup-samples; pass only one of them")
-        errors = optim_value_errors(self)
+        errors = optim_value_errors(self) + self._weight_decay_errors()
         if errors:
             raise ConfigError("; ".join(errors))
+
+    def _weight_decay_errors(self) -> list[str]:
+        """Megatron's rules: the start/end pair belongs to a moving style, and it only rises."""
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant":
+            return ([] if ends == (None, None) else
+                    ["--start-weight-decay / --end-weight-decay set the ends of a moving weight "
+                     "decay: add --weight-decay-incr-style linear (or cosine), or use "
+                     "--weight-decay for a constant one"])
+        if None in ends:
+            return [f"--weight-decay-incr-style {self.weight_decay_incr_style} needs both "
+                    "--start-weight-decay and --end-weight-decay"]
+        start, end = ends
+        assert start is not None and end is not None
+        if not (math.isfinite(start) and math.isfinite(end) and 0.0 <= start <= end):
+            return [f"--start-weight-decay {start} and --end-weight-decay {end} must be finite "
+                    "with 0 <= start <= end (Megatron's weight decay only rises)"]
+        return []
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
 

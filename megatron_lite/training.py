@@ -42,7 +42,7 @@ from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
-from megatron_lite.optim.lr import step_lrs
+from megatron_lite.optim.lr import step_lrs, weight_decay_at
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms, determinism
 from megatron_lite.parallel import state as parallel_state
@@ -205,7 +205,9 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
             step = StepOutcome(math.nan, math.nan, skipped=True, samples=samples)
         else:
             step = train_step(trainer.runner, trainer.optimizer, loader, trainer.pstate, lr,
-                              guard, decoupled_lr)
+                              guard, decoupled_lr, weight_decay_at(
+                                  loader.scheduler_samples, loader.global_batch_size,
+                                  cfg.optim, cfg.train))
             _phase_done(trainer, "train_step")
         skipped += step.skipped
         if not step.skipped:
@@ -277,9 +279,10 @@ class StepOutcome:
 
 def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoader,
                pstate: ParallelState, lr: float, guard: Guard | None = None,
-               decoupled_lr: float | None = None) -> StepOutcome:
+               decoupled_lr: float | None = None, weight_decay: float | None = None
+               ) -> StepOutcome:
     """One optimizer step over the next global batch (`decoupled_lr`: --decoupled-lr's LR for
-    the embedding and output weights).
+    the embedding and output weights; `weight_decay`: this step's, default --weight-decay).
 
     With a `guard` the local loss (and, through `optimizer.grad_check`, the local gradients)
     is checked before any reduction, and all ranks agree whether to update at all.
@@ -297,7 +300,7 @@ def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoade
         loss = reduce_loss(local, pstate)
     if guard is not None and guard.decide(loss).skip:
         return StepOutcome(loss, math.nan, skipped=True, samples=samples)
-    result = optimizer.step(lr, decoupled_lr)
+    result = optimizer.step(lr, decoupled_lr, weight_decay)
     extras = {name: reduce_loss(v, pstate) for name, v in runner.extras.items()}
     return StepOutcome(loss, result.grad_norm, result.skipped, samples, extras)
 

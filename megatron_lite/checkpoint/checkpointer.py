@@ -698,13 +698,20 @@ def apply_checkpoint_args(cfg: Config, world_size: int) -> None:
 
 def _schedule_values(optim: OptimConfig, train: TrainConfig, dp_size: int) -> dict[str, object]:
     """What Megatron's scheduler checks on resume, in its units (lengths in samples)."""
-    lengths = schedule_lengths(optim, train,
-                               train.global_batch_size or train.micro_batch_size * dp_size)
+    gbs = train.global_batch_size or train.micro_batch_size * dp_size
+    lengths = schedule_lengths(optim, train, gbs)
+    if optim.weight_decay_incr_style == "constant":  # a longer run leaves it unchanged
+        decay: tuple = (optim.weight_decay,)
+    else:  # Megatron's: the style, its ends and the samples it moves over
+        samples = (train.train_samples if train.train_samples is not None
+                   else (train.train_iters or 0) * gbs)
+        decay = (optim.weight_decay_incr_style, optim.start_weight_decay,
+                 optim.end_weight_decay, samples)
     return {"learning rate (--lr)": optim.lr, "minimum learning rate (--min-lr)": optim.min_lr,
             "warm-up samples (--lr-warmup-*)": lengths.warmup,
             "decay samples (--lr-decay-*, --train-iters/--train-samples)": lengths.decay,
             "decay style (--lr-decay-style)": optim.lr_decay_style,
-            "weight decay (--weight-decay)": optim.weight_decay}
+            "weight decay (--weight-decay, --weight-decay-incr-style)": decay}
 
 
 def _saved_dp(layout: dict) -> int:

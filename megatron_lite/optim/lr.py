@@ -1,4 +1,4 @@
-"""Learning-rate schedules as pure functions of the training position.
+"""Learning-rate and weight-decay schedules as pure functions of the training position.
 
 The curves are Megatron-LM's OptimizerParamScheduler: every length is counted in samples
 (iteration-based flags are multiplied by the global batch size), and a step's LR is the value
@@ -62,3 +62,24 @@ def step_lrs(consumed_samples: int, global_batch_size: int, optim: OptimConfig,
     decoupled = dataclasses.replace(optim, lr=optim.decoupled_lr, min_lr=optim.min_lr
                                     if optim.decoupled_min_lr is None else optim.decoupled_min_lr)
     return lr_at(consumed_samples, optim, lengths), lr_at(consumed_samples, decoupled, lengths)
+
+
+def weight_decay_at(consumed_samples: float, global_batch_size: int, optim: OptimConfig,
+                    train: TrainConfig) -> float:
+    """Weight decay of the step after `consumed_samples` samples: --weight-decay, or the
+    --weight-decay-incr-style curve from --start- to --end-weight-decay over the training
+    samples (Megatron's), held at the end value after them."""
+    style = optim.weight_decay_incr_style
+    if style == "constant":
+        return optim.weight_decay
+    start, end = optim.start_weight_decay, optim.end_weight_decay
+    if start is None or end is None:
+        raise ConfigError(f"--weight-decay-incr-style {style} needs --start-weight-decay and "
+                          "--end-weight-decay")
+    total = (train.train_samples if train.train_samples is not None
+             else (train.train_iters or 0) * global_batch_size)
+    if total <= 0 or consumed_samples > total:
+        return end
+    ratio = consumed_samples / total
+    coeff = ratio if style == "linear" else 0.5 * (1.0 - math.cos(math.pi * ratio))
+    return start + coeff * (end - start)

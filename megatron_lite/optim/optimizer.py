@@ -509,14 +509,17 @@ class Optimizer:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None,
+             weight_decay: float | None = None) -> StepResult:
         """Clip and apply AdamW to the owned slices, then bring every rank's params up to date;
-        `decoupled_lr` (--decoupled-lr) for the embedding and output weights."""
+        `decoupled_lr` (--decoupled-lr) for the embedding and output weights; `weight_decay`
+        this step's (--weight-decay-incr-style), default --weight-decay."""
         if not self._finalized:
             raise RuntimeError("Optimizer.step() needs finalize_grads() after the backward passes")
         self._finalized = False
         self.finish_param_sync()
-        carry = self._update_bound_terms(lr, decoupled_lr) if self.check_update else None
+        wd = self.cfg.optim.weight_decay if weight_decay is None else weight_decay
+        carry = self._update_bound_terms(lr, decoupled_lr, wd) if self.check_update else None
         norm, sums = global_norm_and_sums([g for s in self.shards for g in s.norm_pieces()],
                                           carry, self.pstate, sharded_over_dp=self.sharded,
                                           dtype=self.math_dtype)
@@ -533,7 +536,7 @@ class Optimizer:
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
-            shard.adamw_step(self.cfg.optim, lr, self._step, coeff, decoupled_lr)
+            shard.adamw_step(self.cfg.optim, lr, self._step, coeff, decoupled_lr, wd)
         if self.cfg.parallel.overlap_param_gather:
             self._start_param_sync(async_op=True)  # waited in the next forward's hooks
         else:
@@ -546,7 +549,8 @@ class Optimizer:
             self.on_skip(why)
         return StepResult(norm_value, skipped=True, skip_reason=why)
 
-    def _update_bound_terms(self, lr: float, decoupled_lr: float | None) -> torch.Tensor:
+    def _update_bound_terms(self, lr: float, decoupled_lr: float | None, weight_decay: float
+                            ) -> torch.Tensor:
         """This rank's [P (1 + lr wd), M, V, lr / (1 - b1^t)] (module docstring): the largest
         |master|, |exp_avg| and exp_avg_sq of its shards, NaN when one holds a NaN; read-only
         passes over the state, no sync."""
@@ -565,7 +569,7 @@ class Optimizer:
         self._state_max = torch.stack(largest)
         bias1 = 1.0 - optim.adam_beta1 ** (self._step + 1)
         step_size = torch.full((), top / bias1, dtype=dtype, device=device)  # a fill, no copy
-        return torch.stack([largest[0] * (1.0 + top * optim.weight_decay), largest[1],
+        return torch.stack([largest[0] * (1.0 + top * weight_decay), largest[1],
                             largest[2], step_size])
 
     def _update_is_finite(self, terms: list[float], norm: float) -> bool:

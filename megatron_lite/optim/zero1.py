@@ -166,8 +166,10 @@ class ShardState:
 
     @torch.no_grad()
     def adamw_step(self, cfg: OptimConfig, lr: float, step: int, grad_scale: Tensor,
-                   decoupled_lr: float | None = None) -> None:
-        """One AdamW update of the owned slice with gradients scaled by `grad_scale`.
+                   decoupled_lr: float | None = None, weight_decay: float | None = None
+                   ) -> None:
+        """One AdamW update of the owned slice with gradients scaled by `grad_scale` (and decay
+        `weight_decay`, default --weight-decay).
 
         The Adam part is one fused pass (`torch._fused_adamw_`: read g, m, v, p; write m, v, p)
         instead of ~9 elementwise passes; the fused op divides gradients by its scale, hence
@@ -175,10 +177,11 @@ class ShardState:
         does it, so the numerics match it element for element up to rounding of the scale.
         """
         lrs = (lr, lr if decoupled_lr is None else decoupled_lr)
-        if cfg.weight_decay:
+        wd = cfg.weight_decay if weight_decay is None else weight_decay
+        if wd:
             for group_lr, ranges in zip(lrs, self._by_lr(self.decay_ranges)):
                 for r in ranges:
-                    self.master[r.start:r.end].mul_(1.0 - group_lr * cfg.weight_decay)
+                    self.master[r.start:r.end].mul_(1.0 - group_lr * wd)
         to_buffer = {}  # shard start -> buffer start of the same element
         for own, sl in self.pieces():
             to_buffer[sl.start] = own.start
