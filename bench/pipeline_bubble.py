@@ -38,19 +38,30 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lite import schedules
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.layers.linear import WeightGradQueue
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.launch import LaunchEnv
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import StageComm
-from megatron_lite.pipeline.schedule import build_schedule, schedule_chunks, stage_schedule
+from megatron_lite.pipeline.partition import virtual_stage
+from megatron_lite.pipeline.schedule import build_schedule, stage_schedule
 from megatron_lite.planner import bubble_time
 from tests.pipeline.simulator import simulate
 
 SHAPE = (8, 1, 16)  # [s, b, h]: tiny, so transfers cost little next to the sleeps
-CHUNKS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2}
-ZERO_BUBBLE_BASELINE = {"zb-h1": "1f1b", "zbv": "interleaved"}
+CHUNKS = {name: s.stage_chunks(2) for name, s in schedules.SCHEDULES.items()}
+"""Chunks per stage of each row: interleaved at v = 2."""
+PLAIN = tuple(name for name, s in schedules.SCHEDULES.items() if not s.split_backward)
+
+
+def baseline(kind: str) -> str | None:
+    """The schedule a row is compared with: a zero-bubble one's plain schedule with as many
+    chunks (ZB-H1: 1F1B, ZBV: interleaved), interleaved's 1F1B."""
+    if schedules.get(kind).split_backward:
+        return schedules.get(None, CHUNKS[kind]).name
+    return schedules.ONE_F_ONE_B.name if CHUNKS[kind] > 1 else None
 
 
 class _Sleep(torch.autograd.Function):
@@ -109,7 +120,7 @@ class SleepChunk(nn.Module):
 def _measure(pstate, pp: int, kind: str, m: int, args, steps: int) -> dict:
     busy: dict[str, list[float]] = defaultdict(list)
     v = CHUNKS[kind]
-    split = kind in ZERO_BUBBLE_BASELINE
+    split = schedules.get(kind).split_backward
     tf, tb, tw = args.tf_ms / 1e3, args.tb_ms / 1e3, args.tw_ms / 1e3
     actions = stage_schedule(pp, pstate.pp_rank, m, v, kind=kind, costs=_costs(args))
     chunks = []
@@ -133,10 +144,9 @@ def _measure(pstate, pp: int, kind: str, m: int, args, steps: int) -> dict:
 
 def _chunk_specs(pp: int, rank: int, kind: str) -> list[tuple[bool, bool]]:
     """(pre_process, post_process) of this stage's chunks under the schedule's placement."""
-    v = CHUNKS[kind]
-    if kind == "zbv":
-        return [(rank == 0, False), (False, rank == 0)]
-    return [(rank == 0 and c == 0, rank == pp - 1 and c == v - 1) for c in range(v)]
+    v, v_shape = CHUNKS[kind], schedules.get(kind).v_shape
+    virtual = [virtual_stage(pp, rank, c, v_shape) for c in range(v)]
+    return [(n == 0, n == pp * v - 1) for n in virtual]
 
 
 def _worker(rank: int, pp: int, init_file: str, rows: list, args, out_file: str) -> None:
@@ -172,12 +182,11 @@ def _mean_costs(per_stage: list[dict[str, float]]) -> dict[str, float]:
 def simulated_idle(row: dict, args) -> list[float]:
     """Per-stage idle fraction the simulator predicts for the row's schedule and costs."""
     kind, pp, m, costs = row["schedule"], row["pp"], row["m"], row["measured_costs"]
-    v = schedule_chunks(kind, CHUNKS[kind])
-    schedule = build_schedule(pp, m, v, kind=kind if kind in ZERO_BUBBLE_BASELINE else None,
-                              costs=_costs(args))
+    v = CHUNKS[kind]
+    schedule = build_schedule(pp, m, v, kind=kind, costs=_costs(args))
     if "W" in costs:
         result = simulate(schedule, m, v, costs["F"], costs["B"] + costs["W"],
-                          weight_time=costs["W"], v_shape=kind == "zbv")
+                          weight_time=costs["W"], v_shape=schedules.get(kind).v_shape)
     else:
         result = simulate(schedule, m, v, costs["F"], costs["BW"])
     return [1.0 - busy / result.makespan for busy in result.busy]
@@ -193,7 +202,7 @@ def _report(rows_out: list[dict], args) -> list[dict]:
         row["simulated_idle_per_stage"] = sim = simulated_idle(row, args)
         row["max_abs_error_vs_simulator"] = max(abs(a - b) for a, b in zip(idle, sim))
         refs = [row["max_abs_error_vs_simulator"]]
-        if kind in ZERO_BUBBLE_BASELINE:  # the paper's bubble for these costs (not checked)
+        if schedules.get(kind).split_backward:  # the paper's bubble for these costs (not checked)
             costs = _costs(args)
             bubble = bubble_time(p, sum(costs), v, kind, costs)
             row["theory"] = bubble / (m * sum(costs) + bubble)
@@ -210,7 +219,7 @@ def _report(rows_out: list[dict], args) -> list[dict]:
         mean_idle[(p, kind, m)] = statistics.mean(idle)
     comparisons = []
     for (p, kind, m), idle in mean_idle.items():
-        base = ZERO_BUBBLE_BASELINE.get(kind, "1f1b" if kind == "interleaved" else None)
+        base = baseline(kind)
         if base is None or (p, base, m) not in mean_idle:
             continue
         ratio = (1 - idle) / (1 - mean_idle[(p, base, m)])
@@ -235,9 +244,9 @@ def main() -> None:
     args = parser.parse_args()
     plan = {4: [(kind, m) for m in (8, 16) for kind in CHUNKS]}
     if not args.zero_bubble_only:
-        plan = {2: [(kind, m) for m in (4, 8, 16) for kind in ("1f1b", "interleaved")],
-                4: [(kind, m) for m in (4, 8, 16) for kind in ("1f1b", "interleaved")]
-                + [(kind, m) for m in (8, 16) for kind in ZERO_BUBBLE_BASELINE]}
+        plan = {2: [(kind, m) for m in (4, 8, 16) for kind in PLAIN],
+                4: [(kind, m) for m in (4, 8, 16) for kind in PLAIN]
+                + [(kind, m) for m in (8, 16) for kind in schedules.ZERO_BUBBLE]}
     rows_out = []
     for pp, rows in plan.items():
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,8 @@ live in `validate()`, which runs before any process group or tensor is created.
 
 Glossary: tp/pp/dp = tensor/pipeline/data parallel; "stage" = pp rank; "chunk" = virtual stage;
 "axis" = a parallel axis, "dim" = a tensor dimension; batch sizes are in samples, tokens in tokens.
-This module imports only megatron_lite.errors from megatron_lite (stdlib only).
+This module imports only megatron_lite.errors and the leaves megatron_lite.schedules and
+megatron_lite.layout from megatron_lite (stdlib only).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_lite import layout, schedules
 from megatron_lite.errors import UserError
 
 
@@ -168,7 +170,7 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per virtual chunk for the interleaved schedule; None = plain 1F1B."""
     pipeline_schedule: str | None = field(
-        default=None, metadata={"choices": ["1f1b", "interleaved", "zb-h1", "zbv"]})
+        default=None, metadata={"choices": list(schedules.NAMES)})
     """Pipeline schedule; default 1f1b, or interleaved with
     --num-layers-per-virtual-pipeline-stage. zb-h1 and zbv (zero bubble) split each backward
     into the input gradient and a deferred weight gradient; zbv runs two chunks per stage in
@@ -1188,9 +1190,8 @@ def validate(cfg: Config, world_size: int) -> None:
         errors += lr_schedule_errors(cfg.optim, train, gbs)
     errors += _schedule_errors(cfg)
     errors += _dry_run_errors(cfg, world_size)
-    if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
-        errors.append("--overlap-param-gather overlaps the distributed optimizer's parameter "
-                      "all-gather; add --use-distributed-optimizer or drop it")
+    errors += layout.overlap_param_gather_errors(parallel.overlap_param_gather,
+                                                 parallel.use_distributed_optimizer)
     errors += _sharding_errors(parallel, train.compile)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
@@ -1259,7 +1260,7 @@ def _sharding_errors(parallel: ParallelConfig, compile_: bool) -> list[str]:
 def _rampup_errors(cfg: Config, dp: int) -> list[str]:
     """Every batch of a ramp-up must split into whole micro-batches on every DP rank."""
     train, pp = cfg.train, cfg.parallel.pipeline_model_parallel_size
-    interleaved = cfg.parallel.num_layers_per_virtual_pipeline_stage is not None
+    interleaved = schedule_in_effect(cfg.parallel).microbatches_multiple_of_pp
     unit = train.micro_batch_size * dp
     if train.step_batch_size_schedule is not None:
         batches = [b for _, b in batch_schedule(train.step_batch_size_schedule, None)]
@@ -1313,97 +1314,45 @@ def _dry_run_errors(cfg: Config, world_size: int) -> list[str]:
 def pipeline_schedule(parallel: ParallelConfig) -> str:
     """The schedule in effect: --pipeline-schedule, else what --num-layers-per-virtual-
     pipeline-stage implies (interleaved with it, 1f1b without)."""
-    if parallel.pipeline_schedule is not None:
-        return parallel.pipeline_schedule
-    return "1f1b" if parallel.num_layers_per_virtual_pipeline_stage is None else "interleaved"
+    return schedule_in_effect(parallel).name
+
+
+def schedule_in_effect(parallel: ParallelConfig) -> schedules.Schedule:
+    """The schedules.py row of `pipeline_schedule`."""
+    return schedules.in_effect(parallel.pipeline_schedule,
+                               parallel.num_layers_per_virtual_pipeline_stage)
 
 
 def _schedule_errors(cfg: Config) -> list[str]:
-    """What --pipeline-schedule needs of the other flags."""
+    """What --pipeline-schedule needs of the other flags (the table's rules)."""
     p = cfg.parallel
-    kind, lpv = p.pipeline_schedule, p.num_layers_per_virtual_pipeline_stage
+    if p.pipeline_schedule is None:
+        return []
     uneven = (p.decoder_first_pipeline_num_layers is not None
               or p.decoder_last_pipeline_num_layers is not None)
-    if kind is None:
-        return []
-    if kind == "interleaved" and lpv is None:
-        return ["--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage "
-                "(the chunk size)"]
-    if kind != "interleaved" and lpv is not None:
-        return [f"--num-layers-per-virtual-pipeline-stage {lpv} is for the interleaved "
-                f"schedule, not --pipeline-schedule {kind}; drop one of them"]
-    if kind not in ("zb-h1", "zbv"):
-        return []
-    errors = []
-    if p.pipeline_model_parallel_size == 1:
-        errors.append(f"--pipeline-schedule {kind} needs --pipeline-model-parallel-size > 1")
-    if cfg.train.compile:
-        errors.append(f"--pipeline-schedule {kind} queues weight gradients from Python in "
-                      "backward, which torch.compile does not trace; drop --compile")
-    pieces = 2 * p.pipeline_model_parallel_size
-    if kind == "zbv" and uneven:
-        errors.append("--pipeline-schedule zbv places 2 equal chunks per stage in a V; drop "
-                      "--decoder-first/last-pipeline-num-layers")
-    elif kind == "zbv" and cfg.model.num_layers % pieces:
-        errors.append(f"--pipeline-schedule zbv splits --num-layers {cfg.model.num_layers} "
-                      f"into 2 x --pipeline-model-parallel-size = {pieces} equal chunks; use "
-                      f"a multiple of {pieces}")
-    return errors
+    return schedules.get(p.pipeline_schedule).flag_errors(
+        p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage, uneven,
+        cfg.model.num_layers, cfg.train.compile)
 
 
 def _pipeline_errors(cfg: Config, microbatches: int) -> list[str]:
-    """Layer split and micro-batch count rules of pipeline/partition.py and pipeline/schedule.py.
-
-    Kept here (stdlib only) so a bad run fails before any process group exists; the pipeline
-    modules raise the same errors when used directly, and a test checks the two agree.
-    """
-    p, layers = cfg.parallel, cfg.model.num_layers
+    """Layer split and micro-batch count rules (layout.py, which pipeline/partition.py and the
+    planner use too), checked before any process group exists."""
+    p = cfg.parallel
     pp, lpv = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    errors: list[str] = []
-    if pp == 1:
-        if lpv is not None or first is not None or last is not None:
-            errors.append(
-                "--num-layers-per-virtual-pipeline-stage / --decoder-first-pipeline-num-layers / "
-                "--decoder-last-pipeline-num-layers need --pipeline-model-parallel-size > 1; "
-                "drop them for a single stage"
-            )
-        return errors
-    fixed = [n for n in (first, last) if n is not None]
-    rest_stages, rest_layers = pp - len(fixed), layers - sum(fixed)
-    counts = fixed + [rest_layers // rest_stages] * rest_stages if rest_stages else fixed
-    if any(n < 1 for n in fixed):
-        errors.append(f"--decoder-first/last-pipeline-num-layers must be >= 1, got {fixed}")
-    elif rest_stages == 0 and rest_layers != 0:
-        errors.append(
-            f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers "
-            f"{last} must equal --num-layers {layers} with --pipeline-model-parallel-size {pp}"
-        )
-    elif rest_stages and (rest_layers < rest_stages or rest_layers % rest_stages):
-        errors.append(
-            f"{rest_layers} layers (--num-layers {layers} minus uneven first/last stages) cannot "
-            f"be split evenly over {rest_stages} pipeline stages (--pipeline-model-parallel-size "
-            f"{pp}); use a multiple of {rest_stages} or change the uneven stage sizes"
-        )
-    elif lpv is not None:
-        if lpv < 1 or layers % (pp * lpv):
-            errors.append(
-                f"--num-layers {layers} must be divisible by --pipeline-model-parallel-size {pp} "
-                f"x --num-layers-per-virtual-pipeline-stage {lpv} = {pp * max(lpv, 1)}"
-            )
-        elif any(n % (layers // (pp * lpv)) for n in counts):
-            errors.append(
-                f"stage layer counts {counts} must each divide into the {layers // (pp * lpv)} "
-                "virtual chunks per stage (--num-layers / (--pipeline-model-parallel-size x "
-                "--num-layers-per-virtual-pipeline-stage)); adjust the uneven stage sizes"
-            )
-    if lpv is not None and microbatches % pp:
-        errors.append(
-            f"the interleaved schedule (--num-layers-per-virtual-pipeline-stage {lpv}) needs the "
-            f"{microbatches} micro-batches per step to be a multiple of "
-            f"--pipeline-model-parallel-size {pp}; adjust --global-batch-size"
-        )
-    return errors
+    return (layout.split_errors(cfg.model.num_layers, pp, lpv, p.decoder_first_pipeline_num_layers,
+                                p.decoder_last_pipeline_num_layers)
+            + layout.microbatch_errors(schedule_in_effect(p), pp, microbatches, lpv))
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
+                       last: int | None = None) -> list[int]:
+    """Layers per stage (layout.py); raises ConfigError naming the flags when they cannot
+    split."""
+    errors = layout.split_errors(num_layers, pp, None, first, last)
+    if errors:
+        raise ConfigError(errors[0])
+    return layout.stage_layer_counts(num_layers, pp, first, last)
 
 
 # ---------------------------------------------------------------- numeric flag ranges

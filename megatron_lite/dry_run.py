@@ -49,6 +49,7 @@ from megatron_lite.config import (
     num_microbatches,
     parse_blend,
     parse_split,
+    schedule_in_effect,
     validate,
 )
 from megatron_lite.data.builder import build_loaders
@@ -515,7 +516,7 @@ def planner_step_s(cfg: Config, world_size: int) -> float | None:
     try:
         chunks = (cfg.model.num_layers // pp // p.num_layers_per_virtual_pipeline_stage
                   if p.num_layers_per_virtual_pipeline_stage else 1)
-        schedule = p.pipeline_schedule if p.pipeline_schedule in ("zb-h1", "zbv") else None
+        schedule = p.pipeline_schedule if schedule_in_effect(p).split_backward else None
         layout = Layout(tp, pp, dp, chunks, t.micro_batch_size,
                         p.data_parallel_sharding_strategy, _recompute_from(cfg),
                         p.sequence_parallel, schedule, cp)

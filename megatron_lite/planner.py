@@ -48,15 +48,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_lite import plan_time
+from megatron_lite import plan_time, schedules
 from megatron_lite.config import (
     Config,
-    ConfigError,
     ModelConfig,
     ParallelConfig,
     ddp_bucket_size,
     num_microbatches,
     pipeline_schedule,
+    schedule_in_effect,
+    stage_layer_counts,
 )
 
 GIB = 2**30
@@ -248,20 +249,6 @@ def total_params(model: ModelConfig) -> int:
     tables = 2 if model.untie_embeddings_and_output_weights else 1
     emb = model.vocab_size * model.hidden_size * tables
     return model.num_layers * layer_params(model, 1) + emb + model.hidden_size
-
-
-def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
-                       last: int | None = None) -> list[int]:
-    """Layers per stage: fixed first/last counts, the rest split evenly (pipeline/partition.py)."""
-    if pp == 1:
-        return [num_layers]
-    fixed = {0: first, pp - 1: last}
-    fixed = {k: v for k, v in fixed.items() if v is not None}
-    rest, stages = num_layers - sum(fixed.values()), pp - len(fixed)
-    if (stages and (rest < stages or rest % stages)) or (not stages and rest):
-        raise ConfigError(f"--num-layers {num_layers} cannot be split over "
-                          f"--pipeline-model-parallel-size {pp} with the given first/last counts")
-    return [fixed.get(i, rest // stages if stages else 0) for i in range(pp)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,22 +540,13 @@ def chunk_activation_bytes(model: ModelConfig, a: ActivationSetup, layers: int,
 
 def in_flight(pp: int, stage: int, chunks: int, microbatches: int,
               schedule: str | None = None) -> int:
-    """Peak micro-batch chunks whose activations a stage holds at once.
+    """Peak micro-batch chunks whose activations a stage holds at once (`Schedule.in_flight`).
 
-    1F1B: p - stage (warm-up + 1). Interleaved 1F1B (Megatron's warm-up count):
-    2·(p - stage - 1) + (v - 1)·p + 1 chunk forwards, capped by the m·v that exist.
     Zero-bubble schedules hold a micro-batch from its F to its W (the queued weight GEMMs keep
     the linears' inputs and output gradients, counted here as the chunk's activations): ZB-H1
-    p on every stage (1F1B's first-stage peak), ZBV 2p chunks of half a stage (the same
-    bytes); pipeline/zero_bubble.py's priority rules stop forwards at these counts.
+    p on every stage (1F1B's first-stage peak), ZBV 2p chunks of half a stage (the same bytes).
     """
-    if schedule == "zb-h1":
-        return min(microbatches, pp)
-    if schedule == "zbv":
-        return min(2 * microbatches, 2 * pp)
-    if chunks == 1:
-        return min(microbatches, pp - stage)
-    return min(microbatches * chunks, 2 * (pp - stage - 1) + (chunks - 1) * pp + 1)
+    return schedules.get(schedule, chunks).in_flight(pp, stage, chunks, microbatches)
 
 
 def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: float,
@@ -690,17 +668,17 @@ class StageSpec:
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
-    v_shape = spec.schedule == "zbv"
-    n = stage_params(model, spec.tp, spec.pp, stage, layers, v_shape)
+    sched = schedules.get(spec.schedule, spec.chunks)
+    n = stage_params(model, spec.tp, spec.pp, stage, layers, sched.v_shape)
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
                              spec.full_grad_accumulator and spec.microbatches > 1,
                              spec.grad_bf16)
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
-    holds_head = stage == (0 if v_shape else spec.pp - 1)
+    holds_head = stage == sched.head_stage(spec.pp)
     # Zero-bubble: each micro-batch between its F and its W keeps the head's saved input and
     # logits gradient (the output layer's W needs them).
-    heads = min(spec.pp, spec.microbatches) if spec.schedule in ("zb-h1", "zbv") else 1
+    heads = min(spec.pp, spec.microbatches) if sched.split_backward else 1
     head = heads * head_activation_bytes(model, spec.act) if holds_head else 0.0
     # the embedding's int64 ids, plus with TP its bool mask of ids outside this rank's slice
     id_bytes = 8 + (spec.tp > 1)
@@ -774,7 +752,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                                 parallel.decoder_last_pipeline_num_layers)
     per_chunk = parallel.num_layers_per_virtual_pipeline_stage
     schedule = pipeline_schedule(parallel)
-    chunks = 2 if schedule == "zbv" else counts[0] // per_chunk if per_chunk else 1
+    chunks = schedule_in_effect(parallel).stage_chunks(counts[0] // per_chunk if per_chunk
+                                                       else 1)
     fused = cfg.model.triton_kernels != "off" if fused_kernels is None else fused_kernels
     cp = parallel.context_parallel_size
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
@@ -873,7 +852,7 @@ class Layout:
     @property
     def schedule_name(self) -> str:
         """The --pipeline-schedule this layout runs."""
-        return self.schedule or ("interleaved" if self.chunks > 1 else "1f1b")
+        return schedules.get(self.schedule, self.chunks).name
 
     @property
     def zero_stage(self) -> int:
@@ -949,7 +928,7 @@ def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage:
     w = _work(model, lay, opts)
     tokens, e = w.tokens, w.e
     rerun, selective = _recompute_layers(lay, layers)
-    head = stage == (0 if lay.schedule == "zbv" else lay.pp - 1)
+    head = stage == schedules.get(lay.schedule, lay.chunks).head_stage(lay.pp)
     costs = plan_time.microbatch_costs(shape, w, hw, layers, rerun, selective, head, stage == 0)
     tp_bw = c.intra_node_gbps if lay.tp <= c.gpus_per_node else c.inter_node_gbps
     # per layer: fwd 2 + bwd 2 all-reduce-sized collectives (SP: all-gather + reduce-scatter
@@ -1026,17 +1005,10 @@ def pipeline_op_costs(model: ModelConfig, tp: int = 1) -> tuple[float, float, fl
 
 def bubble_time(pp: int, stage_s: float, chunks: int, schedule: str,
                 op_costs: tuple[float, float, float]) -> float:
-    """Idle seconds per step of a stage whose micro-batch takes `stage_s` (F + B + W).
-
-    1F1B (p - 1)(F + B + W) (Narayanan et al. 2021), interleaved the same over v; ZB-H1
-    (p - 1)(F + B - W) (Qi et al. 2024: W's fill the cool-down) and ZBV half of ZB-H1 (its
-    chunks are half a stage), F, B and W split `stage_s` as `op_costs`. The simulator
-    (tests/pipeline) gets exactly these at F = B = W.
-    """
-    if schedule in ("zb-h1", "zbv"):
-        f, b, w = (x / sum(op_costs) for x in op_costs)
-        return (pp - 1) * stage_s * (f + b - w) / (2 if schedule == "zbv" else 1)
-    return (pp - 1) * stage_s / chunks
+    """Idle seconds per step of a stage whose micro-batch takes `stage_s` (F + B + W), the
+    formula of `Schedule.bubble`. The simulator (tests/pipeline) gets exactly these at
+    F = B = W."""
+    return schedules.get(schedule, chunks).bubble(pp, stage_s, chunks, op_costs)
 
 
 def recompute_flops_per_token(shape: ModelShape, seq_length: int, lay: Layout,
@@ -1115,18 +1087,19 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
         if c.gpus % (tp * cp * pp) or (cp > 1 and model.seq_length % (2 * cp * tp)):
             continue
         dp = c.gpus // (tp * cp * pp)
-        schedules = [(v, None) for v in (_divisors(model.num_layers // pp) if pp > 1
-                                            else [1])]
+        options: list[tuple[int, str | None]] = [
+            (v, None) for v in (_divisors(model.num_layers // pp) if pp > 1 else [1])]
         if pp > 1:
-            schedules.append((1, "zb-h1"))
-            if model.num_layers % (2 * pp) == 0:
-                schedules.append((2, "zbv"))
-        for v, schedule in schedules:
+            options += [(s.stage_chunks(1), s.name) for s in schedules.SCHEDULES.values()
+                           if s.split_backward and not s.flag_errors(pp, None, False,
+                                                                     model.num_layers, False)]
+        for v, schedule in options:
             for mb in (1, 2, 4, 8, 16, 32):
                 if global_batch % (dp * mb):
                     continue
                 n_mb = global_batch // (dp * mb)
-                if n_mb < pp or (v > 1 and schedule is None and n_mb % pp):
+                if n_mb < pp or (schedules.get(schedule, v).microbatches_multiple_of_pp
+                                 and n_mb % pp):
                     continue
                 shardings = SHARDING[:4 if pp == 1 else 3] if dp * cp > 1 else SHARDING[:1]
                 for sharding in shardings:

@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
-from megatron_lite.config import Config, num_microbatches, pipeline_schedule, validate
+from megatron_lite.config import (
+    Config,
+    num_microbatches,
+    pipeline_schedule,
+    schedule_in_effect,
+    validate,
+)
 from megatron_lite.data.builder import (
     Coordinator,
     build_loaders,
@@ -52,7 +58,6 @@ from megatron_lite.pipeline import engine
 from megatron_lite.pipeline.p2p import StageComm, boundary_shape
 from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.pipeline.schedule import stage_schedule
-from megatron_lite.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from megatron_lite.planner import pipeline_op_costs
 from megatron_lite.profiling import StepHooks
 from megatron_lite.provenance import git_commit
@@ -339,7 +344,8 @@ class StepRunner:
                                    cfg.train.micro_batch_size,
                                    cfg.model.hidden_size, pstate.tp_size,
                                    cfg.parallel.sequence_parallel)
-            self.comm = StageComm(pstate, shape, model_dtype(cfg), v_shape=self.kind == "zbv")
+            self.comm = StageComm(pstate, shape, model_dtype(cfg),
+                                  v_shape=schedule_in_effect(cfg.parallel).v_shape)
 
     def __call__(self, batches: list[dict[str, Tensor]], num_tokens: Tensor | MicroBatchMeans,
                  *, backward: bool = True) -> Tensor:
@@ -628,7 +634,7 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
                         recompute_num_layers=cfg.train.recompute_num_layers or 1,
-                        split_backward=pipeline_schedule(cfg.parallel) in ZERO_BUBBLE_SCHEDULES)
+                        split_backward=schedule_in_effect(cfg.parallel).split_backward)
     part = config_partition(cfg, pstate.pp_size)
     chunks: list[LlamaChunk] = []
     for spec in stage_chunks(part, pstate.pp_rank):

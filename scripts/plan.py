@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lite import plan_time
+from megatron_lite import plan_time, schedules
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.errors import add_debug_flag, run_cli
-from megatron_lite.pipeline.schedule import build_schedule, schedule_chunks
+from megatron_lite.pipeline.schedule import build_schedule
 from megatron_lite.planner import (
     BLOCKS,
     GIB,
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     flt = ap.add_argument_group("restrict the search")
     for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
-    flt.add_argument("--schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"])
+    flt.add_argument("--schedule", choices=list(schedules.NAMES))
     flt.add_argument("--sharding", choices=list(SHARDING),
                      help="--data-parallel-sharding-strategy (column ZeRO: its stage 0-3)")
     flt.add_argument("--recompute", choices=["none", "selective", "full"])
@@ -314,15 +314,15 @@ def play(name: str, pp: int, chunks: int, microbatches: int,
     that one stage's micro-batch (F + B + W) takes 1."""
     from tests.pipeline.simulator import simulate  # the checker of every action list
 
-    if name == "interleaved" and microbatches % pp:
-        raise ConfigError(f"--timeline-microbatches {microbatches}: the interleaved schedule "
+    sched = schedules.get(name)
+    if sched.microbatches_multiple_of_pp and microbatches % pp:
+        raise ConfigError(f"--timeline-microbatches {microbatches}: the {name} schedule "
                           f"needs a multiple of PP = {pp}")
     f, b, w = (x / sum(op_costs) for x in op_costs)
-    chunks = schedule_chunks(name, chunks)
-    kind = name if name in ("zb-h1", "zbv") else None
-    schedule = build_schedule(pp, microbatches, chunks, kind=kind, costs=(f, b, w))
+    chunks = sched.stage_chunks(chunks)
+    schedule = build_schedule(pp, microbatches, chunks, kind=name, costs=(f, b, w))
     result = simulate(schedule, microbatches, chunks, f, b + w,
-                      weight_time=w if kind else None, v_shape=name == "zbv")
+                      weight_time=w if sched.split_backward else None, v_shape=sched.v_shape)
     return Timeline(name, chunks, result.slots, result.makespan, result.bubble)
 
 

@@ -14,18 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 # component -> megatron_lite components it may import (itself is always allowed)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),  # UserError and how entrypoints report it: below everything, stdlib only
-    "config": {"errors"},
+    # the schedule table and the layout arithmetic: leaves every layer may read
+    "schedules": set(),
+    "layout": {"schedules"},
+    "config": {"errors", "schedules", "layout"},
     "provenance": set(),
     "arguments": {"config", "errors"},
     "parallel": {"config", "errors"},
     "kernels": set(),
     "layers": {"config", "parallel", "kernels"},
     "model": {"config", "parallel", "kernels", "layers"},
-    "pipeline": {"config", "parallel", "kernels", "layers", "model"},
+    "pipeline": {"config", "parallel", "kernels", "layers", "model", "schedules", "layout"},
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
-    "optim": {"config", "parallel", "layers"},
+    "optim": {"config", "parallel", "layers", "layout"},
     "data": {"config", "errors"},
-    "planner": {"config", "plan_time"},
+    "planner": {"config", "plan_time", "schedules"},
     "plan_time": {"errors"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)

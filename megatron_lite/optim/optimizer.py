@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config, ddp_bucket_size
+from megatron_lite.config import Config, ConfigError, ddp_bucket_size
 from megatron_lite.config import num_microbatches as num_microbatches_of
 from megatron_lite.layers import tags
+from megatron_lite.layout import overlap_param_gather_errors
 from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
 from megatron_lite.optim.clip import (
@@ -148,9 +149,10 @@ class Optimizer:
     def __init__(self, cfg: Config, chunks: Sequence[nn.Module], pstate: ParallelState
                  ) -> None:
         parallel = cfg.parallel
-        if parallel.overlap_param_gather and not parallel.use_distributed_optimizer:
-            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer "
-                             "(plain data parallelism has no parameter all-gather)")
+        errors = overlap_param_gather_errors(parallel.overlap_param_gather,
+                                             parallel.use_distributed_optimizer)
+        if errors:
+            raise ConfigError(errors[0])
         # CP ranks hold the same parameters as DP ranks do: reduce and shard over DP x CP
         self.cfg, self.pstate = cfg, pstate.gradient_replicas()
         self.sharded = parallel.use_distributed_optimizer

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import Config, ConfigError, pipeline_schedule
+from megatron_lite import layout
+from megatron_lite.config import Config, ConfigError, schedule_in_effect
 
 
 @dataclass(frozen=True)
@@ -51,65 +52,6 @@ class Partition:
         raise KeyError(f"layer {layer} is not in this partition")
 
 
-def stage_layer_counts(
-    num_layers: int,
-    pp_size: int,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> list[int]:
-    """Layers per stage; raises ConfigError naming the flags when the split is impossible."""
-    if pp_size == 1:
-        if first_stage_layers is not None or last_stage_layers is not None:
-            raise ConfigError(
-                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
-                "--pipeline-model-parallel-size > 1 (got 1); drop them or add pipeline stages"
-            )
-        return [num_layers]
-    fixed = {0: first_stage_layers, pp_size - 1: last_stage_layers}
-    fixed = {stage: n for stage, n in fixed.items() if n is not None}
-    for stage, n in fixed.items():
-        flag = "first" if stage == 0 else "last"
-        if n < 1:
-            raise ConfigError(f"--decoder-{flag}-pipeline-num-layers must be >= 1, got {n}")
-    rest_layers = num_layers - sum(fixed.values())
-    rest_stages = pp_size - len(fixed)
-    if rest_stages == 0:
-        if rest_layers != 0:
-            raise ConfigError(
-                f"--decoder-first-pipeline-num-layers {first_stage_layers} + "
-                f"--decoder-last-pipeline-num-layers {last_stage_layers} must equal --num-layers "
-                f"{num_layers} with --pipeline-model-parallel-size {pp_size}"
-            )
-        return [fixed[0], fixed[pp_size - 1]]
-    if rest_layers < rest_stages or rest_layers % rest_stages:
-        what = (f"--num-layers {num_layers}" if not fixed else
-                f"the {rest_layers} layers left after the uneven first/last stages")
-        raise ConfigError(
-            f"{what} cannot be split evenly over {rest_stages} pipeline stages "
-            f"(--pipeline-model-parallel-size {pp_size}); use a multiple of {rest_stages} "
-            "or set --decoder-first/last-pipeline-num-layers"
-        )
-    return [fixed.get(stage, rest_layers // rest_stages) for stage in range(pp_size)]
-
-
-def num_virtual_chunks(num_layers: int, pp_size: int, layers_per_virtual_stage: int | None) -> int:
-    """v = num_layers / (p * layers per virtual stage); 1 when interleaving is off."""
-    if layers_per_virtual_stage is None:
-        return 1
-    if pp_size == 1:
-        raise ConfigError(
-            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1; "
-            "drop it for a single stage"
-        )
-    if layers_per_virtual_stage < 1 or num_layers % (pp_size * layers_per_virtual_stage):
-        raise ConfigError(
-            f"--num-layers {num_layers} must be divisible by --pipeline-model-parallel-size "
-            f"{pp_size} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage} "
-            f"= {pp_size * layers_per_virtual_stage}"
-        )
-    return num_layers // (pp_size * layers_per_virtual_stage)
-
-
 def partition_layers(
     num_layers: int,
     pp_size: int,
@@ -117,17 +59,17 @@ def partition_layers(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> Partition:
-    """Assign every layer to exactly one (stage, chunk); see the module docstring for the rule."""
-    counts = stage_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
-    v = num_virtual_chunks(num_layers, pp_size, layers_per_virtual_stage)
-    for stage, count in enumerate(counts):
-        if count % v:
-            raise ConfigError(
-                f"pipeline stage {stage} has {count} layers, not divisible by the {v} virtual "
-                f"chunks per stage (--num-layers {num_layers} / (--pipeline-model-parallel-size "
-                f"{pp_size} x --num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}))"
-                "; adjust the uneven first/last stage sizes or the virtual stage size"
-            )
+    """Assign every layer to exactly one (stage, chunk); see the module docstring for the rule.
+
+    Raises ConfigError with layout.py's message (the one config.validate gives) when the
+    split is impossible."""
+    errors = layout.split_errors(num_layers, pp_size, layers_per_virtual_stage,
+                                 first_stage_layers, last_stage_layers)
+    if errors:
+        raise ConfigError(errors[0])
+    counts = layout.stage_layer_counts(num_layers, pp_size, first_stage_layers,
+                                       last_stage_layers)
+    v = layout.virtual_chunks(num_layers, pp_size, layers_per_virtual_stage)
     per_chunk = [count // v for count in counts]
     layers: list[list[tuple[int, ...]]] = [[] for _ in range(pp_size)]
     start = 0
@@ -157,10 +99,11 @@ def stage_and_chunk(pp_size: int, virtual: int, v_shape: bool = False) -> tuple[
 
 
 def config_partition(cfg: Config, pp_size: int) -> Partition:
-    """The partition a run's flags ask for: the V under --pipeline-schedule zbv, else
-    round-robin with the virtual stage size and the uneven first/last stages."""
+    """The partition a run's flags ask for: the V when the schedule places chunks in one
+    (ZBV), else round-robin with the virtual stage size and the uneven first/last stages."""
     parallel, layers = cfg.parallel, cfg.model.num_layers
-    if pipeline_schedule(parallel) == "zbv":
+    sched = schedule_in_effect(parallel)
+    if sched.v_shape:
         return v_partition(layers, pp_size)
     return partition_layers(layers, pp_size, parallel.num_layers_per_virtual_pipeline_stage,
                             parallel.decoder_first_pipeline_num_layers,

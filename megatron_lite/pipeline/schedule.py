@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_lite import layout, schedules
 from megatron_lite.pipeline import zero_bubble
 from megatron_lite.pipeline.partition import stage_and_chunk, virtual_stage
 
@@ -202,13 +203,11 @@ def _transfers(op: Compute, pp_size: int, stage: int, num_chunks: int
     return recvs, sends
 
 
-SCHEDULES = ("1f1b", "interleaved", *zero_bubble.ZERO_BUBBLE_SCHEDULES)
-"""--pipeline-schedule choices; 1f1b and interleaved are today's (v = 1 or v > 1 chunks)."""
-
-
 def schedule_chunks(kind: str, num_chunks: int) -> int:
-    """Chunks per stage the schedule `kind` runs: ZB-H1 one, ZBV two, the others as built."""
-    return {"zb-h1": 1, "zbv": 2}.get(kind, num_chunks)
+    """Chunks per stage the schedule `kind` runs: the zero-bubble ones their table's count
+    (ZB-H1 one, ZBV two); 1f1b and interleaved build whatever `num_chunks` picks."""
+    sched = schedules.get(kind, num_chunks)
+    return sched.stage_chunks(num_chunks) if sched.split_backward else num_chunks
 
 
 def stage_schedule(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks: int = 1,
@@ -220,7 +219,7 @@ def stage_schedule(pp_size: int, pp_rank: int, num_microbatches: int, num_chunks
     stage's list from one timeline (timed by `costs`, see `build_schedule`) and return this
     stage's.
     """
-    if kind in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+    if kind in schedules.ZERO_BUBBLE:
         return build_schedule(pp_size, num_microbatches, num_chunks, forward_only, kind,
                               costs)[pp_rank]
     steps = compute_steps(pp_size, pp_rank, num_microbatches, num_chunks, forward_only)
@@ -266,8 +265,8 @@ def _zero_bubble_schedule(kind: str, pp_size: int, num_microbatches: int, forwar
     chunk 1's head is tied to) after both chunks' last W.
     """
     slots = zero_bubble.timeline(kind, pp_size, num_microbatches, forward_only, costs)
-    v_shape = kind == "zbv"
-    num_chunks = schedule_chunks(kind, 1)
+    sched = schedules.get(kind)
+    v_shape, num_chunks = sched.v_shape, sched.stage_chunks(1)
     index = [{(s.kind, s.microbatch, s.chunk): i for i, s in enumerate(stage_slots)}
              for stage_slots in slots]
     # per stage: (key, is_recv, index of the compute it follows or feeds, op)
@@ -332,16 +331,11 @@ def build_schedule(pp_size: int, num_microbatches: int, num_chunks: int = 1,
     `costs` (F, B, W of a whole stage) time the zero-bubble timeline: unit costs by default;
     the measured ones place each stage's W's where that machine's bubbles are.
     """
-    if num_microbatches < 1:
-        raise ValueError(f"need at least one micro-batch, got {num_microbatches}")
-    if num_chunks > 1 and pp_size == 1:
-        raise ValueError("virtual chunks need more than one pipeline stage")
-    if kind in zero_bubble.ZERO_BUBBLE_SCHEDULES:
-        if pp_size == 1:
-            raise ValueError(f"the {kind} schedule needs more than one pipeline stage")
-        if num_chunks != schedule_chunks(kind, num_chunks):
-            raise ValueError(f"the {kind} schedule runs {schedule_chunks(kind, 1)} chunk(s) per "
-                             f"stage, the model was built with {num_chunks}")
+    sched = schedules.get(kind, num_chunks)
+    errors = layout.build_errors(sched, pp_size, num_microbatches, num_chunks)
+    if errors:
+        raise ValueError(errors[0])
+    if sched.split_backward:
         return _zero_bubble_schedule(kind, pp_size, num_microbatches, forward_only, costs)
     return [stage_schedule(pp_size, rank, num_microbatches, num_chunks, forward_only)
             for rank in range(pp_size)]

@@ -35,9 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_lite import schedules
 from megatron_lite.pipeline.partition import virtual_stage
-
-ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -89,11 +88,11 @@ class _Run:
 
     @property
     def v_shape(self) -> bool:
-        return self.kind == "zbv"
+        return schedules.get(self.kind).v_shape
 
     @property
     def last_virtual(self) -> int:
-        return self.pp_size * (2 if self.v_shape else 1) - 1
+        return self.pp_size * schedules.get(self.kind).stage_chunks(1) - 1
 
     def virtual(self, stage: _Stage, chunk: int) -> int:
         return virtual_stage(self.pp_size, stage.rank, chunk, self.v_shape)
@@ -121,7 +120,7 @@ def timeline(kind: str, pp_size: int, num_microbatches: int,
              ) -> list[list[Slot]]:
     """Every stage's computes in order with start and end times; `costs` = (F, B, W) of a
     whole stage (a chunk costs 1/v of it)."""
-    if kind not in ZERO_BUBBLE_SCHEDULES:
+    if kind not in schedules.ZERO_BUBBLE:
         raise ValueError(f"unknown zero-bubble schedule {kind!r}")
     candidates = [_play(kind, pp_size, num_microbatches, forward_only, costs, patient)
                   for patient in (False, True)]
@@ -130,7 +129,7 @@ def timeline(kind: str, pp_size: int, num_microbatches: int,
 
 def _play(kind: str, pp_size: int, num_microbatches: int, forward_only: bool,
           costs: tuple[float, float, float], patient: bool) -> list[list[Slot]]:
-    chunks = 2 if kind == "zbv" else 1
+    chunks = schedules.get(kind).stage_chunks(1)
     run = _Run(kind, pp_size, num_microbatches,
                {op: c / chunks for op, c in zip("FBW", costs)}, patient)
     stages = [_Stage(rank, chunks) for rank in range(pp_size)]
@@ -177,8 +176,8 @@ def _pick_forward(run: _Run, stage: _Stage, now: float) -> tuple[str, int] | Non
 
 def _pick(run: _Run, stage: _Stage, now: float) -> tuple[str, int] | None:
     """(kind, chunk) of the compute this idle stage starts now, or None to wait."""
-    if run.kind == "zb-h1":
-        # 1F1B's order of F and B: the next one is F while the warm-up depth allows
+    if not run.v_shape:
+        # one chunk (ZB-H1): 1F1B's order of F and B, F while the warm-up depth allows
         depth = stage.next_forward[0] - stage.next_backward[0]
         if stage.next_forward[0] < run.num_microbatches and depth < run.pp_size - stage.rank:
             due, op, room = run.forward_input(stage, 0), "F", stage.held() < run.pp_size
