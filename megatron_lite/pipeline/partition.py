@@ -102,8 +102,7 @@ def config_partition(cfg: Config, pp_size: int) -> Partition:
     """The partition a run's flags ask for: the V when the schedule places chunks in one
     (ZBV), else round-robin with the virtual stage size and the uneven first/last stages."""
     parallel, layers = cfg.parallel, cfg.model.num_layers
-    sched = schedule_in_effect(parallel)
-    if sched.v_shape:
+    if schedule_in_effect(parallel).v_shape:
         return v_partition(layers, pp_size)
     return partition_layers(layers, pp_size, parallel.num_layers_per_virtual_pipeline_stage,
                             parallel.decoder_first_pipeline_num_layers,
