@@ -3,13 +3,16 @@
 For scripts/demo.sh's model (4 x 192, 4 heads, seq 128, micro-batch 16, vocab 4096) and
 scripts/shakespeare_char_cpu.sh's (nanoGPT's 4 x 128, ffn 384, seq 64, batch 12, its char
 vocabulary), both fp32 on one process: `--hardware cpu` measures this machine (matmul rate,
-copy bandwidth, the cost of one small op, plan_time.measure_cpu), the model's own GEMM shapes
-are timed for its peak (a CPU's rate depends on the shape and on who shares the cores), the
-planner predicts one iteration, and pretrain.py runs the same model on mock data (same
-shapes, same work per iteration) for --iters iterations; the median after --warmup is the
-measurement. Target: prediction within +-30%. Prints a table and writes bench/results/plan_cpu.json.
+copy bandwidth, the cost of one small op, plan_time.measure_cpu), the model's own GEMMs (cold
+caches) and attention cores are timed for its peak (a CPU's rate depends on the shape, and
+its flash-attention kernel runs at a fraction of the GEMM rate), the planner predicts one
+iteration, and pretrain.py runs the same model on mock data (same shapes, same work per
+iteration) for --iters iterations, --rounds times. The constants are measured before, between
+and after the runs and the median prediction is compared with the median iteration after
+--warmup: this machine's speed drifts by 30% within a minute as other jobs come and go.
+Target: prediction within +-30%. Prints a table and writes bench/results/plan_cpu.json.
 
-    OMP_NUM_THREADS=1 python bench/plan_cpu.py [--iters 30] [--warmup 5]
+    OMP_NUM_THREADS=1 python bench/plan_cpu.py [--iters 30] [--warmup 5] [--rounds 2]
     python bench/plan_cpu.py --count-ops      # aten ops of one layer (CPU_KERNELS_PER_LAYER)
     python bench/plan_cpu.py --gemm-curve     # fp32 GEMM rate by size (CPU_GEMM_HALF_DIM)
 """
@@ -48,22 +51,35 @@ MODELS = {
 """Each script's model and batch, as its pretrain.py command gives them."""
 
 
-def _median_s(fn, seconds: float) -> float:
-    """Median seconds of `fn` over at least `seconds` (and 3 calls), after one warm-up."""
+def _median_s(fn, seconds: float, cold: bool = False) -> float:
+    """Median seconds of `fn` over at least `seconds` of calls (and 3 calls), after one
+    warm-up; `cold`: each call after overwriting a buffer larger than the caches, as a
+    training step's GEMM runs after the ops between have evicted its operands."""
     fn()
-    times, start = [], time.perf_counter()
-    while time.perf_counter() - start < seconds or len(times) < 3:
+    times, spent = [], 0.0
+    while spent < seconds or len(times) < 3:
+        if cold:
+            _EVICT.fill_(1.0)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        spent += times[-1]
     return sorted(times)[len(times) // 2]
+
+
+_EVICT = torch.empty(2**24)
+"""64 MiB, twice this CPU's last-level cache: `_median_s(cold=True)` writes it."""
 
 
 def model_gemm_rate(flags: list[str], seconds: float = 0.1) -> tuple[float, float]:
     """(TFLOP/s of the model's own GEMMs and attention cores on this CPU, as autograd runs
     them; the attention core's alone). Each layer and head GEMM forward (x @ wᵀ), its input
     gradient (dy @ w) and its weight gradient (dyᵀ @ x), and one causal SDPA forward and
-    backward at the model's [b, heads, s, d], medians; the FLOPs are the planner's own
+    backward at the model's [b, heads, s, d], medians. The GEMMs run with cold caches
+    (their weights and saved inputs come from memory in a training step: timed warm, the
+    Shakespeare model's GEMMs took 43 ms per step, cold 49, inside pretrain.py's step under
+    torch.profiler 50); the attention core warm (q, k, v are the previous op's output; warm
+    1.47 ms per layer, cold 2.6, in the step 1.74). The FLOPs are the planner's own
     (the causal half; 2 matmuls forward, 5 backward), so the blended rate is the peak at
     which the planner's GEMM time equals the timed sum. The CPU flash kernel's softmax
     (exp over every score of a tile) is scalar-bound work that no GEMM rate shows: timing
@@ -83,7 +99,7 @@ def model_gemm_rate(flags: list[str], seconds: float = 0.1) -> tuple[float, floa
         x, w, dy = (torch.randn(int(r), int(c)) for r, c in ((m, k), (n, k), (m, n)))
         for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
             flops += times * 2 * m * n * k
-            seconds_total += times * _median_s(lambda a=a, b=b: a @ b, seconds)
+            seconds_total += times * _median_s(lambda a=a, b=b: a @ b, seconds, cold=True)
     q, k, v = (torch.randn(mbs, heads, seq, shape.head_dim, requires_grad=True)
                for heads in (shape.heads, shape.query_groups, shape.query_groups))
     grad = torch.randn(mbs, shape.heads, seq, shape.head_dim)
@@ -109,10 +125,10 @@ def predict(flags: list[str], hw: plan_time.Hardware) -> dict:
             "overhead_s": plan.overhead_s, "optimizer_s": plan.optimizer_s}
 
 
-def measure(flags: list[str], iters: int, warmup: int) -> dict:
-    """pretrain.py on mock data: median iteration time after `warmup`, its spread, and the
-    CPU share the run got (its CPU seconds over its wall seconds; 1 thread on a core of its
-    own gives 1.0, other jobs on the cores less)."""
+def measure(flags: list[str], iters: int, warmup: int) -> tuple[list[float], float]:
+    """pretrain.py on mock data: its iteration times after `warmup`, and the CPU share the run
+    got (its CPU seconds over its wall seconds; 1 thread on a core of its own gives 1.0, other
+    jobs on the cores less)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "metrics.jsonl"
         cmd = [sys.executable, str(ROOT / "pretrain.py"), "--mock-data", *flags,
@@ -124,11 +140,16 @@ def measure(flags: list[str], iters: int, warmup: int) -> dict:
         wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
         times = [json.loads(line)["iter_time_ms"] / 1e3 for line in log.read_text().splitlines()
                  if '"iter_time_ms"' in line][warmup:]
-    times.sort()
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return times, cpu / wall
+
+
+def summary(times: list[float], shares: list[float]) -> dict:
+    """Median iteration time, its p10-p90 spread, and the runs' smallest CPU share."""
+    times = sorted(times)
     return {"median_s": statistics.median(times), "p10_s": times[len(times) // 10],
             "p90_s": times[len(times) * 9 // 10], "samples": len(times),
-            "cpu_share": (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-            / wall}
+            "cpu_share": min(shares)}
 
 
 def count_ops(flags: list[str]) -> dict[str, int]:
@@ -179,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="pretrain.py runs per model, constants measured around each")
     ap.add_argument("--count-ops", action="store_true")
     ap.add_argument("--gemm-curve", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_cpu.json")
@@ -196,22 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for name, flags in MODELS.items():
-        # the constants just before and just after the run, the prediction from each: a shared
-        # CPU's speed drifts between minutes, so constants from another moment mislead
-        preds, hws = [], []
-        for when in ("before", "after"):
-            if when == "after":
-                got = measure(flags, args.iters, args.warmup)
+        # constants before, between and after --rounds runs, the median of the predictions
+        # from each: a shared CPU's speed drifts within minutes (another job's burst can halve
+        # one measurement), so constants from one other moment mislead
+        preds, hws, times, shares = [], [], [], []
+        for i in range(args.rounds + 1):
+            if i:
+                run_times, share = measure(flags, args.iters, args.warmup)
+                times, shares = times + run_times, [*shares, share]
             hw = dataclasses.replace(plan_time.PRESETS["cpu"], **plan_time.measure_cpu(4))
             rate, core_rate = model_gemm_rate(flags)
             hws.append({**dataclasses.asdict(hw), "model_tflops": rate,
                         "attention_tflops": core_rate})
             preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate)))
-        pred = {key: statistics.fmean(p[key] for p in preds) for key in preds[0]}
+        pred = sorted(preds, key=lambda p: p["step_s"])[len(preds) // 2]
+        got = summary(times, shares)
         rows.append({"model": name, "hardware": hws, "predicted": pred, "measured": got,
                      "ratio": pred["step_s"] / got["median_s"]})
-    print(f"CPU, {threads} thread(s); constants measured before / after each run")
-    print(f"{'model':<17} {'matmul GF/s':>11} {'GEMM+attn':>9} {'attn':>5} {'us/op':>7} "
+    print(f"CPU, {threads} thread(s); constants measured around each run; the median prediction")
+    print(f"{'model':<17} {'matmul GF/s':>11} {'GEMM+attn':>9} {'attn':>8} {'us/op':>7} "
           f"{'predicted ms':>12} {'(gemm':>6} {'memory':>6} {'ops':>5} {'optim)':>6} "
           f"{'measured ms':>11} {'p10-p90':>13} {'CPU share':>9} {'pred/meas':>9}")
     for r in rows:
@@ -221,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             return f"{'/'.join(f'{scale * x[key]:.0f}' for x in h):>{width}}"
 
         print(f"{r['model']:<17} {pair('peak_tflops')} {pair('model_tflops', width=9)} "
-              f"{pair('attention_tflops', width=5)} {pair('op_us', 1, 7)} "
+              f"{pair('attention_tflops', width=8)} {pair('op_us', 1, 7)} "
               f"{1e3 * p['step_s']:>12.1f} {1e3 * p['gemm_s']:>6.1f} {1e3 * p['memory_s']:>6.1f} "
               f"{1e3 * p['overhead_s']:>5.1f} {1e3 * p['optimizer_s']:>6.1f} "
               f"{1e3 * m['median_s']:>11.1f} {1e3 * m['p10_s']:>6.1f}-{1e3 * m['p90_s']:<6.1f} "
