@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         # constants before, between and after --rounds runs, the median of the predictions
         # from each: a shared CPU's speed drifts within minutes (another job's burst can halve
         # one measurement), so constants from one other moment mislead
-        preds, hws, times, shares = [], [], [], []
+        preds, hws, times, shares, generic = [], [], [], [], []
         for i in range(args.rounds + 1):
             if i:
                 run_times, share = measure(flags, args.iters, args.warmup)
@@ -232,14 +232,18 @@ def main(argv: list[str] | None = None) -> int:
             hws.append({**dataclasses.asdict(hw), "model_tflops": rate,
                         "attention_tflops": core_rate})
             preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate)))
+            generic.append(predict(flags, hw)["step_s"])
         pred = sorted(preds, key=lambda p: p["step_s"])[len(preds) // 2]
         got = summary(times, shares)
         rows.append({"model": name, "hardware": hws, "predicted": pred, "measured": got,
-                     "ratio": pred["step_s"] / got["median_s"]})
-    print(f"CPU, {threads} thread(s); constants measured around each run; the median prediction")
+                     "ratio": pred["step_s"] / got["median_s"],
+                     "plan_py_ratio": statistics.median(generic) / got["median_s"]})
+    print(f"CPU, {threads} thread(s); constants measured around each run; the median prediction"
+          "; plan.py: scripts/plan.py --hardware cpu --fp32's ratio (its peak: the 2048 x 256 x"
+          " 256 matmul)")
     print(f"{'model':<17} {'matmul GF/s':>11} {'GEMM+attn':>9} {'attn':>8} {'us/op':>7} "
           f"{'predicted ms':>12} {'(gemm':>6} {'memory':>6} {'ops':>5} {'optim)':>6} "
-          f"{'measured ms':>11} {'p10-p90':>13} {'CPU share':>9} {'pred/meas':>9}")
+          f"{'measured ms':>11} {'p10-p90':>13} {'CPU share':>9} {'pred/meas':>9} {'plan.py':>7}")
     for r in rows:
         p, m, hw = r["predicted"], r["measured"], r["hardware"]
 
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e3 * p['step_s']:>12.1f} {1e3 * p['gemm_s']:>6.1f} {1e3 * p['memory_s']:>6.1f} "
               f"{1e3 * p['overhead_s']:>5.1f} {1e3 * p['optimizer_s']:>6.1f} "
               f"{1e3 * m['median_s']:>11.1f} {1e3 * m['p10_s']:>6.1f}-{1e3 * m['p90_s']:<6.1f} "
-              f"{m['cpu_share']:>9.2f} {r['ratio']:>9.2f}")
+              f"{m['cpu_share']:>9.2f} {r['ratio']:>9.2f} {r['plan_py_ratio']:>7.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": threads, "rows": rows},
                                    indent=1))
