@@ -12,7 +12,7 @@ On several ranks (torchrun, srun): an error raised before the process groups exi
 the same command line and the same files on every rank, so rank 0 alone prints it and the others
 exit 2 quietly. One raised later can be a single rank's finding (its shards, its share of a
 checkpoint), so `training.run` marks it with `found_on_rank` and each rank that raised it prints
-`error: rank R: <message>`.
+`error: rank R: <message>`; so is a missing --load found before them (a node-local disk).
 
 Stdlib only: config.py imports it, so it sits below everything else.
 """

@@ -6,10 +6,11 @@ whole run, `--save afile/ckpt` at the first save, `--log-jsonl <a directory>` at
 line, a missing `--tokenizer-model` never (with --mock-data). Checking here costs a few
 `stat` calls. The tokenizer files are checked here only with --mock-data, which reads none
 (a flag given is a flag meant); otherwise the tokenizer is loaded before the model and
-names a bad one itself. A missing --load is the checkpointer's error (it may equal --save,
-which starts empty). Node-local data paths exist only on their node, so they are left to the rank
-that reads them (data.builder), --data-cache-path to data.index (unwritable: a warning in one
-process, an error for a preparing rank), and --dry-run checks none (a cluster you are not on).
+names a bad one itself. A missing --load is found next, by checkpoint.apply_checkpoint_args,
+still before the model is built (--load equal to --save may start empty). Node-local data
+paths exist only on their node, so they are left to the rank that reads them (data.builder),
+--data-cache-path to data.index (unwritable: a warning in one process, an error for a
+preparing rank), and --dry-run checks none (a cluster you are not on).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def path_errors(cfg: Config) -> list[str]:
         ("--profile-dir", lg.profile_dir), ("--wandb-save-dir", lg.wandb_save_dir)) if value]
     if lg.log_jsonl:
         checks.append(writable_file_error("--log-jsonl", lg.log_jsonl))
-    if ck.load and Path(ck.load).exists():  # a missing one: the checkpointer's error
+    if ck.load and Path(ck.load).exists():  # a missing one: apply_checkpoint_args says so
         checks.append(readable_error("--load", ck.load, "directory"))
     for flag, value, kind in (("--tokenizer-model", d.tokenizer_model, "file or directory"),
                               ("--vocab-file", d.vocab_file, "file"),

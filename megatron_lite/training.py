@@ -84,7 +84,7 @@ def run(cfg: Config) -> TrainResult:
     """Validate (before any process group exists), initialise, train, tear down."""
     env = detect_launch_env()
     check_paths(cfg)  # a bad --save or --log-jsonl found now, not after the run
-    apply_checkpoint_args(cfg, env.world_size)  # the model shape may come from there
+    apply_checkpoint_args(cfg, env.world_size, env.rank)  # the model shape may come from there
     tokenizer = resolve_tokenizer(cfg)  # the vocab size comes from the tokenizer / manifests
     if env.rank == 0:
         for warning in tokenizer.warnings:

@@ -127,3 +127,16 @@ def test_preprocessing_no_documents_is_an_error(tmp_path, capsys) -> None:
         assert code == 2 and re.search(r"^error: --input \S+: no documents in 1 file", err,
                                        re.M), err
         assert not list(tmp_path.glob("o*"))  # no shard, no manifest
+
+
+def test_a_missing_load_is_found_before_the_model_is_built(tmp_path, monkeypatch) -> None:
+    import megatron_lite.training as training
+    from megatron_lite.arguments import parse_config
+    from megatron_lite.checkpoint.files import CheckpointError
+
+    def built(*_args, **_kwargs):
+        raise AssertionError("the model was built before the --load check")
+
+    monkeypatch.setattr(training, "build_model", built)
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        training.run(parse_config([*TINY, "--load", str(tmp_path / "typo")]))

@@ -60,6 +60,7 @@ from megatron_lite.config import (
 )
 from megatron_lite.data.format import find_manifest
 from megatron_lite.data.loader import MicroBatchLoader
+from megatron_lite.errors import found_on_rank
 from megatron_lite.layers import tags
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import comms
@@ -669,18 +670,25 @@ class Checkpointer:
         return True
 
 
-def apply_checkpoint_args(cfg: Config, world_size: int) -> None:
+def apply_checkpoint_args(cfg: Config, world_size: int, rank: int = 0) -> None:
     """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model section
     / the LR-schedule flags with those saved in the checkpoint --load (or --save) would load.
     Without either schedule flag a resume must keep the saved schedule, as Megatron's does.
-    Runs before the model is built (every rank reads the same small metadata file)."""
+    Runs before the model is built (every rank reads the same small metadata file); a
+    missing --load is this `rank`'s finding (its node's disk may be the one without it)."""
     ckpt_cfg = cfg.checkpoint
     root = ckpt_cfg.load or ckpt_cfg.save
     ckpt_dir = ckpt_files.resolve_checkpoint_dir(Path(root), ckpt_cfg.ckpt_step) if root else None
+    if ckpt_dir is None and ckpt_cfg.load and ckpt_cfg.load != ckpt_cfg.save:
+        with found_on_rank(rank):  # found now, not after the model is built
+            raise ckpt_files.CheckpointError(
+                f"--load {ckpt_cfg.load}: no checkpoint there (no `latest`, no iter_* "
+                "directory); check the path")
     if not (ckpt_cfg.use_checkpoint_args or ckpt_cfg.use_checkpoint_opt_param_scheduler):
         if ckpt_dir is not None and not ckpt_cfg.override_opt_param_scheduler:
-            _check_schedule_unchanged(cfg, world_size, ckpt_files.read_metadata(ckpt_dir),
-                                      ckpt_dir)
+            meta = _readable_metadata(Path(root), ckpt_cfg.ckpt_step)
+            if meta is not None:
+                _check_schedule_unchanged(cfg, world_size, *meta)
         return
     if ckpt_dir is None:
         raise ckpt_files.CheckpointError(
@@ -694,6 +702,17 @@ def apply_checkpoint_args(cfg: Config, world_size: int) -> None:
         schedule = {k: v for k, v in saved["optim"].items()
                     if k.startswith(("lr", "min_lr", "decoupled"))}
         cfg.optim = dataclasses.replace(cfg.optim, **schedule)
+
+
+def _readable_metadata(root: Path, step: int | None) -> tuple[dict, Path] | None:
+    """The metadata of the checkpoint a resume will load: the newest candidate whose metadata
+    reads (a broken newest one is the checkpointer's to report and fall back from)."""
+    for ckpt_dir in ckpt_files.checkpoint_candidates(root, step):
+        try:
+            return ckpt_files.read_metadata(ckpt_dir), ckpt_dir
+        except ckpt_files.CheckpointError:
+            continue
+    return None
 
 
 def _schedule_values(optim: OptimConfig, train: TrainConfig, dp_size: int) -> dict[str, object]:
