@@ -51,6 +51,7 @@ from megatron_lite.planner import (
     total_params,
 )
 from megatron_lite.reliability.spikes import young_daly_interval_s
+from megatron_lite.unattended import read_records
 
 DEFAULT_HELP = {"peak_tflops": "dense bf16 TFLOP/s", "gemm_efficiency": "e_max of the GEMM curve",
                 "gemm_half_dim": "its d_half", "hbm_gbps": "achieved GB/s",
@@ -380,8 +381,7 @@ def _save_seconds(text: str) -> float:
     path = Path(text)
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text}: neither seconds nor a JSONL file")
-    saves = sorted(json.loads(line)["checkpoint_save_s"] for line in path.read_text().splitlines()
-                   if '"checkpoint_save_s"' in line)
+    saves = sorted(r["checkpoint_save_s"] for r in read_records(path) if "checkpoint_save_s" in r)
     if not saves:
         raise argparse.ArgumentTypeError(f"{text}: no checkpoint_save_s records (no save yet)")
     return saves[len(saves) // 2]
