@@ -45,7 +45,8 @@ from megatron_lite.config import Config, ConfigError, ModelConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.kernels import rope as rope_kernels
 from megatron_lite.layers import tags
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -422,8 +423,8 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
     pstate = single_process_state(device)
-    chunk = LlamaChunk(model_cfg, pstate, range(model_cfg.num_layers), pre_process=True,
-                       post_process=True, opts=BuildOptions(seed=0))
+    chunk = LlamaChunk(model_cfg, LayerContext.from_state(pstate, seed=0),
+                       range(model_cfg.num_layers), pre_process=True, post_process=True)
     for name, param in chunk.named_parameters():
         param.copy_(local_slice(reader.full_weight(name).float(), param, pstate))
     return model_cfg, chunk.eval()

@@ -44,9 +44,10 @@ from megatron_lite.distill import Distiller, build_distiller, check_distillation
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.layers.attention import attention_plan
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.optim.lr import step_lrs, weight_decay_at
 from megatron_lite.optim.optimizer import Optimizer
@@ -625,23 +626,28 @@ def use_triton_kernels(cfg: Config, device: torch.device) -> bool:
     return not cfg.train.fp64 and resolve_use_triton(cfg.model.triton_kernels, device)
 
 
+def layer_context(cfg: Config, pstate: ParallelState) -> LayerContext:
+    """The build context of this rank's layers (every chunk of the model shares it)."""
+    return LayerContext.from_state(
+        pstate, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+        dtype=model_dtype(cfg), use_triton=use_triton_kernels(cfg, pstate.device),
+        recompute_granularity=cfg.train.recompute_granularity,
+        recompute_method=cfg.train.recompute_method or "uniform",
+        recompute_num_layers=cfg.train.recompute_num_layers or 1,
+        split_backward=schedule_in_effect(cfg.parallel).split_backward)
+
+
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
     """This rank's model chunks: one per virtual stage (one without interleaving, two in
     ZBV's V, where stage 0's head reuses its embedding)."""
-    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                        dtype=model_dtype(cfg),
-                        use_triton=use_triton_kernels(cfg, pstate.device),
-                        recompute_granularity=cfg.train.recompute_granularity,
-                        recompute_method=cfg.train.recompute_method or "uniform",
-                        recompute_num_layers=cfg.train.recompute_num_layers or 1,
-                        split_backward=schedule_in_effect(cfg.parallel).split_backward)
+    ctx = layer_context(cfg, pstate)
     part = config_partition(cfg, pstate.pp_size)
     chunks: list[LlamaChunk] = []
     for spec in stage_chunks(part, pstate.pp_rank):
         tied = chunks[0].embedding.weight if part.v_shape and spec.post_process else None
-        chunks.append(LlamaChunk(cfg.model, pstate, spec.layer_ids,
+        chunks.append(LlamaChunk(cfg.model, ctx, spec.layer_ids,
                                  pre_process=spec.pre_process, post_process=spec.post_process,
-                                 opts=opts, head_on_stage=part.v_shape and spec.pre_process,
+                                 head_on_stage=part.v_shape and spec.pre_process,
                                  tied_embedding=tied))
     if cfg.train.compile:
         for chunk in chunks:
