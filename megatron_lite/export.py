@@ -433,10 +433,7 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
 @torch.no_grad()
 def model_logits(chunk: LlamaChunk, tokens: Tensor, vocab_size: int) -> Tensor:
     """Logits [b, s, vocab] of a whole-model chunk (TP=1) for token ids [b, s]."""
-    x = chunk.embedding(tokens)
-    for layer in chunk.layers:
-        x = layer(x, chunk.rope_cos, chunk.rope_sin)
-    logits = chunk.output.logits(chunk.final_norm(x))
+    logits = chunk.output.logits(chunk.final_hidden(tokens))
     return logits.transpose(0, 1)[..., :vocab_size]
 
 
