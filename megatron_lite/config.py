@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_lite import layout, schedules
+from megatron_lite import layout, schedules, sharding
 from megatron_lite.errors import UserError
 
 
@@ -155,7 +155,7 @@ def ddp_bucket_size(parallel: ParallelConfig, dp_size: int) -> int:
     return max(40_000_000, 1_000_000 * dp_size)
 
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING_STRATEGIES = sharding.NAMES
 """--data-parallel-sharding-strategy values (Megatron-FSDP's names), least to most sharded."""
 
 
@@ -229,25 +229,25 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
         strategy = self.data_parallel_sharding_strategy
-        if strategy == "no_shard" and self.use_distributed_optimizer:
+        if strategy == sharding.NO_SHARD and self.use_distributed_optimizer:
             raise ConfigError("--use-distributed-optimizer shards the optimizer but "
                               "--data-parallel-sharding-strategy no_shard shards nothing; "
                               "drop one of them")
         if strategy is None:
-            strategy = ("optim_grads_params" if self.use_megatron_fsdp else
-                        "optim" if self.use_distributed_optimizer else "no_shard")
+            strategy = (sharding.OPTIM_GRADS_PARAMS if self.use_megatron_fsdp else
+                        sharding.OPTIM if self.use_distributed_optimizer else sharding.NO_SHARD)
         self.data_parallel_sharding_strategy = strategy
-        self.use_distributed_optimizer = strategy != "no_shard"
+        self.use_distributed_optimizer = sharding.get(strategy).state
 
     @property
     def shard_grads(self) -> bool:
         """ZeRO-2 and 3: each rank keeps only its shard of the reduced gradient."""
-        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        return sharding.get(self.data_parallel_sharding_strategy).grads
 
     @property
     def shard_params(self) -> bool:
         """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
-        return self.data_parallel_sharding_strategy == "optim_grads_params"
+        return sharding.get(self.data_parallel_sharding_strategy).params
 
 
 @dataclass

@@ -312,7 +312,7 @@ def largest_unit_params(model: ModelConfig, tp: int) -> int:
 
 ZERO3_GRAD_BUCKETS = 3
 """ZeRO-3's full-size gradient buckets at once in the backward: the unit accumulating, and
-the inputs of the reduce-scatters in flight (optimizer.MAX_INFLIGHT_SCATTERS = 2)."""
+the inputs of the reduce-scatters in flight (optim/sync_sharded.MAX_INFLIGHT_SCATTERS = 2)."""
 
 
 def zero3_units(model: ModelConfig, tp: int) -> tuple[int, int, int]:
