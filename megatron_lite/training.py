@@ -634,7 +634,8 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
                         recompute_num_layers=cfg.train.recompute_num_layers or 1,
-                        split_backward=schedule_in_effect(cfg.parallel).split_backward)
+                        split_backward=schedule_in_effect(cfg.parallel).split_backward,
+                        moe=cfg.moe if cfg.moe.num_experts else None)
     part = config_partition(cfg, pstate.pp_size)
     chunks: list[LlamaChunk] = []
     for spec in stage_chunks(part, pstate.pp_rank):
