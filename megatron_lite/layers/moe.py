@@ -24,11 +24,12 @@ tokens and the output is all-reduced.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from megatron_lite.config import ModelConfig, MoEConfig
+from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.init import init_shard
@@ -120,7 +121,7 @@ class MoE(nn.Module):
         super().__init__()
         experts, hidden, t = moe.num_experts, cfg.hidden_size, pstate.tp_size
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
-        self.experts, self.local_ffn = experts, ffn // t
+        self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
         self.tp_group, self.sequence_parallel = pstate.tp_group, sequence_parallel
         self.use_triton = use_triton
         self.router = Router(hidden, moe, pstate, sequence_parallel=sequence_parallel,
@@ -167,3 +168,73 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x, self.use_triton)
         return out
+
+
+class MoEStep:
+    """The training step's MoE bookkeeping over all of this rank's MoE layers.
+
+    `begin` sets the scale of the router losses' gradients to 1 / (micro-batches x DP), the
+    scale Megatron gives them: each micro-batch's aux loss counts like its mean LM loss, whose
+    gradients are summed over DP here. `end` sums every layer's routed-token counts and loss
+    shares over all ranks (one all-reduce of a [layers, E + 2] table: PP stages fill their own
+    layers' rows, TP ranks only under SP, where they route different tokens), reports
+    metrics.MOE_TERMS, and moves the expert biases: bias += rate x sign(mean count - count), from
+    the counts of the whole step (DeepSeek-V3's update, as Megatron makes it after the
+    backward). Every rank keeps every layer's bias row (the routers hold views of theirs), so
+    rank 0's `state_dict` is the whole model's and the checkpoint's metadata keeps it.
+    """
+
+    def __init__(self, moe: MoEConfig, num_layers: int, pstate: ParallelState,
+                 chunks: Sequence[nn.Module]) -> None:
+        self.moe, self.pstate = moe, pstate
+        self.moe_layers = [i for i, on in enumerate(moe_layer_pattern(moe.moe_layer_freq,
+                                                                      num_layers)) if on]
+        self.routers = {m.layer: m.router for chunk in chunks for m in chunk.modules()
+                        if isinstance(m, MoE)}
+        self.counted = any(r.sp_size > 1 for r in self.routers.values()) or pstate.tp_rank == 0
+        self.table_rows, self.microbatches = num_layers, 1
+        self.bias = None
+        if moe.moe_router_enable_expert_bias:
+            self.bias = torch.zeros(num_layers, moe.num_experts, dtype=torch.float32,
+                                    device=pstate.device)
+            for layer, router in self.routers.items():
+                router.expert_bias = self.bias[layer]
+
+    def begin(self, microbatches: int) -> None:
+        """Before the step's forward-backward: fresh statistics, the loss-gradient scale."""
+        self.microbatches = microbatches
+        for router in self.routers.values():
+            router.pop_stats()
+            router.loss_scale = 1.0 / (microbatches * self.pstate.dp_size)
+
+    def end(self, update_bias: bool) -> dict[str, float]:
+        """After the optimizer step (`update_bias`: it updated the weights)."""
+        experts = self.moe.num_experts
+        table = torch.zeros(self.table_rows, experts + 2, dtype=torch.float64,
+                            device=self.pstate.device)
+        for layer, router in self.routers.items():
+            stats = router.pop_stats()
+            if self.counted:
+                table[layer, :experts] = stats.tokens_per_expert
+                table[layer, experts] = stats.aux_loss
+                table[layer, experts + 1] = stats.z_loss
+        rows = comms.all_reduce_(table, self.pstate.world_group)[self.moe_layers]
+        counts = rows[:, :experts]
+        mean = counts.mean(-1, keepdim=True)
+        if update_bias and self.bias is not None:
+            step = torch.sign(mean - counts) * self.moe.moe_router_bias_update_rate
+            self.bias[self.moe_layers] += step.to(self.bias.dtype)
+        per_microbatch = self.microbatches * self.pstate.dp_size
+        out = {"moe_load_imbalance": (counts.max(-1).values / mean[:, 0]).mean()}
+        if self.moe.moe_aux_loss_coeff and self.moe.moe_router_load_balancing_type != "none":
+            out["load_balancing_loss"] = rows[:, experts].mean() / per_microbatch
+        if self.moe.moe_z_loss_coeff:
+            out["z_loss"] = rows[:, experts + 1].mean() / per_microbatch
+        return {name: comms.host_scalar(value) for name, value in out.items()}
+
+    def state_dict(self) -> dict:
+        return {} if self.bias is None else {"expert_bias": self.bias.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.bias is not None and "expert_bias" in state:
+            self.bias.copy_(torch.tensor(state["expert_bias"], dtype=self.bias.dtype))
