@@ -193,7 +193,7 @@ class MetricsLogger:
             raise ConfigError(f"--straggler-intervals must be >= 1, got {lg.straggler_intervals}")
         self.cfg, self.pstate, self.peak_tflops = cfg, pstate, peak_tflops
         self.enabled = pstate.rank == 0
-        shape = ModelShape.from_config(cfg.model, pstate.tp_size)
+        shape = ModelShape.from_config(cfg.model, pstate.tp_size, cfg.moe)
         seq = cfg.model.seq_length
         self.flops_per_token = training_flops_per_token(shape, seq)
         self.flops_per_token_causal = training_flops_per_token(shape, seq, causal=True)

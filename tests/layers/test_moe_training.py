@@ -13,6 +13,7 @@ from megatron_lite.config import Config, MoEConfig, ParallelConfig
 from megatron_lite.layers.moe import MoEStep
 from megatron_lite.layers.router import RouterStats
 from megatron_lite.parallel.state import ParallelState, single_process_state
+from megatron_lite.planner import ModelShape, matmul_params
 from megatron_lite.training import build_model, train
 from tests.distributed import relayout, run_ranks
 from tests.numerics import EXACT, assert_close
@@ -103,3 +104,15 @@ def test_moe_pretrain_loss_falls(tmp_path: Path) -> None:
     flags.remove("--moe-router-enable-expert-bias")
     losses = _run(single_process_state(), flags, tmp_path / "log.jsonl")["loss"]
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+
+
+def test_flops_count_active_parameters() -> None:
+    """6N counts, in each MoE layer, the router and top-k experts + the shared expert instead
+    of the dense MLP: here N by hand for FLAGS (layer 0 dense, 1 and 2 MoE)."""
+    cfg = parse_config(FLAGS)
+    shape = ModelShape.from_config(cfg.model, 1, cfg.moe)
+    h, attention = 16, 16 * (16 + 2 * 16) + 16 * 16  # qkv + output projection
+    dense_mlp, moe_mlp = 3 * h * 32, 4 * h + 3 * h * (2 * 16 + 8)
+    n = 3 * attention + dense_mlp + 2 * moe_mlp + 64 * h  # vocab 61 padded to 64
+    assert matmul_params(shape) == n
+    assert matmul_params(ModelShape.from_config(cfg.model, 1)) == n - 2 * (moe_mlp - dense_mlp)
