@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
-from megatron_lite.config import Config, MoEConfig, ParallelConfig
+from megatron_lite.config import Config, ConfigError, MoEConfig, ParallelConfig, validate
+from megatron_lite.export import export
 from megatron_lite.layers.moe import MoEStep
 from megatron_lite.layers.router import RouterStats
 from megatron_lite.parallel.state import ParallelState, single_process_state
@@ -90,6 +92,14 @@ def test_checkpoint_round_trip_keeps_expert_bias(tmp_path: Path) -> None:
     assert len(resumed["loss"]) == 2
     for a, b in zip(resumed["loss"], straight["loss"][2:], strict=True):
         assert_close(a, b, EXACT, "loss after resume")
+    with pytest.raises(ConfigError, match="mixture-of-experts checkpoint"):
+        export(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_expert_parallelism_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: expert parallelism "
+                                          "is not implemented yet"):
+        validate(parse_config([*FLAGS, "--expert-model-parallel-size", "2"]), 2)
 
 
 def test_moe_pretrain_loss_falls(tmp_path: Path) -> None:
