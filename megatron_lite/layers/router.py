@@ -61,9 +61,17 @@ def _topk(scores: Tensor, moe: MoEConfig) -> tuple[Tensor, Tensor]:
     return scores.topk(k, dim=-1)
 
 
+def _scoring(logits: Tensor) -> Tensor:
+    """Scores in fp32 at least (as Megatron computes them): a bf16 sigmoid could not even see
+    an expert-bias step of 1e-3."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def route(logits: Tensor, moe: MoEConfig, expert_bias: Tensor | None = None
           ) -> tuple[Tensor, Tensor]:
-    """(weights [T, k], expert ids [T, k]) of each token's chosen experts."""
+    """(weights [T, k] in the logits' dtype, expert ids [T, k]) of each token's chosen
+    experts."""
+    dtype, logits = logits.dtype, _scoring(logits)
     if moe.moe_router_score_function == "softmax":
         if moe.moe_router_pre_softmax:
             weights, ids = _topk(torch.softmax(logits, dim=-1), moe)
@@ -81,7 +89,7 @@ def route(logits: Tensor, moe: MoEConfig, expert_bias: Tensor | None = None
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if moe.moe_router_topk_scaling_factor:
         weights = weights * moe.moe_router_topk_scaling_factor
-    return weights, ids
+    return weights.to(dtype), ids
 
 
 def expert_capacity(tokens: int, experts: int, topk: int, factor: float) -> int:
@@ -110,7 +118,9 @@ def apply_capacity(probs: Tensor, routing_map: Tensor, moe: MoEConfig) -> tuple[
 
 
 def aux_scores(logits: Tensor, moe: MoEConfig) -> tuple[Tensor, Tensor]:
-    """(scores over all experts [T, E], their plain top-k map [T, E]) for the aux loss."""
+    """(scores over all experts [T, E], fp32 at least; their plain top-k map [T, E]) for the
+    aux loss."""
+    logits = _scoring(logits)
     if moe.moe_router_score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
