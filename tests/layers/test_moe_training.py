@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_lite.arguments import parse_config
+from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
 from megatron_lite.config import Config, ConfigError, MoEConfig, ParallelConfig, validate
 from megatron_lite.export import export
 from megatron_lite.layers.moe import MoEStep
@@ -35,7 +36,9 @@ TERMS = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "moe_load_imbalan
 
 
 def _run(pstate: ParallelState, flags: list[str], log: Path) -> dict[str, list[float]]:
-    train(parse_config([*flags, "--log-jsonl", str(log)]), pstate)
+    cfg = parse_config([*flags, "--log-jsonl", str(log)])
+    apply_checkpoint_args(cfg, pstate.world_size)  # as training.run does
+    train(cfg, pstate)
     if pstate.rank:
         return {}
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -82,13 +85,15 @@ def test_expert_bias_update_formula() -> None:
 
 def test_checkpoint_round_trip_keeps_expert_bias(tmp_path: Path) -> None:
     """4 steps straight equal 2 steps, save, load, 2 more: weights and the expert biases
-    (which move routing at this update rate) come back."""
+    (which move routing at this update rate) come back, and --use-checkpoint-args restores
+    the MoE flags with the model's shape."""
     pstate = single_process_state()
     straight = _run(pstate, FLAGS, tmp_path / "straight.jsonl")
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     _run(pstate, [*FLAGS, *ckpt, "--exit-interval", "2"], tmp_path / "first.jsonl")
-    resumed = _run(pstate, [*FLAGS, *ckpt, "--load", str(tmp_path / "ckpt")],
-                   tmp_path / "second.jsonl")
+    dense_flags = FLAGS[:FLAGS.index("--num-experts")]  # --use-checkpoint-args brings the rest
+    resumed = _run(pstate, [*dense_flags, *ckpt, "--load", str(tmp_path / "ckpt"),
+                            "--use-checkpoint-args"], tmp_path / "second.jsonl")
     assert len(resumed["loss"]) == 2
     for a, b in zip(resumed["loss"], straight["loss"][2:], strict=True):
         assert_close(a, b, EXACT, "loss after resume")
