@@ -224,7 +224,7 @@ class MetricsLogger:
             raise ConfigError(f"--straggler-intervals must be >= 1, got {lg.straggler_intervals}")
         self.cfg, self.pstate, self.peak_tflops = cfg, pstate, peak_tflops
         self.enabled = pstate.rank == 0
-        shape = ModelShape.from_config(cfg.model, pstate.tp_size)
+        shape = ModelShape.from_config(cfg.model, pstate.tp_size, cfg.moe)
         seq = cfg.model.seq_length
         self.flops_per_token = training_flops_per_token(shape, seq)
         self.flops_per_token_causal = training_flops_per_token(shape, seq, causal=True)
@@ -355,7 +355,8 @@ class MetricsLogger:
         """The step line up to the memory column."""
         batch = "" if step.global_batch_size is None else f"batch {step.global_batch_size} | "
         return (f"iter {step.iteration:>6}/{self.cfg.train.train_iters} | loss {step.loss:.4f} | "
-                + "".join(f"{k} {record[k]:.4f} | " for k in DISTILL_TERMS if k in record)
+                + "".join(f"{k} {record[k]:.4f} | " for k in (*DISTILL_TERMS, *MOE_TERMS)
+                          if k in record)
                 + f"{batch}lr {step.lr:.3e} | grad norm {step.grad_norm:.3f} | "
                 f"{step.iter_time_s * 1e3:.1f} ms | {record['tokens_per_sec']:,.0f} tok/s | "
                 f"{record['tflops_per_device']:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
@@ -427,6 +428,10 @@ class MetricsLogger:
 DISTILL_TERMS = ("total loss", "logits distillation loss", "intermediate distillation loss")
 """A distillation run's losses beside `loss` (the LM loss), Megatron's names (distill.py)."""
 
+MOE_TERMS = ("load_balancing_loss", "z_loss", "moe_load_imbalance")
+"""A MoE run's step values (layers/moe.py `MoEStep.end`): the router losses without their
+coefficients and max / mean routed tokens per expert, each averaged over the MoE layers."""
+
 
 def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
     """The record's values that go to TensorBoard, under their JSONL names: losses, LR, grad
@@ -437,7 +442,7 @@ def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
         return {}
     wanted = {"loss", "lr", "grad_norm", "global_batch_size", "consumed_samples",
               "skipped_iterations", "params_norm", "num_zeros_in_grad", "eval_loss",
-              "test_loss", "tokens_seen", "epoch", *DISTILL_TERMS}
+              "test_loss", "tokens_seen", "epoch", *DISTILL_TERMS, *MOE_TERMS}
     prefixes = tuple(p for flag, group in (
         (lg.log_timers_to_tensorboard, ("iter_time_ms", "rank_time/", "data_wait_ms",
                                         "comm_wait_ms")),

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_lite.config import MoEConfig
 from megatron_lite.layers.attention import AttentionPlan, Ring
 from megatron_lite.layers.linear import WeightGradQueue
 from megatron_lite.parallel import comms
@@ -52,6 +53,8 @@ class LayerContext:
     recompute_num_layers: int = 1
     split_backward: bool = False
     """Defer weight gradients to the pipeline's W steps (--pipeline-schedule zb-h1/zbv)."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (--num-experts): the layers --moe-layer-freq picks get a `MoE`."""
     weight_grads: WeightGradQueue | None = None
     """The queue of one model chunk's deferred weight gradients (`for_chunk`); None when
     backward is plain autograd."""
@@ -60,8 +63,8 @@ class LayerContext:
     def from_state(cls, pstate: ParallelState, *, seed: int, sequence_parallel: bool = False,
                    dtype: torch.dtype = torch.float32, use_triton: bool = False,
                    recompute_granularity: str | None = None, recompute_method: str = "uniform",
-                   recompute_num_layers: int = 1, split_backward: bool = False
-                   ) -> LayerContext:
+                   recompute_num_layers: int = 1, split_backward: bool = False,
+                   moe: MoEConfig | None = None) -> LayerContext:
         """The context of this rank's layers. The one place sequence parallelism is resolved
         for the TP size: at TP=1 there is no group to split the sequence over."""
         ring = (Ring(pstate.cp_group, pstate.cp_ranks, pstate.cp_rank)
@@ -72,7 +75,8 @@ class LayerContext:
                    device=pstate.device, seed=seed, dtype=dtype, use_triton=use_triton,
                    recompute_granularity=recompute_granularity,
                    recompute_method=recompute_method,
-                   recompute_num_layers=recompute_num_layers, split_backward=split_backward)
+                   recompute_num_layers=recompute_num_layers, split_backward=split_backward,
+                   moe=moe)
 
     def for_chunk(self) -> LayerContext:
         """This context for one model chunk: its own weight-gradient queue when backward is

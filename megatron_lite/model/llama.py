@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, moe_layer_pattern
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
@@ -39,6 +39,7 @@ from megatron_lite.layers.attention import attention
 from megatron_lite.layers.context import BatchContext, LayerContext
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.moe import MoE
 from megatron_lite.layers.norm import RMSNorm
 
 
@@ -125,6 +126,14 @@ class MLP(nn.Module):
         return self.down(swiglu(gate, up, use_triton=self.use_triton))
 
 
+def build_mlp(cfg: ModelConfig, ctx: LayerContext, layer: int) -> nn.Module:
+    """The dense SwiGLU MLP, or the MoE layer on the layers --moe-layer-freq selects."""
+    moe = ctx.moe
+    if moe is None or not moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)[layer]:
+        return MLP(cfg, ctx, layer)
+    return MoE(cfg, moe, ctx, layer)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
@@ -134,7 +143,7 @@ class TransformerLayer(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx)
         self.attention = Attention(cfg, ctx, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx)
-        self.mlp = MLP(cfg, ctx, layer)
+        self.mlp = build_mlp(cfg, ctx, layer)
 
     def forward(self, x: Tensor, batch: BatchContext) -> Tensor:
         x = x + self.attention(self.attention_norm(x), batch)
