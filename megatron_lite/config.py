@@ -1118,9 +1118,16 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias update: bias += rate x sign(mean load - expert load)."""
     expert_model_parallel_size: int = 1
-    """Expert parallelism: not implemented yet, only 1."""
+    """Expert parallelism: the routed experts split over this many ranks, carved out of the
+    DP x CP replicas (Megatron's MoE parallel folding); must divide --num-experts and DP x CP."""
     expert_tensor_parallel_size: int | None = None
     """TP size of the experts; only --tensor-model-parallel-size (the default) for now."""
+    moe_token_dispatcher_type: str = field(
+        default="allgather", metadata={"choices": ["allgather", "alltoall"]})
+    """How tokens reach the experts of other EP ranks: allgather (every EP rank receives all
+    the group's tokens and runs its experts on the ones routed there; output reduce-scattered
+    back) or alltoall (each token sent only to the ranks of its chosen experts, with the
+    per-expert counts exchanged first)."""
 
     def __post_init__(self) -> None:
         if self.num_experts is not None:
@@ -1161,16 +1168,16 @@ def _list_expr(node: ast.AST) -> int | list:
     raise ValueError(f"{type(node).__name__} is not allowed")
 
 
-def moe_errors(cfg: Config) -> list[str]:
+def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
     """What a MoE run needs of the other flags (nothing when --num-experts is not given)."""
     moe, model = cfg.moe, cfg.model
     tp = cfg.parallel.tensor_model_parallel_size
-    if moe.expert_model_parallel_size > 1:
-        return [f"--expert-model-parallel-size {moe.expert_model_parallel_size}: expert "
-                "parallelism is not implemented yet; use 1 (experts are split over TP)"]
     if moe.num_experts is None:
+        if moe.expert_model_parallel_size > 1:
+            return [f"--expert-model-parallel-size {moe.expert_model_parallel_size} needs "
+                    "--num-experts (a dense model has no experts to split)"]
         return []
-    errors = []
+    errors = _expert_parallel_errors(cfg, world_size)
     if moe.expert_tensor_parallel_size not in (None, tp):
         errors.append(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: the "
                       f"experts are split like the dense MLP, over --tensor-model-parallel-"
@@ -1197,6 +1204,29 @@ def moe_errors(cfg: Config) -> list[str]:
         ("--dry-run", cfg.train.dry_run)) if on]
     errors += [f"--num-experts with {flag} is not implemented yet; drop one of them"
                for flag in not_yet]
+    return errors
+
+
+def _expert_parallel_errors(cfg: Config, world_size: int) -> list[str]:
+    """--expert-model-parallel-size must split the experts and the DP x CP replicas evenly."""
+    ep, experts = cfg.moe.expert_model_parallel_size, cfg.moe.num_experts
+    if ep == 1:
+        return []
+    par = cfg.parallel
+    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    replicas = world_size // model_parallel if world_size % model_parallel == 0 else 0
+    errors = []
+    if experts % ep:
+        errors.append(f"--expert-model-parallel-size {ep} does not divide --num-experts "
+                      f"{experts}; pick a divisor of the experts")
+    if replicas and replicas % ep:
+        errors.append(f"--expert-model-parallel-size {ep} does not divide the {replicas} "
+                      "data x context parallel replicas it is carved out of (world size / "
+                      "(TP x PP)); launch a multiple of EP x TP x PP ranks")
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        errors.append(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of "
+                      "expert-parallel runs are not implemented yet (each EP rank holds "
+                      "different experts); run without EP to checkpoint")
     return errors
 
 
@@ -1318,7 +1348,7 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     errors += _context_parallel_errors(cfg)
     errors += _fp64_errors(cfg)
-    errors += moe_errors(cfg)
+    errors += moe_errors(cfg, world_size)
     if model.kv_channels is None:
         errors.append(
             f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
