@@ -116,6 +116,32 @@ class MemoryReport:
                 f"{100 * self.buffer_padding_fraction:.3f}% of the buffer)")
 
 
+def _group_specs(pstate: ParallelState, sharded: bool) -> list[tuple]:
+    """(name, which parameters, replicas, norm group, count-once) per sync group: the dense
+    parameters' norm is summed over the model-parallel ranks when the replicas hold the same
+    gradient; the experts' over every rank (EP ranks hold different experts), counted on
+    expert-replica 0 only when not sharded."""
+    dense_norm = pstate.world_group if sharded else pstate.mp_group
+    if pstate.ep_size == 1:
+        return [("dense", lambda p: True, pstate.replicas, dense_norm, False)]
+    return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, dense_norm, False),
+            ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, True)]
+
+
+def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
+                select: Callable[[nn.Parameter], bool], replicas: ReplicaGroup,
+                norm_group: dist.ProcessGroup | None, norm_once: bool) -> SyncGroup:
+    """One group's buffers and strategy instance, sharing the optimizer's clocks."""
+    cfg = opt.cfg
+    bufs = ParamBuffers.build(chunks, select, opt.pstate, cfg.parallel, opt.strategy,
+                              opt.math_dtype, replicas, norm_once)
+    ctx = SyncContext(replicas, cfg.parallel, opt.reduce_tied, opt.traffic, opt.wait_clock)
+    check = (UpdateCheck(bufs.shards, cfg.optim, opt.math_dtype, opt.pstate.device)
+             if cfg.reliability.check_for_nan_in_loss_and_grad else None)
+    return SyncGroup(name, bufs, STRATEGIES[opt.strategy.name](chunks, bufs, ctx), ctx,
+                     norm_group, check)
+
+
 class Optimizer:
     """AdamW over this rank's model chunks, its gradient sync chosen by the config."""
 
@@ -140,7 +166,8 @@ class Optimizer:
         the tied-embedding and SP all-reduces), ZeRO-1/2's parameter all-gathers (their waits
         under --overlap-param-gather, the whole gather otherwise); the training step adds its
         token-count and loss all-reduces."""
-        self.groups = [self._group(chunks, *spec) for spec in self._group_specs()]
+        self.groups = [_sync_group(self, chunks, *spec) for spec in _group_specs(pstate,
+                                                                                 self.sharded)]
         self.params = [p for g in self.groups for p in g.bufs.params]
         self.buffers = [b for g in self.groups for b in g.bufs.buffers]
         self.shards = [s for g in self.groups for s in g.bufs.shards]
@@ -152,30 +179,6 @@ class Optimizer:
         self.on_skip: Callable[[str], None] | None = None
         """Told why `step` skipped (the reliability guard's event names the cause)."""
         self._step = 0
-
-    def _group_specs(self) -> list[tuple]:
-        """(name, which parameters, replicas, norm group, count-once) per sync group: the
-        dense parameters' norm is summed over the model-parallel ranks when the replicas hold
-        the same gradient; the experts' over every rank (EP ranks hold different experts),
-        counted on expert-replica 0 only when not sharded."""
-        pstate = self.pstate
-        dense_norm = pstate.world_group if self.sharded else pstate.mp_group
-        if pstate.ep_size == 1:
-            return [("dense", lambda p: True, pstate.replicas, dense_norm, False)]
-        return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, dense_norm, False),
-                ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, True)]
-
-    def _group(self, chunks: Sequence[nn.Module], name: str,
-               select: Callable[[nn.Parameter], bool], replicas: ReplicaGroup,
-               norm_group: dist.ProcessGroup | None, norm_once: bool) -> SyncGroup:
-        bufs = ParamBuffers.build(chunks, select, self.pstate, self.cfg.parallel,
-                                  self.strategy, self.math_dtype, replicas, norm_once)
-        ctx = SyncContext(replicas, self.cfg.parallel, self._reduce_tied, self.traffic,
-                          self.wait_clock)
-        check = (UpdateCheck(bufs.shards, self.cfg.optim, self.math_dtype, self.pstate.device)
-                 if self.cfg.reliability.check_for_nan_in_loss_and_grad else None)
-        return SyncGroup(name, bufs, STRATEGIES[self.strategy.name](chunks, bufs, ctx), ctx,
-                         norm_group, check)
 
     @property
     def grad_check(self) -> Callable[[Tensor], None] | None:
@@ -233,7 +236,8 @@ class Optimizer:
                     g.copy_(reduced)
         self._finalized = True
 
-    def _reduce_tied(self, grad: Tensor) -> None:
+    def reduce_tied(self, grad: Tensor) -> None:
+        """Sum a tied-embedding gradient over the first and last stage (in place)."""
         comms.all_reduce_(grad, self.pstate.embedding_group)
 
     # ---- update ----------------------------------------------------------------------------
