@@ -13,6 +13,7 @@ megatron_lite.layout from megatron_lite (stdlib only).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import itertools
@@ -21,7 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_lite import layout, schedules
+from megatron_lite import layout, schedules, sharding
 from megatron_lite.errors import UserError
 
 
@@ -155,7 +156,7 @@ def ddp_bucket_size(parallel: ParallelConfig, dp_size: int) -> int:
     return max(40_000_000, 1_000_000 * dp_size)
 
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING_STRATEGIES = sharding.NAMES
 """--data-parallel-sharding-strategy values (Megatron-FSDP's names), least to most sharded."""
 
 
@@ -229,25 +230,25 @@ class ParallelConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)} must be >= 1, got {getattr(self, name)}")
         strategy = self.data_parallel_sharding_strategy
-        if strategy == "no_shard" and self.use_distributed_optimizer:
+        if strategy == sharding.NO_SHARD and self.use_distributed_optimizer:
             raise ConfigError("--use-distributed-optimizer shards the optimizer but "
                               "--data-parallel-sharding-strategy no_shard shards nothing; "
                               "drop one of them")
         if strategy is None:
-            strategy = ("optim_grads_params" if self.use_megatron_fsdp else
-                        "optim" if self.use_distributed_optimizer else "no_shard")
+            strategy = (sharding.OPTIM_GRADS_PARAMS if self.use_megatron_fsdp else
+                        sharding.OPTIM if self.use_distributed_optimizer else sharding.NO_SHARD)
         self.data_parallel_sharding_strategy = strategy
-        self.use_distributed_optimizer = strategy != "no_shard"
+        self.use_distributed_optimizer = sharding.get(strategy).state
 
     @property
     def shard_grads(self) -> bool:
         """ZeRO-2 and 3: each rank keeps only its shard of the reduced gradient."""
-        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        return sharding.get(self.data_parallel_sharding_strategy).grads
 
     @property
     def shard_params(self) -> bool:
         """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
-        return self.data_parallel_sharding_strategy == "optim_grads_params"
+        return sharding.get(self.data_parallel_sharding_strategy).params
 
 
 @dataclass
@@ -620,7 +621,7 @@ def schedule_lengths(optim: OptimConfig, train: TrainConfig, global_batch_size: 
 def lr_schedule_errors(optim: OptimConfig, train: TrainConfig, global_batch_size: int
                     ) -> list[str]:
     """What Megatron's scheduler refuses, as messages naming the flags."""
-    errors: list[str] = []
+    errors = []
     by_samples = train.train_samples is not None
     mixed = ([f for f, v in (("--lr-decay-iters", optim.lr_decay_iters),
                              ("--lr-warmup-iters", optim.lr_warmup_iters),
@@ -1054,6 +1055,183 @@ class ReliabilityConfig:
                               "first or raise the second")
 
 
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+"""--moe-router-load-balancing-type values implemented here."""
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (Megatron's --num-experts and --moe-* flags); dense without
+    --num-experts."""
+
+    num_experts: int | None = None
+    """Routed experts in each MoE layer; None = a dense model (every layer a SwiGLU MLP)."""
+    moe_layer_freq: str = "1"
+    """Which layers are MoE (Megatron's meaning): an int N makes every Nth layer MoE, counting
+    from layer 0; a Python list expression of 0/1 per layer, e.g. "([0]+[1]*23)", picks them
+    one by one."""
+    moe_ffn_hidden_size: int | None = None
+    """SwiGLU inner width of each routed expert; default --ffn-hidden-size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert, a SwiGLU MLP every token passes through, added to the
+    routed output (DeepSeek, Qwen2-MoE); None = no shared expert."""
+    moe_expert_capacity_factor: float | None = None
+    """Capacity of each expert as this factor x tokens x top-k / experts (rounded up); tokens
+    over it are dropped (their routed output is zero). None = dropless."""
+    moe_token_drop_policy: str = field(default="probs", metadata={
+        "choices": ["probs", "position"]})
+    """Which tokens an over-capacity expert keeps: the highest router probabilities, or the
+    first in the sequence."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity: every expert computes exactly its capacity of rows, filled up with
+    tokens of router weight zero (fixed shapes)."""
+    moe_router_score_function: str = field(default="softmax", metadata={
+        "choices": ["softmax", "sigmoid"]})
+    """Router score: softmax over the experts, or an independent sigmoid per expert
+    (DeepSeek-V3; the top-k scores are then normalised to sum to 1 when top-k > 1)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (the default takes the top-k logits and
+    softmaxes those); needed for top-1 with softmax."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the chosen experts' weights by this (DeepSeek-V3: 2.5)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: the experts form this many equal groups..."""
+    moe_router_group_topk: int | None = None
+    """...and each token picks its top-k experts inside its best groups only (a group's score:
+    the sum of its top top-k/groups expert scores); None = no group limit."""
+    moe_router_dtype: str | None = field(default=None, metadata={"choices": ["fp32", "fp64"]})
+    """Router logits, scores and losses in this dtype; None = the model's dtype."""
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata={
+        "choices": list(MOE_LOAD_BALANCING)})
+    """aux_loss: the Switch/GShard loss over each micro-batch; seq_aux_loss: the same per
+    sequence, averaged (DeepSeek-V2/V3); none. Both act only with --moe-aux-loss-coeff > 0."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0 = off)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE); None = off."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for
+    the top-k choice only, moved after every step by --moe-router-bias-update-rate towards
+    equal load (from the step's token counts over all ranks). Saved in checkpoints."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: bias += rate x sign(mean load - expert load)."""
+    expert_model_parallel_size: int = 1
+    """Expert parallelism: not implemented yet, only 1."""
+    expert_tensor_parallel_size: int | None = None
+    """TP size of the experts; only --tensor-model-parallel-size (the default) for now."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts is not None:
+            moe_layer_pattern(self.moe_layer_freq, None)  # a malformed expression fails here
+
+
+def moe_layer_pattern(freq: str, num_layers: int | None) -> list[bool]:
+    """--moe-layer-freq as one flag per layer (True = MoE): an int N marks layers 0, N, 2N, ...;
+    a list expression (ints, lists, + and * only) is read without eval."""
+    text = freq.strip()
+    if re.fullmatch(r"\d+", text):
+        n = int(text)
+        if n < 1:
+            raise ConfigError(f"--moe-layer-freq {freq}: an int must be >= 1")
+        return [i % n == 0 for i in range(num_layers or 0)]
+    try:
+        values = _list_expr(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise ConfigError(f"--moe-layer-freq {freq!r}: not an int or a list expression of "
+                          f"0/1 such as \"([0]+[1]*23)\" ({e})") from None
+    if not isinstance(values, list) or any(v not in (0, 1) for v in values):
+        raise ConfigError(f"--moe-layer-freq {freq!r} must give a list of 0 and 1, one per layer")
+    if num_layers is not None and len(values) != num_layers:
+        raise ConfigError(f"--moe-layer-freq {freq!r} has {len(values)} entries but "
+                          f"--num-layers is {num_layers}; give one 0/1 per layer")
+    return [bool(v) for v in values]
+
+
+def _list_expr(node: ast.AST) -> int | list:
+    """The value of an expression of int constants, lists, + and * (nothing else)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expr(node.left), _list_expr(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"{type(node).__name__} is not allowed")
+
+
+def moe_errors(cfg: Config) -> list[str]:
+    """What a MoE run needs of the other flags (nothing when --num-experts is not given)."""
+    moe, model = cfg.moe, cfg.model
+    tp = cfg.parallel.tensor_model_parallel_size
+    if moe.expert_model_parallel_size > 1:
+        return [f"--expert-model-parallel-size {moe.expert_model_parallel_size}: expert "
+                "parallelism is not implemented yet; use 1 (experts are split over TP)"]
+    if moe.num_experts is None:
+        return []
+    errors = []
+    if moe.expert_tensor_parallel_size not in (None, tp):
+        errors.append(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: the "
+                      f"experts are split like the dense MLP, over --tensor-model-parallel-"
+                      f"size {tp}; drop the flag or pass {tp}")
+    try:
+        pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+        if not any(pattern):
+            errors.append(f"--moe-layer-freq {moe.moe_layer_freq} makes no layer MoE")
+    except ConfigError as e:
+        errors.append(str(e))
+    errors += _moe_router_errors(moe)
+    for name, width in (("--moe-ffn-hidden-size", moe_ffn_size(cfg)),
+                        ("--moe-shared-expert-intermediate-size",
+                         moe.moe_shared_expert_intermediate_size)):
+        if width is not None and width % tp:
+            errors.append(f"{name} {width} is not divisible by --tensor-model-parallel-size "
+                          f"{tp}")
+    if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
+        errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    not_yet = [flag for flag, on in (
+        ("--context-parallel-size > 1", cfg.parallel.context_parallel_size > 1),
+        ("--pipeline-schedule zb-h1/zbv", schedule_in_effect(cfg.parallel).split_backward),
+        ("--recompute-granularity full", cfg.train.recompute_granularity == "full"),
+        ("--dry-run", cfg.train.dry_run)) if on]
+    errors += [f"--num-experts with {flag} is not implemented yet; drop one of them"
+               for flag in not_yet]
+    return errors
+
+
+def _moe_router_errors(moe: MoEConfig) -> list[str]:
+    """The router flags' own rules (Megatron's)."""
+    errors = []
+    if moe.moe_router_topk > moe.num_experts:
+        errors.append(f"--moe-router-topk {moe.moe_router_topk} exceeds --num-experts "
+                      f"{moe.num_experts}")
+    if (moe.moe_router_topk == 1 and moe.moe_router_score_function == "softmax"
+            and not moe.moe_router_pre_softmax):
+        errors.append("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax "
+                      "(a softmax over one chosen logit is 1 and gives the router no gradient)")
+    groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
+    if group_topk is not None:
+        if groups is None:
+            errors.append("--moe-router-group-topk needs --moe-router-num-groups")
+        elif moe.num_experts % groups or group_topk > groups or moe.moe_router_topk % group_topk:
+            errors.append(f"group-limited routing needs --num-experts ({moe.num_experts}) "
+                          f"divisible by --moe-router-num-groups ({groups}), "
+                          f"--moe-router-group-topk ({group_topk}) <= the groups and dividing "
+                          f"--moe-router-topk ({moe.moe_router_topk})")
+    if moe.moe_router_enable_expert_bias and moe.moe_router_score_function != "sigmoid":
+        errors.append("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                      "sigmoid (the bias shifts sigmoid scores, as in DeepSeek-V3 and Megatron)")
+    return errors
+
+
+def moe_ffn_size(cfg: Config) -> int | None:
+    """Each routed expert's SwiGLU width (--moe-ffn-hidden-size, default --ffn-hidden-size)."""
+    if cfg.moe.num_experts is None:
+        return None
+    return cfg.moe.moe_ffn_hidden_size or cfg.model.ffn_hidden_size
+
+
 @dataclass
 class Config:
     """Everything one run needs; frozen in spirit once validated (treat as read-only)."""
@@ -1066,6 +1244,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -1130,6 +1309,7 @@ def validate(cfg: Config, world_size: int) -> None:
     errors = _grid_errors(cfg, world_size)
     errors += _context_parallel_errors(cfg)
     errors += _fp64_errors(cfg)
+    errors += moe_errors(cfg)
     errors += _head_dim_errors(cfg.model)
     errors += _rotary_errors(cfg.model)
     errors += _padded_vocab_errors(cfg.model, tp)
@@ -1266,7 +1446,7 @@ def _context_parallel_errors(cfg: Config) -> list[str]:
     """CP splits each sequence into 2c equal chunks, and SP splits a rank's two chunks over TP."""
     parallel, seq = cfg.parallel, cfg.model.seq_length
     cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
-    errors: list[str] = []
+    errors = []
     if cp > 1 and seq % (2 * cp):
         errors.append(f"--context-parallel-size {cp} needs --seq-length ({seq}) divisible by "
                       f"2 x {cp} = {2 * cp} (each rank holds two of {2 * cp} equal chunks); use "
@@ -1434,6 +1614,14 @@ NUMERIC_RANGES: dict[str, dict[str, str]] = {
         "error_injection_rate": ">=0", "spike_skip_samples": ">=0", "spike_lr_iters": ">=0",
         "mtbf_hours": ">0",
     },
+    "moe": {
+        "num_experts": ">=1", "moe_ffn_hidden_size": ">=1", "moe_router_topk": ">=1",
+        "moe_shared_expert_intermediate_size": ">=1", "moe_expert_capacity_factor": ">0",
+        "moe_router_topk_scaling_factor": ">0", "moe_router_num_groups": ">=1",
+        "moe_router_group_topk": ">=1", "moe_aux_loss_coeff": ">=0", "moe_z_loss_coeff": ">=0",
+        "moe_router_bias_update_rate": ">=0", "expert_model_parallel_size": ">=1",
+        "expert_tensor_parallel_size": ">=1",
+    },
 }
 """Section -> field -> the range every value given must lie in (None = not given is always
 fine; floats must also be finite). The optimizer's hyperparameters (--lr, --adam-eps, ...)
@@ -1451,7 +1639,7 @@ def _flag(section: str, name: str) -> str:
 def numeric_range_errors(section: str, values: dict) -> list[str]:
     """One message per value of `section` (field -> given value) outside its range, checked
     before the dataclasses derive anything from them (a 0 there would divide by zero)."""
-    errors: list[str] = []
+    errors = []
     for name, rule in NUMERIC_RANGES.get(section, {}).items():
         value = values.get(name)
         if value is None or isinstance(value, bool):

@@ -341,6 +341,9 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
     """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
+    if reader.meta["config"].get("moe", {}).get("num_experts"):
+        raise ConfigError(f"{ckpt_root}: a mixture-of-experts checkpoint (--num-experts); "
+                          "Hugging Face export of MoE models is not implemented yet")
     check_exportable(model_cfg)
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
     output.mkdir(parents=True, exist_ok=True)

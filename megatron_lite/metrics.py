@@ -193,7 +193,7 @@ class MetricsLogger:
             raise ConfigError(f"--straggler-intervals must be >= 1, got {lg.straggler_intervals}")
         self.cfg, self.pstate, self.peak_tflops = cfg, pstate, peak_tflops
         self.enabled = pstate.rank == 0
-        shape = ModelShape.from_config(cfg.model, pstate.tp_size)
+        shape = ModelShape.from_config(cfg.model, pstate.tp_size, cfg.moe)
         seq = cfg.model.seq_length
         self.flops_per_token = training_flops_per_token(shape, seq)
         self.flops_per_token_causal = training_flops_per_token(shape, seq, causal=True)
@@ -314,7 +314,8 @@ class MetricsLogger:
         spread = rank_spread(times, self.hosts)
         mem_peak = max(range(len(gathered)), key=lambda r: gathered[r][1])
         line = (f"iter {iteration:>6}/{self.cfg.train.train_iters} | loss {loss:.4f} | "
-                + "".join(f"{k} {record[k]:.4f} | " for k in DISTILL_TERMS if k in record)
+                + "".join(f"{k} {record[k]:.4f} | " for k in (*DISTILL_TERMS, *MOE_TERMS)
+                          if k in record)
                 + f"{'' if global_batch_size is None else f'batch {global_batch_size} | '}"
                 f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
                 f"{tokens_per_sec:,.0f} tok/s | {tflops:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
@@ -400,6 +401,10 @@ class MetricsLogger:
 DISTILL_TERMS = ("total loss", "logits distillation loss", "intermediate distillation loss")
 """A distillation run's losses beside `loss` (the LM loss), Megatron's names (distill.py)."""
 
+MOE_TERMS = ("load_balancing_loss", "z_loss", "moe_load_imbalance")
+"""A MoE run's step values (layers/moe.py `MoEStep.end`): the router losses without their
+coefficients and max / mean routed tokens per expert, each averaged over the MoE layers."""
+
 
 def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
     """The record's values that go to TensorBoard, under their JSONL names: losses, LR, grad
@@ -410,7 +415,7 @@ def tensorboard_scalars(lg: LoggingConfig, record: dict) -> dict[str, float]:
         return {}
     wanted = {"loss", "lr", "grad_norm", "global_batch_size", "consumed_samples",
               "skipped_iterations", "params_norm", "num_zeros_in_grad", "eval_loss",
-              "test_loss", "tokens_seen", "epoch", *DISTILL_TERMS}
+              "test_loss", "tokens_seen", "epoch", *DISTILL_TERMS, *MOE_TERMS}
     prefixes = tuple(p for flag, group in (
         (lg.log_timers_to_tensorboard, ("iter_time_ms", "rank_time/", "data_wait_ms",
                                         "comm_wait_ms")),

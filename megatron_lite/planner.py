@@ -52,8 +52,10 @@ from megatron_lite import plan_time, schedules
 from megatron_lite.config import (
     Config,
     ModelConfig,
+    MoEConfig,
     ParallelConfig,
     ddp_bucket_size,
+    moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
     schedule_in_effect,
@@ -120,19 +122,33 @@ class ModelShape:
     vocab: int
     gated_mlp: bool = True
     """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+    moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts (--num-experts, --moe-layer-freq)..."""
+    moe_active_ffn: int = 0
+    """...and the SwiGLU width one token passes through there: top-k x --moe-ffn-hidden-size
+    + the shared expert's (the active parameters, which the FLOPs count)..."""
+    moe_experts: int = 0
+    """...plus the router's E x h matmul."""
     block: str = "llama"
     """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
     it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
     a planning-only shape (`gpt_shape`) so published runs can be planned as they were run."""
 
     @classmethod
-    def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
+    def from_config(cls, model: ModelConfig, tp_size: int = 1, moe: MoEConfig | None = None
+                    ) -> ModelShape:
         """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
-        `tp_size` (the logits it really computes)."""
+        `tp_size` (the logits it really computes); with `moe` its MoE layers' active width."""
+        experts = moe.num_experts if moe is not None else None
+        moe_layers = sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers)) if experts \
+            else 0
+        active = ((moe.moe_ffn_hidden_size or model.ffn_hidden_size) * moe.moe_router_topk
+                  + (moe.moe_shared_expert_intermediate_size or 0)) if experts else 0
         return cls(layers=model.num_layers, hidden=model.hidden_size,
                    ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
                    query_groups=model.num_query_groups, head_dim=model.head_dim,
-                   vocab=model.padded_vocab_size(tp_size))
+                   vocab=model.padded_vocab_size(tp_size), moe_layers=moe_layers,
+                   moe_active_ffn=active, moe_experts=experts or 0)
 
 
 BLOCKS = ("llama", "gpt")
@@ -186,8 +202,11 @@ def matmul_params_per_layer(shape: ModelShape) -> int:
 
 
 def matmul_params(shape: ModelShape) -> int:
-    """The N of 6N: every layer's matmul weights plus the output layer V·h."""
-    return shape.layers * matmul_params_per_layer(shape) + shape.vocab * shape.hidden
+    """The N of 6N: every layer's matmul weights plus the output layer V·h; a MoE layer counts
+    its active weights (router E·h, 3·h x the active SwiGLU width) instead of the dense MLP."""
+    moe = shape.moe_layers * shape.hidden * (
+        shape.moe_experts + 3 * (shape.moe_active_ffn - shape.ffn_hidden))
+    return shape.layers * matmul_params_per_layer(shape) + moe + shape.vocab * shape.hidden
 
 
 def attention_flops_per_layer(shape: ModelShape, seq_length: int, causal: bool) -> float:
@@ -312,7 +331,7 @@ def largest_unit_params(model: ModelConfig, tp: int) -> int:
 
 ZERO3_GRAD_BUCKETS = 3
 """ZeRO-3's full-size gradient buckets at once in the backward: the unit accumulating, and
-the inputs of the reduce-scatters in flight (optimizer.MAX_INFLIGHT_SCATTERS = 2)."""
+the inputs of the reduce-scatters in flight (optim/sync_sharded.MAX_INFLIGHT_SCATTERS = 2)."""
 
 
 def zero3_units(model: ModelConfig, tp: int) -> tuple[int, int, int]:

@@ -44,6 +44,7 @@ from megatron_lite.distill import Distiller, build_distiller, check_distillation
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.layers.attention import attention_plan
+from megatron_lite.layers.moe import MoEStep
 from megatron_lite.memory import memory_report
 from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
@@ -155,8 +156,11 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
                   "evaluates nothing", flush=True)
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
         with startup.timed("checkpoint load"):
+            moe = MoEStep(cfg.moe, cfg.model.num_layers, pstate, chunks) if cfg.moe.num_experts \
+                else None
             checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
-                                        extra_state={"reliability": guard})
+                                        extra_state={"reliability": guard,
+                                                     **({"moe": moe} if moe else {})})
             if pstate.rank == 0:
                 report_partial_checkpoints(checkpointer.load_dir)
             start_iteration = checkpointer.load()
@@ -174,7 +178,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         guard.start()
         cleanup.callback(guard.close)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
-                            distiller=build_distiller(cfg, pstate, chunks))
+                            distiller=build_distiller(cfg, pstate, chunks), moe=moe)
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
         with guard.watch_peers():  # a lost peer is named, not a backend traceback
@@ -307,6 +311,8 @@ def train_step(runner: StepRunner, optimizer: Optimizer, loader: MicroBatchLoade
         return StepOutcome(loss, math.nan, skipped=True, samples=samples)
     result = optimizer.step(lr, decoupled_lr, weight_decay)
     extras = {name: reduce_loss(v, pstate) for name, v in runner.extras.items()}
+    if runner.moe is not None:  # aux losses, load imbalance; the expert-bias update
+        extras.update(runner.moe.end(update_bias=not result.skipped))
     return StepOutcome(loss, result.grad_norm, result.skipped, samples, extras)
 
 
@@ -320,8 +326,9 @@ class StepRunner:
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                  on_grads_ready: Callable[[int], None] | None = None,
-                 distiller: Distiller | None = None) -> None:
+                 distiller: Distiller | None = None, moe: MoEStep | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
+        self.moe = moe
         # distillation: the chunks carry the teacher and the loss is the distillation loss
         self.distiller = distiller
         self.model_chunks: list = distiller.chunks if distiller is not None else chunks
@@ -368,6 +375,8 @@ class StepRunner:
                         for b, d in zip(batches, divisors, strict=True)]
         if backward:
             self.timer.start()
+            if self.moe is not None:
+                self.moe.begin(len(batches))
         losses = engine.forward_backward(
             self.model_chunks, self._schedules[key], microbatches, self.comm, self.loss_fn,
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
@@ -634,7 +643,8 @@ def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
                         recompute_granularity=cfg.train.recompute_granularity,
                         recompute_method=cfg.train.recompute_method or "uniform",
                         recompute_num_layers=cfg.train.recompute_num_layers or 1,
-                        split_backward=schedule_in_effect(cfg.parallel).split_backward)
+                        split_backward=schedule_in_effect(cfg.parallel).split_backward,
+                        moe=cfg.moe if cfg.moe.num_experts else None)
     part = config_partition(cfg, pstate.pp_size)
     chunks: list[LlamaChunk] = []
     for spec in stage_chunks(part, pstate.pp_rank):

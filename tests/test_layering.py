@@ -16,8 +16,9 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),  # UserError and how entrypoints report it: below everything, stdlib only
     # the schedule table and the layout arithmetic: leaves every layer may read
     "schedules": set(),
+    "sharding": set(),
     "layout": {"schedules"},
-    "config": {"errors", "schedules", "layout"},
+    "config": {"errors", "schedules", "layout", "sharding"},
     "provenance": set(),
     "arguments": {"config", "errors"},
     "parallel": {"config", "errors"},
@@ -26,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": {"config", "parallel", "kernels", "layers"},
     "pipeline": {"config", "parallel", "kernels", "layers", "model", "schedules", "layout"},
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
-    "optim": {"config", "parallel", "layers", "layout"},
+    "optim": {"config", "parallel", "layers", "layout", "sharding"},
     "data": {"config", "errors"},
     "planner": {"config", "plan_time", "schedules"},
     "plan_time": {"errors"},

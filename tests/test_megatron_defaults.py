@@ -18,6 +18,7 @@ from megatron_lite.config import (
     ParallelConfig,
     TrainConfig,
     ddp_bucket_size,
+    moe_layer_pattern,
 )
 from megatron_lite.parallel import determinism
 from megatron_lite.training import _evaluation_due, run
@@ -62,9 +63,14 @@ def _num_query_groups(ours: object) -> bool:
         ModelConfig(num_attention_heads=8, group_query_attention=True).num_query_groups == 1
 
 
+def _moe_layer_freq(ours: object) -> bool:
+    # Megatron's flag takes an int or a list expression, so ours is a string: "1" is its 1.
+    return moe_layer_pattern(str(ours), 4) == [True] * 4
+
+
 RESOLVED = {"--distributed-backend": _distributed_backend,
             "--data-parallel-sharding-strategy": _sharding_strategy, "--split": _split,
-            "--num-query-groups": _num_query_groups}
+            "--num-query-groups": _num_query_groups, "--moe-layer-freq": _moe_layer_freq}
 """Megatron's parser value is only a placeholder that validate_args (or the flag it depends on)
 resolves; each check shows ours resolves to the same."""
 

@@ -124,5 +124,5 @@ def test_a_typo_gets_the_closest_flag(capsys) -> None:
 def test_help_lists_the_megatron_flags_as_one_short_group() -> None:
     text = build_parser().format_help()
     assert "other Megatron-LM flags" in text and "megatron_flags.tsv" in text
-    for hidden in ("--fp8-amax-history-len", "--moe-router-topk", "--use-mcore-models"):
+    for hidden in ("--fp8-amax-history-len", "--moe-grouped-gemm", "--use-mcore-models"):
         assert hidden not in text

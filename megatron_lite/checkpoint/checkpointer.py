@@ -53,6 +53,7 @@ from megatron_lite.checkpoint.reshard import (
 from megatron_lite.config import (
     Config,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     TrainConfig,
     data_parallel_size,
@@ -671,8 +672,9 @@ class Checkpointer:
 
 
 def apply_checkpoint_args(cfg: Config, world_size: int, rank: int = 0) -> None:
-    """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model section
-    / the LR-schedule flags with those saved in the checkpoint --load (or --save) would load.
+    """--use-checkpoint-args / --use-checkpoint-opt_param-scheduler: replace the model (and
+    MoE) section / the LR-schedule flags with those saved in the checkpoint --load (or
+    --save) would load.
     Without either schedule flag a resume must keep the saved schedule, as Megatron's does.
     Runs before the model is built (every rank reads the same small metadata file); a
     missing --load is this `rank`'s finding (its node's disk may be the one without it)."""
@@ -697,6 +699,8 @@ def apply_checkpoint_args(cfg: Config, world_size: int, rank: int = 0) -> None:
     saved = ckpt_files.read_metadata(ckpt_dir)["config"]
     if ckpt_cfg.use_checkpoint_args:
         cfg.model = ModelConfig(**saved["model"])
+        if "moe" in saved:  # the experts are part of the model's shape
+            cfg.moe = MoEConfig(**saved["moe"])
         cfg.__post_init__()  # a --step-batch-size-schedule counts the saved --seq-length
     if ckpt_cfg.use_checkpoint_opt_param_scheduler:
         schedule = {k: v for k, v in saved["optim"].items()

@@ -30,7 +30,7 @@ Adding a parallelism-aware layer:
    (take the flag from `BuildOptions.sequence_parallel`, already resolved for the TP size),
    and `mark_shared_embedding` to a weight that a second pipeline stage holds a copy of.
 4. Nothing else to wire: the optimizer sums SP gradients over TP and gives shared-embedding
-   copies their own buckets (optim/optimizer.py); the global norm counts a replicated
+   copies their own buckets (optim/param_buffers.py); the global norm counts a replicated
    weight on TP rank 0 and a shared embedding on the first stage only (optim/clip.py);
    checkpoints save the split and re-slice it into any layout (checkpoint/reshard.py);
    export gathers full tensors from it (export.py: a new weight needs its Hugging Face name

@@ -31,13 +31,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.attention import AttentionPlan, Ring, attention
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear, WeightGradQueue
+from megatron_lite.layers.moe import MoE
 from megatron_lite.layers.norm import RMSNorm
 from megatron_lite.parallel.state import ParallelState
 
@@ -58,6 +59,8 @@ class BuildOptions:
     recompute_num_layers: int = 1
     split_backward: bool = False
     """Defer weight gradients to the pipeline's W steps (--pipeline-schedule zb-h1/zbv)."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (--num-experts): the layers --moe-layer-freq picks get a `MoE`."""
 
     def for_tp_size(self, tp_size: int) -> BuildOptions:
         """These options for a TP group of `tp_size`: at TP=1 there is no group to split the
@@ -159,6 +162,16 @@ class MLP(nn.Module):
         return self.down(swiglu(gate, up, use_triton=self.use_triton))
 
 
+def build_mlp(cfg: ModelConfig, pstate: ParallelState, layer: int, opts: BuildOptions,
+              weight_grads: WeightGradQueue | None = None) -> nn.Module:
+    """The dense SwiGLU MLP, or the MoE layer on the layers --moe-layer-freq selects."""
+    moe = opts.moe
+    if moe is None or not moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)[layer]:
+        return MLP(cfg, pstate, layer, opts, weight_grads)
+    return MoE(cfg, moe, pstate, layer, sequence_parallel=opts.sequence_parallel,
+               seed=opts.seed, dtype=opts.dtype, use_triton=opts.use_triton)
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
@@ -171,7 +184,7 @@ class TransformerLayer(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.attention = Attention(cfg, pstate, layer, opts, weight_grads)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **norm)
-        self.mlp = MLP(cfg, pstate, layer, opts, weight_grads)
+        self.mlp = build_mlp(cfg, pstate, layer, opts, weight_grads)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, token_index: Tensor | None = None,
                 documents: Tensor | None = None, plan: AttentionPlan | None = None) -> Tensor:

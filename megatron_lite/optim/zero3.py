@@ -51,7 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from megatron_lite.optim.buffers import Bucket, BufferLayout, Range
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ReplicaGroup
 
 BucketKey = tuple[int, int]
 """(buffer index, bucket index)."""
@@ -197,8 +197,8 @@ class FullyShardedParams:
 
     def __init__(self, chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
                  slot: Sequence[BucketKey], buffers: Sequence[ShardedParamBuffer],
-                 pstate: ParallelState, traffic: comms.Traffic) -> None:
-        self.buffers, self.pstate, self.traffic = list(buffers), pstate, traffic
+                 replicas: ReplicaGroup, traffic: comms.Traffic) -> None:
+        self.buffers, self.replicas, self.traffic = list(buffers), replicas, traffic
         self.params, self.slot = list(params), list(slot)
         modules = unit_modules(chunks)
         owner = unit_of_params(modules)
@@ -255,7 +255,7 @@ class FullyShardedParams:
             _allocate(full)
             with op_identity("unit_gather", unit=u, buffer=key[0], bucket=key[1]):
                 works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
-                                                   self.pstate.dp_group, async_op=async_op,
+                                                   self.replicas.group, async_op=async_op,
                                                    traffic=self.traffic))
         self._gathers[u] = works
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())

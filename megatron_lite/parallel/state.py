@@ -34,6 +34,23 @@ from megatron_lite.parallel.launch import (
 
 
 @dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks that hold the same parameters: data parallel x context parallel.
+
+    Every CP rank holds its stage's full parameters and a partial gradient of them, so the
+    gradient is summed, and the optimizer state sharded, over DP x CP (Megatron's
+    data-parallel group with context parallelism). The optimizer's strategies and the
+    checkpoint files see only this group, never the DP-only one.
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    """This rank's index in `group` (dp-major, as the grid orders global ranks)."""
+    device: torch.device
+
+
+@dataclass(frozen=True)
 class ParallelState:
     """This rank's coordinates on the (pp, dp, cp, tp) grid and the groups it belongs to."""
 
@@ -82,6 +99,12 @@ class ParallelState:
     def dp_cp_rank(self) -> int:
         """This rank's index in `dp_cp_group` (dp-major, as the grid orders global ranks)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def replicas(self) -> ReplicaGroup:
+        """The DP x CP group gradients are summed over (see `ReplicaGroup`)."""
+        return ReplicaGroup(self.dp_cp_group if self.cp_size > 1 else self.dp_group,
+                            self.dp_cp_size, self.dp_cp_rank, self.device)
 
     def gradient_replicas(self) -> ParallelState:
         """This state seen by the optimizer and the checkpoint files: the data-parallel

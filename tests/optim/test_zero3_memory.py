@@ -16,7 +16,7 @@ import pytest
 from megatron_lite import planner
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import run_rank
-from megatron_lite.optim.optimizer import MAX_INFLIGHT_SCATTERS
+from megatron_lite.optim.sync_sharded import MAX_INFLIGHT_SCATTERS
 
 LAYOUT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
           "--seq-length", "64", "--vocab-size", "1024", "--micro-batch-size", "1",

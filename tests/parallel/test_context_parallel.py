@@ -38,6 +38,7 @@ from megatron_lite.layers import tags
 from megatron_lite.layers.attention import zigzag_token_index
 from megatron_lite.layers.init import unshard
 from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.optim.param_buffers import ParamBuffers
 from megatron_lite.parallel import comms
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.state import (
@@ -166,7 +167,7 @@ def _drop_previous_block(pstate: ParallelState) -> None:
     attn.block_pairs = dropping
 
 
-def _no_sp_norm_reduce(self: Optimizer) -> list:
+def _no_sp_norm_reduce(self: ParamBuffers) -> list:
     """The planted SP bug: no SP norm weight gradient is summed over TP."""
     return []
 
@@ -192,12 +193,12 @@ def _job(pstate: ParallelState, world: int) -> dict[str, dict]:
     if world == 4:
         cfg = make_config(**LAYOUTS["tp2-cp2-sp"][1])
         pstate = relayout(pstate, cfg)
-        real = Optimizer._sequence_parallel_pieces
-        Optimizer._sequence_parallel_pieces = _no_sp_norm_reduce
+        real = ParamBuffers.sequence_parallel_pieces
+        ParamBuffers.sequence_parallel_pieces = _no_sp_norm_reduce
         try:
             out["tp2-cp2-sp-no-norm-reduce"] = train(pstate, cfg, steps=BROKEN_STEPS)
         finally:
-            Optimizer._sequence_parallel_pieces = real
+            ParamBuffers.sequence_parallel_pieces = real
     return out
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.dry_run import dry_run, run_rank
-from megatron_lite.optim.optimizer import Optimizer
+from megatron_lite.optim.grad_sync import ParamGather
 from megatron_lite.parallel import audit
 from megatron_lite.parallel.audit import CommOp, identity, match
 from megatron_lite.pipeline.p2p import StageComm
@@ -132,24 +132,24 @@ def test_activation_grad_order_reversed_on_odd_stages_fails(monkeypatch) -> None
 
 
 def test_two_equal_size_zero1_gathers_swapped_on_odd_dp_ranks_fail(monkeypatch) -> None:
-    real = Optimizer._start_param_sync
+    real = ParamGather.start
     swapped = []
 
     def swap_two(self, async_op):
-        keys = self._keys()
-        sizes = [self.buffers[b].layout.buckets[k].range.size for b, k in keys]
+        keys = self.bufs.bucket_keys()
+        sizes = [self.bufs.buffers[b].layout.buckets[k].range.size for b, k in keys]
         pair = next((i, j) for i in range(len(keys)) for j in range(i + 1, len(keys))
                     if sizes[i] == sizes[j])
-        if self.pstate.dp_rank % 2:
+        if self.ctx.replicas.rank % 2:
             keys[pair[0]], keys[pair[1]] = keys[pair[1]], keys[pair[0]]
-            self._keys = lambda: keys
+            self.bufs.bucket_keys = lambda: keys
             swapped.append(pair)
         try:
             real(self, async_op)
         finally:
-            self.__dict__.pop("_keys", None)
+            self.bufs.__dict__.pop("bucket_keys", None)
 
-    monkeypatch.setattr(Optimizer, "_start_param_sync", swap_two)
+    monkeypatch.setattr(ParamGather, "start", swap_two)
     records = _records(DP2_ZERO1, 2)
     assert swapped
     assert match(_anonymous(records)) is None

@@ -1,0 +1,240 @@
+"""Mixture-of-experts MLP: a router, E SwiGLU experts run as grouped GEMMs, a shared expert.
+
+Dispatch (no expert parallelism yet, every rank holds all E experts, each split over TP like
+the dense MLP): the (token, expert) pairs of the routing map are listed sorted by expert
+(`nonzero` of the transposed map: a permutation, no loop over experts), the tokens gathered
+in that order, and each projection is one `torch._grouped_mm` over the per-expert row blocks
+(`offs` = cumulative counts). The down projection's rows are scaled by their router weights
+and summed back into their tokens with `index_add` (unpermute). Dropless by default; with a
+capacity the router's map already holds only the kept pairs.
+
+`torch._grouped_mm` takes bf16/fp32 rows whose widths are multiples of 16 bytes (and only
+bf16 on CUDA); float64 (--fp64) and other shapes use `padded_bmm`, the same math: the rows
+scattered into an [E, max rows, k] zero-padded batch and one `bmm`. tests/layers/test_moe.py
+checks both against a per-token loop.
+
+Under TP each rank holds gate/up rows [E x 2f/t, h] (each expert's gate and up split like
+the dense column layer) and down [E x h, f/t] (each expert's input columns split), so the
+experts' output is a partial sum: under SP the router runs on this rank's sequence slice,
+then tokens, weights and map are all-gathered over TP and the output reduce-scattered back
+(Megatron's allgather dispatcher with expert-TP = TP); without SP every rank routes all
+tokens and the output is all-reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
+from megatron_lite.kernels.swiglu import swiglu
+from megatron_lite.layers import tags
+from megatron_lite.layers.init import init_shard
+from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.router import Router
+from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: `_grouped_mm`'s backward fails
+    on an expanded one (stride 0, e.g. from `.sum().backward()`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm_fits(x: Tensor, w: Tensor) -> bool:
+    """`torch._grouped_mm` takes these operands: bf16 (or fp32 on the CPU), every width a
+    multiple of 16 bytes."""
+    ok_dtype = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu")
+    align = 16 // x.element_size()
+    return ok_dtype and x.size(1) % align == 0 and w.size(2) % align == 0
+
+
+def padded_bmm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """Rows of `x` [N, k] sorted by group, group g's `counts[g]` rows times w[g] [k, n], as one
+    zero-padded batched matmul (each output row depends only on its own input row)."""
+    groups = w.size(0)
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
+    slot = torch.arange(x.size(0), device=x.device) - (counts.cumsum(0) - counts)[group]
+    width = int(counts.max()) if x.size(0) else 0
+    batch = x.new_zeros(groups, width, x.size(1)).index_put((group, slot), x)
+    return torch.bmm(batch, w)[group, slot]
+
+
+def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [N, k] (rows sorted by group) @ w [G, k, n] per group of `counts` rows -> [N, n]."""
+    if not grouped_mm_fits(x, w):
+        return padded_bmm(x, w, counts)
+    offs = counts.cumsum(0).to(torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+
+
+def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tensor,
+                    down: Tensor, use_triton: bool = False) -> Tensor:
+    """sum over each token's routed experts e of probs[t, e] x SwiGLU_e(x[t]).
+
+    x [N, h]; probs, routing_map [N, E]; gate_up [E, h, 2f] (gate columns first), down
+    [E, f, h]. Returns [N, h] (a partial sum over TP when the weights are TP shards)."""
+    expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # sorted by expert
+    counts = routing_map.sum(0)
+    hidden = grouped_matmul(x[token_ids], gate_up, counts)
+    gate, up = hidden.chunk(2, dim=-1)
+    out = grouped_matmul(swiglu(gate, up, use_triton=use_triton), down, counts)
+    out = out * probs[token_ids, expert_ids].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, token_ids, out)
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token passes through, TP-split like the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, width: int, pstate: ParallelState, layer: int,
+                 common: dict) -> None:
+        super().__init__()
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [width, width], pstate,
+                                            std=cfg.init_method_std,
+                                            name=f"layers.{layer}.mlp.shared.gate_up", **common)
+        self.down = RowParallelLinear(width, cfg.hidden_size, pstate,
+                                      std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                      name=f"layers.{layer}.mlp.shared.down", **common)
+
+    def forward(self, x: Tensor, use_triton: bool) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(swiglu(gate, up, use_triton=use_triton))
+
+
+class MoE(nn.Module):
+    """Router + E routed SwiGLU experts (+ a shared expert), in place of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, pstate: ParallelState, layer: int, *,
+                 sequence_parallel: bool, seed: int, dtype: torch.dtype,
+                 use_triton: bool = False) -> None:
+        super().__init__()
+        experts, hidden, t = moe.num_experts, cfg.hidden_size, pstate.tp_size
+        ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
+        self.tp_group, self.sequence_parallel = pstate.tp_group, sequence_parallel
+        self.use_triton = use_triton
+        self.router = Router(hidden, moe, pstate, sequence_parallel=sequence_parallel,
+                             std=cfg.init_method_std, seed=seed,
+                             name=f"layers.{layer}.mlp.router", dtype=dtype)
+        shard = dict(tp_size=t, tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype)
+        split = tags.column_split([ffn] * (2 * experts))
+        self.gate_up = tags.mark_tp_split(nn.Parameter(init_shard(
+            (experts * 2 * ffn, hidden), split, std=cfg.init_method_std, seed=seed,
+            name=f"layers.{layer}.mlp.experts.gate_up", **shard)), split)
+        self.down = tags.mark_tp_split(nn.Parameter(init_shard(
+            (experts * hidden, ffn), tags.row_split(),
+            std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=seed,
+            name=f"layers.{layer}.mlp.experts.down", **shard)), tags.row_split())
+        width = moe.moe_shared_expert_intermediate_size
+        self.shared = (SharedExpert(cfg, width, pstate, layer, dict(
+            sequence_parallel=sequence_parallel, seed=seed, dtype=dtype)) if width else None)
+
+    def expert_weights(self) -> tuple[Tensor, Tensor]:
+        """This rank's gate/up [E, h, 2f/t] and down [E, f/t, h] as matmul operands (views)."""
+        e, f = self.experts, self.local_ffn
+        gate_up = self.gate_up.view(e, 2 * f, -1).transpose(1, 2)
+        down = self.down.view(e, -1, f).transpose(1, 2)
+        return gate_up, down
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [s(/t), b, h] -> [s(/t), b, h]."""
+        s, b, h = x.shape
+        probs, routing_map = self.router(x.reshape(s * b, h), s)
+        group = self.tp_group
+        if self.sequence_parallel:
+            tokens = comms.gather_from_sequence_region(x, group)
+            probs = comms.gather_from_sequence_region(probs.view(s, b, -1), group)
+            routing_map = comms.all_gather_dim0(
+                routing_map.view(s, b, -1).to(torch.uint8).contiguous(), group)[0].bool()
+        else:
+            tokens, probs = comms.copy_to_region(x, group), comms.copy_to_region(probs, group)
+        full = tokens.shape[0]
+        out = experts_forward(tokens.reshape(full * b, h), probs.reshape(full * b, -1).to(x.dtype),
+                              routing_map.reshape(full * b, -1), *self.expert_weights(),
+                              use_triton=self.use_triton).view(full, b, h)
+        out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
+               else comms.reduce_from_region(out, group))
+        if self.shared is not None:
+            out = out + self.shared(x, self.use_triton)
+        return out
+
+
+class MoEStep:
+    """The training step's MoE bookkeeping over all of this rank's MoE layers.
+
+    `begin` sets the scale of the router losses' gradients to 1 / (micro-batches x DP), the
+    scale Megatron gives them: each micro-batch's aux loss counts like its mean LM loss, whose
+    gradients are summed over DP here. `end` sums every layer's routed-token counts and loss
+    shares over all ranks (one all-reduce of a [layers, E + 2] table: PP stages fill their own
+    layers' rows, TP ranks only under SP, where they route different tokens), reports
+    metrics.MOE_TERMS, and moves the expert biases: bias += rate x sign(mean count - count), from
+    the counts of the whole step (DeepSeek-V3's update, as Megatron makes it after the
+    backward). Every rank keeps every layer's bias row (the routers hold views of theirs), so
+    rank 0's `state_dict` is the whole model's and the checkpoint's metadata keeps it.
+    """
+
+    def __init__(self, moe: MoEConfig, num_layers: int, pstate: ParallelState,
+                 chunks: Sequence[nn.Module]) -> None:
+        self.moe, self.pstate = moe, pstate
+        self.moe_layers = [i for i, on in enumerate(moe_layer_pattern(moe.moe_layer_freq,
+                                                                      num_layers)) if on]
+        self.routers = {m.layer: m.router for chunk in chunks for m in chunk.modules()
+                        if isinstance(m, MoE)}
+        self.counted = any(r.sp_size > 1 for r in self.routers.values()) or pstate.tp_rank == 0
+        self.table_rows, self.microbatches = num_layers, 1
+        self.bias = None
+        if moe.moe_router_enable_expert_bias:
+            self.bias = torch.zeros(num_layers, moe.num_experts, dtype=torch.float32,
+                                    device=pstate.device)
+            for layer, router in self.routers.items():
+                router.expert_bias = self.bias[layer]
+
+    def begin(self, microbatches: int) -> None:
+        """Before the step's forward-backward: fresh statistics, the loss-gradient scale."""
+        self.microbatches = microbatches
+        for router in self.routers.values():
+            router.pop_stats()
+            router.loss_scale = 1.0 / (microbatches * self.pstate.dp_size)
+
+    def end(self, update_bias: bool) -> dict[str, float]:
+        """After the optimizer step (`update_bias`: it updated the weights)."""
+        experts = self.moe.num_experts
+        table = torch.zeros(self.table_rows, experts + 2, dtype=torch.float64,
+                            device=self.pstate.device)
+        for layer, router in self.routers.items():
+            stats = router.pop_stats()
+            if self.counted:
+                table[layer, :experts] = stats.tokens_per_expert
+                table[layer, experts] = stats.aux_loss
+                table[layer, experts + 1] = stats.z_loss
+        rows = comms.all_reduce_(table, self.pstate.world_group)[self.moe_layers]
+        counts = rows[:, :experts]
+        mean = counts.mean(-1, keepdim=True)
+        if update_bias and self.bias is not None:
+            step = torch.sign(mean - counts) * self.moe.moe_router_bias_update_rate
+            self.bias[self.moe_layers] += step.to(self.bias.dtype)
+        per_microbatch = self.microbatches * self.pstate.dp_size
+        out = {"moe_load_imbalance": (counts.max(-1).values / mean[:, 0]).mean()}
+        if self.moe.moe_aux_loss_coeff and self.moe.moe_router_load_balancing_type != "none":
+            out["load_balancing_loss"] = rows[:, experts].mean() / per_microbatch
+        if self.moe.moe_z_loss_coeff:
+            out["z_loss"] = rows[:, experts + 1].mean() / per_microbatch
+        return {name: comms.host_scalar(value) for name, value in out.items()}
+
+    def state_dict(self) -> dict:
+        return {} if self.bias is None else {"expert_bias": self.bias.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.bias is not None and "expert_bias" in state:
+            self.bias.copy_(torch.tensor(state["expert_bias"], dtype=self.bias.dtype))
