@@ -7,7 +7,7 @@ Pure arithmetic (imports only `megatron_lite.config`). Three users:
   v, ZB-H1, ZBV) x DP x micro-batch x DP sharding x recompute, predicts memory and step time for
   each and ranks them;
 - `metrics.py` takes its FLOPs per token from `training_flops_per_token`, so the training log's
-  MFU and the planner's are the same number for the same run.
+  MFUs and the planner's are the same numbers for the same run.
 
 FLOPs per token (`training_flops_per_token`, the one count): 6·N + 12·l·q·s, N =
 `matmul_params`, every weight that takes part in a matmul (per layer QKV h·(q + 2k), attention
@@ -16,10 +16,12 @@ size; the input embedding is a lookup, so a tied one counts once, as the output 
 l layers, q = heads·head_dim (head_dim = --kv-channels), s = sequence length; the
 --add-qkv-bias biases and the --qk-layernorm weights are elementwise work, not matmuls, so
 they are parameters (`layer_params`) but not in N, as in Megatron's count. The 12·l·q·s term
-counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): that
-is the log's `mfu` and the planner's MFU. `causal=True` halves it (Megatron-LM since 2025):
-the log's `mfu_causal`, and the work the step-time model charges, since flash attention skips
-the masked half.
+counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): the
+log's `mfu` and the planner's `Plan.mfu_noncausal`. `causal=True` halves it (Megatron-LM since
+2025): the work the step-time model charges, since a causal kernel skips the masked half, so
+the planner's headline `Plan.mfu` (the log's `mfu_causal`), which never exceeds the
+efficiency the time model allows (`efficiency_bound`); counted non-causally a 128K-token
+sequence's MFU would (it counts work that never runs).
 Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
@@ -809,6 +811,8 @@ class Cluster:
     """Achieved memory bandwidth of memory-bound kernels and the optimizer step, GB/s."""
     op_us: float = _H100.op_us
     """Fixed cost per kernel (launch interval; CPU: dispatch, added to the work)."""
+    attention_tflops: float = _H100.attention_tflops
+    """Measured attention-kernel rate (plan_time.Hardware.attention_tflops); 0: the GEMM curve."""
     allowance_gib: float = 3.0
     """Not modelled elsewhere: CUDA context + NCCL buffers (~1 GiB), gradient buckets,
     allocator fragmentation."""
@@ -879,10 +883,12 @@ class Plan:
     optimizer_s: float
     tokens_per_s: float
     flops_per_token: float
-    """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP."""
+    """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP,
+    attention causal (the work the step-time model charges: a causal kernel skips the masked
+    half)."""
     mfu: float
-    """tokens/s x flops_per_token / (GPUs x peak), as the training log's `mfu` (attention
-    counted as if not causal: it can exceed what the GPU executes at long sequences)."""
+    """tokens/s x flops_per_token / (GPUs x peak): the training log's `mfu_causal`; never
+    above the largest efficiency the time model allows (`efficiency_bound`)."""
     days: float
     fits: bool
     reason: str
@@ -890,11 +896,13 @@ class Plan:
     """Memory-bound kernels of the slowest stage's micro-batches."""
     overhead_s: float = 0.0
     """What the fixed cost per kernel adds."""
-    mfu_causal: float = 0.0
-    """MFU with causal attention FLOPs (the log's `mfu_causal`): never above e_max."""
+    mfu_noncausal: float = 0.0
+    """MFU with attention counted as if not causal (12·l·q·s, the log's `mfu`, PaLM's
+    convention): it counts the masked half, so it can exceed what the GPU runs at long
+    sequences."""
     hfu: float = 0.0
-    """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs)."""
-    hfu_causal: float = 0.0
+    """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs), causal."""
+    hfu_noncausal: float = 0.0
 
 
 def _recompute_layers(lay: Layout, layers: int) -> tuple[int, bool]:
@@ -1042,13 +1050,11 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
     shape = model_shape(model, lay.tp, opts.block)
-    flops = training_flops_per_token(shape, model.seq_length)
     causal = training_flops_per_token(shape, model.seq_length, causal=True)
+    full = training_flops_per_token(shape, model.seq_length)
     per_gpu = tokens_s / c.gpus / 1e12 / c.peak_tflops
-    mfu = tokens_s * flops / c.gpus / 1e12 / c.peak_tflops  # as metrics.MetricsLogger
-    hfu = per_gpu * (flops + recompute_flops_per_token(shape, model.seq_length, lay))
-    hfu_causal = per_gpu * (causal + recompute_flops_per_token(shape, model.seq_length, lay,
-                                                               causal=True))
+    rerun = {k: recompute_flops_per_token(shape, model.seq_length, lay, causal=k)
+             for k in (True, False)}
     need = worst.total_bytes / GIB + c.allowance_gib
     fits = need <= c.gpu_memory_gib
     reason = "" if fits else (
@@ -1056,9 +1062,17 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
         f"{worst.state_bytes / GIB:.1f} + activations {worst.activation_bytes / GIB:.1f} + "
         f"allowance {c.allowance_gib:g})")
     return Plan(lay, mbs, worst, need, step, mbs * costs.gemm, mbs * tp_comm, mbs * p2p, bubble,
-                dp_s, opt_s, tokens_s, flops, mfu, train_tokens / tokens_s / 86400, fits, reason,
-                memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
-                mfu_causal=per_gpu * causal, hfu=hfu, hfu_causal=hfu_causal)
+                dp_s, opt_s, tokens_s, causal, per_gpu * causal, train_tokens / tokens_s / 86400,
+                fits, reason, memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
+                mfu_noncausal=per_gpu * full, hfu=per_gpu * (causal + rerun[True]),
+                hfu_noncausal=per_gpu * (full + rerun[False]))
+
+
+def efficiency_bound(c: Cluster) -> float:
+    """The largest fraction of peak any work reaches in the time model: the GEMM curve's
+    e_max, or a measured attention kernel's rate if faster. No layout's MFU or HFU (causal
+    FLOPs over charged time) exceeds it."""
+    return max(c.gemm_efficiency, c.attention_tflops / c.peak_tflops)
 
 
 def _divisors(n: int) -> list[int]:
