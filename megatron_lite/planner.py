@@ -1,6 +1,7 @@
 """Memory, FLOP and step-time model for choosing a parallel layout before renting a cluster.
 
-Pure arithmetic (imports only `megatron_lite.config`). Three users:
+Pure arithmetic (imports `megatron_lite.config`, the schedule table and the model's parameter
+list, `megatron_lite.structure`, which our decoder's counts read). Three users:
 - `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
   per-rank bytes of the layout in a `Config`;
 - `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x schedule (1F1B, interleaved
@@ -50,7 +51,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_lite import plan_time, schedules
+from megatron_lite import plan_time, schedules, structure
 from megatron_lite.config import (
     Config,
     ModelConfig,
@@ -111,7 +112,8 @@ class Recompute:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions the FLOP count depends on; written out by hand for models we don't build."""
+    """The dimensions the FLOP count depends on: our decoder's (`from_config`, its matmul
+    weights read from megatron_lite/structure.py), or a planning-only block's (`gpt_shape`)."""
 
     layers: int
     hidden: int
@@ -126,6 +128,9 @@ class ModelShape:
     """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
     it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
     a planning-only shape (`gpt_shape`) so published runs can be planned as they were run."""
+    layer_matmul: int = 0
+    """Matmul weights of one layer as megatron_lite/structure.py lists them; 0: counted from
+    the dimensions (`matmul_params_per_layer`), for the blocks we do not build."""
 
     @classmethod
     def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
@@ -134,7 +139,8 @@ class ModelShape:
         return cls(layers=model.num_layers, hidden=model.hidden_size,
                    ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
                    query_groups=model.num_query_groups, head_dim=model.head_dim,
-                   vocab=model.padded_vocab_size(tp_size))
+                   vocab=model.padded_vocab_size(tp_size),
+                   layer_matmul=structure.matmul_weights(structure.layer_parameters(model, 0)))
 
 
 BLOCKS = ("llama", "gpt")
@@ -142,7 +148,8 @@ BLOCKS = ("llama", "gpt")
 
 def gpt_shape(model: ModelConfig, tp: int = 1) -> ModelShape:
     """`model` as a GPT block (`ModelShape.block`): --ffn-hidden-size is the GeLU MLP's width."""
-    return dataclasses.replace(ModelShape.from_config(model, tp), gated_mlp=False, block="gpt")
+    return dataclasses.replace(ModelShape.from_config(model, tp), gated_mlp=False, block="gpt",
+                               layer_matmul=0)
 
 
 def gpt_memory_stand_in(model: ModelConfig) -> ModelConfig:
@@ -180,8 +187,11 @@ def model_shape(model: ModelConfig, tp: int, block: str = "llama") -> ModelShape
 
 
 def matmul_params_per_layer(shape: ModelShape) -> int:
-    """Matmul weights of one transformer layer, all TP ranks together: QKV h·(q + 2k),
-    attention output q·h, MLP 3·h·f (2·h·f without gating)."""
+    """Matmul weights of one transformer layer, all TP ranks together: our decoder's from its
+    parameter list (`ModelShape.layer_matmul`), else QKV h·(q + 2k), attention output q·h,
+    MLP 3·h·f (2·h·f without gating)."""
+    if shape.layer_matmul:
+        return shape.layer_matmul
     q, kv = shape.heads * shape.head_dim, shape.query_groups * shape.head_dim
     mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn_hidden
     return shape.hidden * (q + 2 * kv) + q * shape.hidden + mlp
@@ -213,15 +223,12 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, causal: bool = 
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP
-    (with --kv-channels d the attention ones are h·(heads + 2·groups)·d and heads·d·h), the
-    --add-qkv-bias biases (heads + 2·groups)·d split likewise, plus the RMSNorm weights every
-    rank holds whole: two h-wide, and two d-wide with --qk-layernorm."""
-    d = model.head_dim
-    bias = (model.num_attention_heads + 2 * model.num_query_groups) * d if model.add_qkv_bias \
-        else 0
-    norms = 2 * model.hidden_size + (2 * d if model.qk_layernorm else 0)
-    return norms + (matmul_params_per_layer(ModelShape.from_config(model)) + bias) // tp
+    """Parameters of one transformer layer on one TP rank (megatron_lite/structure.py): its
+    matmul weights split over TP (with --kv-channels d the attention ones are
+    h·(heads + 2·groups)·d and heads·d·h), the --add-qkv-bias biases (heads + 2·groups)·d split
+    likewise, plus the RMSNorm weights every rank holds whole: two h-wide, and two d-wide with
+    --qk-layernorm."""
+    return sum(p.local_numel(tp) for p in structure.layer_parameters(model, 0))
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int,
@@ -248,9 +255,7 @@ def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_lay
 
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
-    tables = 2 if model.untie_embeddings_and_output_weights else 1
-    emb = model.vocab_size * model.hidden_size * tables
-    return model.num_layers * layer_params(model, 1) + emb + model.hidden_size
+    return sum(p.numel for p in structure.model_parameters(model, model.vocab_size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,13 +356,8 @@ def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int) -> list[li
     A tied output layer's gradient is the embedding's (its unit owns the weight).
     """
     emb, _, head = zero3_units(model, tp)
-    h, f = model.hidden_size, model.ffn_hidden_size
-    q, k = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
-    qk_norms = [model.head_dim] * 2 if model.qk_layernorm else []
-    qkv_bias = [(q + 2 * k) // tp] if model.add_qkv_bias else []
-    # down, gate|up, MLP norm, k and q norms, attention output, QKV bias, QKV, attention norm
-    layer = [f * h // tp, 2 * h * f // tp, h, *qk_norms, q * h // tp, *qkv_bias,
-             h * (q + 2 * k) // tp, h]
+    h = model.hidden_size
+    layer = [p.local_numel(tp) for p in reversed(structure.layer_parameters(model, 0))]
 
     def cut(sizes: list[int]) -> list[int]:
         buckets, n = [], 0

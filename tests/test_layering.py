@@ -28,7 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
     "optim": {"config", "parallel", "layers", "layout"},
     "data": {"config", "errors"},
-    "planner": {"config", "plan_time", "schedules"},
+    # the model's parameter list (names, shapes, TP splits): read by the planner and export
+    "structure": {"config"},
+    "planner": {"config", "plan_time", "schedules", "structure"},
     "plan_time": {"errors"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
@@ -36,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"config", "parallel", "planner", "unattended"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
-    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
+    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors",
+               "structure"},
     "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
     "startup_paths": {"config", "errors"},
