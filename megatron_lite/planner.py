@@ -19,10 +19,10 @@ l layers, q = heads·head_dim (head_dim = --kv-channels), s = sequence length; t
 they are parameters (`layer_params`) but not in N, as in Megatron's count. The 12·l·q·s term
 counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): the
 log's `mfu` and the planner's `Plan.mfu_noncausal`. `causal=True` halves it (Megatron-LM since
-2025): the work the step-time model charges, since a causal kernel skips the masked half, so
-the planner's headline `Plan.mfu` (the log's `mfu_causal`), which never exceeds the
-efficiency the time model allows (`efficiency_bound`); counted non-causally a 128K-token
-sequence's MFU would (it counts work that never runs).
+2025): the work the step-time model charges, since a causal kernel skips the masked half. The
+planner's headline `Plan.mfu` counts it so (the log's `mfu_causal`) and never exceeds the
+efficiency the time model allows (`efficiency_bound`), where the non-causal count does at
+128K tokens (it counts work that never runs).
 Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
