@@ -15,7 +15,8 @@
 
 Memory lives in megatron_lite/planner.py, the step-time model in megatron_lite/plan_time.py
 (assumptions in their docstrings; --hardware presets, flags override them; --calibration reads
-what scripts/gpu_check.sh measured on a GPU). --hardware cpu measures this machine first.
+what scripts/gpu_check.sh measured on a GPU). --hardware cpu measures this machine first (its
+matmul rate, copy bandwidth, op dispatch, and SDPA at the model's heads and sequence).
 Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
 schedules ranked on the best plan's TP x CP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
 step time, bubble, memory), and the pretrain.py flags of the best plan. --timeline draws those
