@@ -1,7 +1,8 @@
 """Step-time model of the planner: each piece of a training step timed from its size.
 
-Pure arithmetic (no megatron_lite imports; torch only inside `measure_cpu`). `planner.evaluate`
-builds a step from `microbatch_costs` and `collective_s`; scripts/plan.py --explain prints it.
+Pure arithmetic (megatron_lite imports: the config and the model's parameter list, for
+`ModelShape`; torch only inside `measure_cpu`). `planner.evaluate` builds a step from
+`microbatch_costs` and `collective_s`; scripts/plan.py --explain prints it.
 
 - GEMMs: a roofline, max(FLOPs / (peak x efficiency), bytes / HBM bandwidth), with a shape-
   dependent efficiency `gemm_efficiency` = e_max · d / (d + d_half), d the smallest of m, n, k:
@@ -31,8 +32,9 @@ import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Protocol
 
+from megatron_lite import structure
+from megatron_lite.config import ModelConfig
 from megatron_lite.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ def measure_cpu(dtype_bytes: int = 4, seconds: float = 0.3,
     return out
 
 
-def cpu_hardware(shape: Shape, seq_length: int, dtype_bytes: int = 4) -> Hardware:
+def cpu_hardware(shape: ModelShape, seq_length: int, dtype_bytes: int = 4) -> Hardware:
     """The "cpu" preset with this machine's numbers measured now, attention at `shape`'s
     heads and `seq_length` (what scripts/plan.py --hardware cpu and bench/plan_cpu.py use)."""
     return replace(PRESETS["cpu"], **measure_cpu(dtype_bytes, attention=(
@@ -316,17 +318,39 @@ class Pass:
         return Costs(sum(times), memory, overhead, flops)
 
 
-class Shape(Protocol):
-    """What the time model reads of planner.ModelShape."""
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the FLOP count and the time model depend on: our decoder's
+    (`from_config`, its matmul weights read from megatron_lite/structure.py), or a
+    planning-only block's (planner.gpt_shape). planner re-exports it."""
 
+    layers: int
     hidden: int
     ffn_hidden: int
     heads: int
     query_groups: int
     head_dim: int
     vocab: int
-    gated_mlp: bool
-    block: str
+    gated_mlp: bool = True
+    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+    block: str = "llama"
+    """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
+    it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
+    a planning-only shape (planner.gpt_shape) so published runs can be planned as they were
+    run."""
+    layer_matmul: int = 0
+    """Matmul weights of one layer as megatron_lite/structure.py lists them; 0: counted from
+    the dimensions (planner.matmul_params_per_layer), for the blocks we do not build."""
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
+        """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
+        `tp_size` (the logits it really computes)."""
+        return cls(layers=model.num_layers, hidden=model.hidden_size,
+                   ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
+                   query_groups=model.num_query_groups, head_dim=model.head_dim,
+                   vocab=model.padded_vocab_size(tp_size),
+                   layer_matmul=structure.matmul_weights(structure.layer_parameters(model, 0)))
 
 
 def flash_core(tokens: float, seq: float, heads: float, head_dim: float) -> Pass:
@@ -364,7 +388,7 @@ class Work:
     """Context-parallel size: each rank holds s/cp query rows of every sequence."""
 
 
-def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
+def layer_passes(shape: ModelShape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
     """(one layer without its attention core, the attention core) on one TP rank."""
     e, tokens, tp = w.e, w.tokens, w.tp
     h, f, d = shape.hidden, shape.ffn_hidden // tp, shape.head_dim
@@ -405,7 +429,7 @@ def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
     return body, core
 
 
-def head_pass(shape: Shape, w: Work) -> Pass:
+def head_pass(shape: ModelShape, w: Work) -> Pass:
     """Final norm, output layer over V/t, and the vocab-parallel cross-entropy: forward reads
     the logits and writes their fp32 softmax, backward writes the logits' gradient."""
     vocab = shape.vocab / w.tp
@@ -416,7 +440,7 @@ def head_pass(shape: Shape, w: Work) -> Pass:
                 backward_bytes=(4 + w.e) / (w.e + 4))
 
 
-def embedding_pass(shape: Shape, w: Work) -> Pass:
+def embedding_pass(shape: ModelShape, w: Work) -> Pass:
     """The lookup (and, for GPT, the learned positions added); backward scatters into an
     fp32 gradient."""
     pos = 2 if shape.block == "gpt" else 1
@@ -424,7 +448,7 @@ def embedding_pass(shape: Shape, w: Work) -> Pass:
                 backward_bytes=(w.e + 4) / (w.e * (1 + pos)))
 
 
-def microbatch_costs(shape: Shape, w: Work, hw: Hardware, layers: int, rerun: int,
+def microbatch_costs(shape: ModelShape, w: Work, hw: Hardware, layers: int, rerun: int,
                      selective: bool, head: bool, embedding: bool) -> Costs:
     """One micro-batch's forward and backward through `layers` layers of one stage (plus the
     head / the embedding where the stage holds them), and what recomputation reruns: the whole
@@ -441,7 +465,7 @@ def microbatch_costs(shape: Shape, w: Work, hw: Hardware, layers: int, rerun: in
     return total
 
 
-def attention_s(shape: Shape, w: Work, hw: Hardware) -> float:
+def attention_s(shape: ModelShape, w: Work, hw: Hardware) -> float:
     """One layer's attention core, forward and backward: what the CP ring's transfers hide
     behind."""
     core = layer_passes(shape, w, hw)[1]

@@ -62,6 +62,7 @@ from megatron_lite.config import (
     schedule_in_effect,
     stage_layer_counts,
 )
+from megatron_lite.plan_time import ModelShape
 
 GIB = 2**30
 
@@ -108,39 +109,6 @@ class Recompute:
 
 # ---------------------------------------------------------------------------------------------
 # Matmul weights and FLOPs per token (see the module docstring for the convention)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions the FLOP count depends on: our decoder's (`from_config`, its matmul
-    weights read from megatron_lite/structure.py), or a planning-only block's (`gpt_shape`)."""
-
-    layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    query_groups: int
-    head_dim: int
-    vocab: int
-    gated_mlp: bool = True
-    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
-    block: str = "llama"
-    """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
-    it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
-    a planning-only shape (`gpt_shape`) so published runs can be planned as they were run."""
-    layer_matmul: int = 0
-    """Matmul weights of one layer as megatron_lite/structure.py lists them; 0: counted from
-    the dimensions (`matmul_params_per_layer`), for the blocks we do not build."""
-
-    @classmethod
-    def from_config(cls, model: ModelConfig, tp_size: int = 1) -> ModelShape:
-        """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
-        `tp_size` (the logits it really computes)."""
-        return cls(layers=model.num_layers, hidden=model.hidden_size,
-                   ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
-                   query_groups=model.num_query_groups, head_dim=model.head_dim,
-                   vocab=model.padded_vocab_size(tp_size),
-                   layer_matmul=structure.matmul_weights(structure.layer_parameters(model, 0)))
 
 
 BLOCKS = ("llama", "gpt")

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     # the model's parameter list (names, shapes, TP splits): read by the planner and export
     "structure": {"config"},
     "planner": {"config", "plan_time", "schedules", "structure"},
-    "plan_time": {"errors"},
+    "plan_time": {"errors", "config", "structure"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
     "unattended": set(),
