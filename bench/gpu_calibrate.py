@@ -2,7 +2,8 @@
 
 Times the GEMMs one rank of a planned model runs (its layers' and output layer's at TP 1, 2,
 4, 8 with a micro-batch of --micro-batch-size x --seq-length tokens, plus thin ones down to a
-head dim of 64), the streaming bandwidth (a large copy), the cost of one tiny kernel, and, with
+head dim of 64), the model's attention kernel (causal SDPA forward + backward), the streaming
+bandwidth (a large copy), the cost of one tiny kernel, and, with
 --ranks >= 2 (default: every GPU here), all-reduce / all-gather / reduce-scatter bus bandwidth
 over sizes (bus bandwidth = ring factor x bytes / time, nccl-tests' definition). Writes
 OUT/calibration.json, which `scripts/plan.py --calibration FILE` reads (plan_time.load_calibration
@@ -78,6 +79,30 @@ def time_gemms(shapes: list[tuple[int, int, int]], device: torch.device, dtype: 
     return out
 
 
+def time_attention(preset: str, tokens: int, device: torch.device, dtype: torch.dtype,
+                   seconds: float) -> dict:
+    """The model's causal SDPA forward + backward at TP 1 on `tokens` tokens (sequences of
+    --seq-length), at the rate of the planner's count of its FLOPs (plan_time.flash_core):
+    `Hardware.attention_tflops`."""
+    model = PRESETS[preset][1]
+    shape, seq = model_shape(model, 1), min(model.seq_length, tokens)
+    batch = max(1, tokens // seq)
+    q, k, v = (torch.randn(batch, n, seq, shape.head_dim, device=device, dtype=dtype,
+                           requires_grad=True)
+               for n in (shape.heads, shape.query_groups, shape.query_groups))
+    grad = torch.randn_like(q)
+
+    def core() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=shape.query_groups != shape.heads)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    s = _timed(core, device, seconds)
+    flops = plan_time.flash_core(batch * seq, seq, shape.heads, shape.head_dim).flops_per_step
+    return {"batch": batch, "seq": seq, "heads": shape.heads, "groups": shape.query_groups,
+            "head_dim": shape.head_dim, "seconds": s, "tflops": flops / s / 1e12}
+
+
 def time_memory(device: torch.device, nbytes: int, seconds: float) -> tuple[float, float]:
     """(copy GB/s counting read + write, microseconds per tiny kernel)."""
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
@@ -146,13 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     peak, source = detect_peak_tflops(device, None) if device.type == "cuda" else (
         max(g["tflops"] for g in gemms), "the fastest GEMM timed here")
     gbps, op_us = time_memory(device, args.copy_mib * 2**20, args.seconds)
+    core = time_attention(args.preset, tokens, device, dtype, args.seconds)
     ranks = args.ranks or (torch.cuda.device_count() if device.type == "cuda" else 1)
     collectives = time_collectives(ranks, "nccl" if device.type == "cuda" else "gloo",
                                    [m * 2**20 for m in args.collective_mib], args.seconds) \
         if ranks >= 2 else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     record = {"device": name, "dtype": str(dtype), "peak_tflops": peak, "peak_source": source,
-              "gemms": gemms, "hbm_gbps": gbps, "op_us": op_us, "collectives": collectives}
+              "gemms": gemms, "hbm_gbps": gbps, "op_us": op_us, "attention": core,
+              "attention_tflops": core["tflops"], "collectives": collectives}
     e_max, half = plan_time.fit_gemm_curve([(min(g["m"], g["n"], g["k"]), g["tflops"] / peak)
                                             for g in gemms])
     record["fit"] = {"gemm_efficiency": e_max, "gemm_half_dim": half}
@@ -161,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"calibration ({name}, {dtype}): peak {peak:g} TFLOP/s ({source}); GEMM curve "
              f"e_max {e_max:.3f}, d_half {half:.0f} (planner's fit: "
              f"{plan_time.H100_FIT['gemm_efficiency']}, {plan_time.H100_FIT['gemm_half_dim']:g})",
-             f"  copy {gbps:,.0f} GB/s, {op_us:.1f} us per tiny kernel"]
+             f"  copy {gbps:,.0f} GB/s, {op_us:.1f} us per tiny kernel",
+             f"  attention (causal SDPA fwd + bwd, {core['batch']} x {core['seq']} tokens, "
+             f"{core['heads']}/{core['groups']} heads of {core['head_dim']}): "
+             f"{core['tflops']:.4g} TFLOP/s ({core['tflops'] / peak:.0%})"]
     lines += [f"  gemm {g['m']} x {g['n']} x {g['k']}: {g['tflops']:.4g} TFLOP/s "
               f"({g['tflops'] / peak:.0%})" for g in gemms]
     lines += [f"  {c['op']} x{c['ranks']} {c['bytes'] / 2**20:g} MiB: bus {c['busbw_gbps']:.3g} "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +53,9 @@ class _Sink(torch.autograd.Function):
         return None
 
 
+_sink = _Sink.apply
+
+
 def _copy_bandwidth(do_bench) -> float:
     """GB/s of a 1 GiB device-to-device clone (read + write counted)."""
     x = torch.empty(2**28, device="cuda", dtype=torch.float32)
@@ -59,77 +63,106 @@ def _copy_bandwidth(do_bench) -> float:
     return 2 * x.numel() * 4 / ms / 1e6
 
 
-def cases(tokens: int, dtype: torch.dtype, device: str = "cuda", dims: dict = LLAMA3_8B):
-    """(name, bytes moved fwd+bwd, make(impl) -> step) per kernel; impl: triton/eager/compile.
+Rand = Callable[..., torch.Tensor]
+"""rand(*shape, grad=True): a seeded random input, a leaf that takes gradients unless grad=False."""
+Case = tuple[str, int, Callable[[str], Callable[[], None]]]
+"""(name, bytes moved fwd+bwd, make(impl) -> step)."""
+
+
+def cases(tokens: int, dtype: torch.dtype, device: str = "cuda", dims: dict = LLAMA3_8B
+          ) -> tuple[list[Case], int]:
+    """One case per kernel (impl of make: triton/eager/compile), and the cross-entropy's logit
+    count (its token count is capped, so the caller can report the size it timed).
 
     Bytes are the least any implementation must move: every input read once, every output
     written once (tables, weights and per-row statistics are negligible and not counted).
+    The inputs come from one seeded generator, drawn in case order.
     """
-    h, ffn, vocab = dims["hidden"], dims["ffn"], dims["vocab"]
     e = torch.tensor([], dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(0)
 
-    def rand(*shape, grad=True):
+    def rand(*shape: int, grad: bool = True) -> torch.Tensor:
         t = torch.randn(*shape, device=device, dtype=dtype, generator=g)
         return t.requires_grad_() if grad else t
 
-    sink = _Sink.apply
+    ce_tokens = min(tokens, 4096)
+    return [_rms_case(tokens, dims, rand, e), _rope_case(tokens, dims, rand, e, device),
+            _swiglu_case(tokens, dims, rand, e),
+            _cross_entropy_case(ce_tokens, dims, rand, e, g)], ce_tokens * dims["vocab"]
+
+
+def _rms_case(tokens: int, dims: dict, rand: Rand, e: int) -> Case:
+    """RMSNorm fused with the residual add, as each layer's two norms run."""
+    h = dims["hidden"]
     x, r, w, dy = rand(tokens, h), rand(tokens, h), rand(h), rand(tokens, h, grad=False)
 
-    def rms(impl):
-        def ref(a, b, c):
-            s = a + b
-            return rms_norm_reference(s, c, 1e-5), s
+    def ref(a, b, c):
+        s = a + b
+        return rms_norm_reference(s, c, 1e-5), s
+
+    def make(impl: str) -> Callable[[], None]:
         f = {"triton": lambda a, b, c: rms_norm_residual(a, b, c, 1e-5, use_triton=True),
              "eager": ref, "compile": torch.compile(ref) if impl == "compile" else None}[impl]
-        return lambda: torch.autograd.backward(f(sink(x), sink(r), sink(w)), [dy, dy])
+        return lambda: torch.autograd.backward(f(_sink(x), _sink(r), _sink(w)), [dy, dy])
 
+    # fwd: read x, r; write y, s. bwd: read dy, ds, s; write dx (= d residual).
+    return "rmsnorm+residual", e * 8 * tokens * h, make
+
+
+def _rope_case(tokens: int, dims: dict, rand: Rand, e: int, device: str) -> Case:
+    """Rotary embedding of q and k ([s, b, heads, head_dim], b = 2 when tokens allow)."""
     s, b, hd = max(1, tokens // 2), 2 if tokens > 1 else 1, dims["head_dim"]
     q, k = rand(s, b, dims["heads"], hd), rand(s, b, dims["kv_heads"], hd)
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     cos, sin = rope_tables(s, hd, 500000.0, device)
 
-    def rope(impl):
-        def ref(a, c):
-            return apply_rotary_reference(a, c, cos, sin)
+    def ref(a, c):
+        return apply_rotary_reference(a, c, cos, sin)
+
+    def make(impl: str) -> Callable[[], None]:
         f = {"triton": lambda a, c: apply_rotary(a, c, cos, sin, use_triton=True),
              "eager": ref, "compile": torch.compile(ref) if impl == "compile" else None}[impl]
-        return lambda: torch.autograd.backward(f(sink(q), sink(k)), [dq, dk])
+        return lambda: torch.autograd.backward(f(_sink(q), _sink(k)), [dq, dk])
 
+    # fwd: read q, k; write both. bwd: the same again.
+    return "rope", e * 4 * (q.numel() + k.numel()), make
+
+
+def _swiglu_case(tokens: int, dims: dict, rand: Rand, e: int) -> Case:
+    """SwiGLU of the MLP's gate and up projections."""
+    ffn = dims["ffn"]
     gate, up, dys = rand(tokens, ffn), rand(tokens, ffn), rand(tokens, ffn, grad=False)
 
-    def glu(impl):
+    def make(impl: str) -> Callable[[], None]:
         f = {"triton": lambda a, c: swiglu(a, c, use_triton=True), "eager": swiglu_reference,
              "compile": torch.compile(swiglu_reference) if impl == "compile" else None}[impl]
-        return lambda: f(sink(gate), sink(up)).backward(dys)
+        return lambda: f(_sink(gate), _sink(up)).backward(dys)
 
-    ce_tokens = min(tokens, 4096)
+    # fwd: read gate, up; write y. bwd: read dy, gate, up; write d_gate, d_up.
+    return "swiglu", e * 8 * tokens * ffn, make
+
+
+def _cross_entropy_case(ce_tokens: int, dims: dict, rand: Rand, e: int,
+                        g: torch.Generator) -> Case:
+    """Cross-entropy over the whole vocabulary (one TP rank), against float32 eager."""
+    vocab = dims["vocab"]
     logits = rand(ce_tokens, vocab)
-    target = torch.randint(0, vocab, (ce_tokens,), device=device, generator=g)
+    target = torch.randint(0, vocab, (ce_tokens,), device=logits.device, generator=g)
 
     def eager_ce(z, t):
         return torch.nn.functional.cross_entropy(z.float(), t, reduction="none")
 
-    def ce(impl):
+    def make(impl: str) -> Callable[[], None]:
         if impl == "triton":  # the gradient overwrites the logits: later steps reuse the buffer
             return lambda: vocab_parallel_cross_entropy(
-                sink(logits), target, 0, vocab, use_triton=True, inplace_backward=True
+                _sink(logits), target, 0, vocab, use_triton=True, inplace_backward=True
             ).sum().backward()
         f = eager_ce if impl == "eager" else torch.compile(eager_ce)
-        return lambda: f(sink(logits), target).sum().backward()
+        return lambda: f(_sink(logits), target).sum().backward()
 
-    n, nq, nk, nf = tokens * h, q.numel(), k.numel(), tokens * ffn
-    return [
-        # fwd: read x, r; write y, s. bwd: read dy, ds, s; write dx (= d residual).
-        ("rmsnorm+residual", e * 8 * n, rms),
-        # fwd: read q, k; write both. bwd: the same again.
-        ("rope", e * 4 * (nq + nk), rope),
-        # fwd: read gate, up; write y. bwd: read dy, gate, up; write d_gate, d_up.
-        ("swiglu", e * 8 * nf, glu),
-        # read the logits, write their gradient (ours moves 5 passes: stats, softmax - onehot,
-        # then the dL/dloss scale in backward)
-        ("cross_entropy", e * 2 * ce_tokens * vocab, ce),
-    ], ce_tokens * vocab
+    # read the logits, write their gradient (ours moves 5 passes: stats, softmax - onehot,
+    # then the dL/dloss scale in backward)
+    return "cross_entropy", e * 2 * ce_tokens * vocab, make
 
 
 def main() -> int:

@@ -3,14 +3,15 @@
 For scripts/demo.sh's model (4 x 192, 4 heads, seq 128, micro-batch 16, vocab 4096) and
 scripts/shakespeare_char_cpu.sh's (nanoGPT's 4 x 128, ffn 384, seq 64, batch 12, its char
 vocabulary), both fp32 on one process: `--hardware cpu` measures this machine (matmul rate,
-copy bandwidth, the cost of one small op, plan_time.measure_cpu), the model's own GEMMs (cold
-caches) and attention cores are timed for its peak (a CPU's rate depends on the shape, and
-its flash-attention kernel runs at a fraction of the GEMM rate), the planner predicts one
-iteration, and pretrain.py runs the same model on mock data (same shapes, same work per
-iteration) for --iters iterations, --rounds times. The constants are measured before, between
-and after the runs and the median prediction is compared with the median iteration after
---warmup: this machine's speed drifts by 30% within a minute as other jobs come and go.
-Target: prediction within +-30%. Prints a table and writes bench/results/plan_cpu.json.
+copy bandwidth, the cost of one small op, SDPA at the model's heads: plan_time.cpu_hardware),
+and, for a second prediction, the model's own GEMMs (cold caches) and attention cores are
+timed for its GEMM peak and attention rate (a CPU's rate depends on the shape); the planner
+predicts one iteration from each, and pretrain.py runs the same model on mock data (same
+shapes, same work per iteration) for --iters iterations, --rounds times. The constants are
+measured before, between and after the runs and the median prediction is compared with the
+median iteration after --warmup: this machine's speed drifts by 30% within a minute as other
+jobs come and go. Target: prediction within +-30%. Prints a table and writes
+bench/results/plan_cpu.json.
 
     OMP_NUM_THREADS=1 python bench/plan_cpu.py [--iters 30] [--warmup 5] [--rounds 2]
     python bench/plan_cpu.py --count-ops      # aten ops of one layer (CPU_KERNELS_PER_LAYER)
@@ -72,18 +73,15 @@ _EVICT = torch.empty(2**24)
 
 
 def model_gemm_rate(flags: list[str], seconds: float = 0.1) -> tuple[float, float]:
-    """(TFLOP/s of the model's own GEMMs and attention cores on this CPU, as autograd runs
-    them; the attention core's alone). Each layer and head GEMM forward (x @ wᵀ), its input
-    gradient (dy @ w) and its weight gradient (dyᵀ @ x), and one causal SDPA forward and
-    backward at the model's [b, heads, s, d], medians. The GEMMs run with cold caches
-    (their weights and saved inputs come from memory in a training step: timed warm, the
-    Shakespeare model's GEMMs took 43 ms per step, cold 49, inside pretrain.py's step under
-    torch.profiler 50); the attention core warm (q, k, v are the previous op's output; warm
-    1.47 ms per layer, cold 2.6, in the step 1.74). The FLOPs are the planner's own
-    (the causal half; 2 matmuls forward, 5 backward), so the blended rate is the peak at
-    which the planner's GEMM time equals the timed sum. The CPU flash kernel's softmax
-    (exp over every score of a tile) is scalar-bound work that no GEMM rate shows: timing
-    it here is what makes the prediction hold for short, narrow heads."""
+    """(TFLOP/s of the model's own GEMMs on this CPU, as autograd runs them; of its attention
+    core). Each layer and head GEMM forward (x @ wᵀ), its input gradient (dy @ w) and its
+    weight gradient (dyᵀ @ x), and one causal SDPA forward and backward at the model's
+    [b, heads, s, d], medians. The GEMMs run with cold caches (their weights and saved inputs
+    come from memory in a training step: timed warm, the Shakespeare model's GEMMs took 43 ms
+    per step, cold 49, inside pretrain.py's step under torch.profiler 50); the attention core
+    warm (q, k, v are the previous op's output; warm 1.47 ms per layer, cold 2.6, in the step
+    1.74). The FLOPs are the planner's own (the core's causal half; 2 matmuls forward, 5
+    backward), so at these two rates the planner's GEMM time is the timed sum."""
     from megatron_lite.planner import model_shape
 
     cfg = parse_config(["--mock-data", *flags])
@@ -109,10 +107,15 @@ def model_gemm_rate(flags: list[str], seconds: float = 0.1) -> tuple[float, floa
             q, k, v, is_causal=True, enable_gqa=shape.query_groups != shape.heads)
         torch.autograd.grad(out, (q, k, v), grad)
 
-    core_flops = sum(2 * m * n * kk * b for m, n, kk, b in core.gemms) * (1 + core.backward_flops)
-    core_s = _median_s(attention, seconds)
-    blended = (flops + layers * core_flops) / (seconds_total + layers * core_s) / 1e12
-    return blended, core_flops / core_s / 1e12
+    return flops / seconds_total / 1e12, core.flops_per_step / _median_s(attention, seconds) / 1e12
+
+
+def plan_py_hardware(flags: list[str]) -> plan_time.Hardware:
+    """What scripts/plan.py --hardware cpu --fp32 measures for this model."""
+    from megatron_lite.planner import model_shape
+
+    cfg = parse_config(["--mock-data", *flags])
+    return plan_time.cpu_hardware(model_shape(cfg.model, 1), cfg.model.seq_length, 4)
 
 
 def predict(flags: list[str], hw: plan_time.Hardware) -> dict:
@@ -228,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 run_times, share = measure(flags, args.iters, args.warmup)
                 times, shares = times + run_times, [*shares, share]
-            hw = dataclasses.replace(plan_time.PRESETS["cpu"], **plan_time.measure_cpu(4))
+            hw = plan_py_hardware(flags)
             rate, core_rate = model_gemm_rate(flags)
             hws.append({**dataclasses.asdict(hw), "model_tflops": rate,
-                        "attention_tflops": core_rate})
-            preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate)))
+                        "model_attention_tflops": core_rate})
+            preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate,
+                                                            attention_tflops=core_rate)))
             generic.append(predict(flags, hw)["step_s"])
         pred = sorted(preds, key=lambda p: p["step_s"])[len(preds) // 2]
         got = summary(times, shares)
@@ -240,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio": pred["step_s"] / got["median_s"],
                      "plan_py_ratio": statistics.median(generic) / got["median_s"]})
     print(f"CPU, {threads} thread(s); constants measured around each run; the median prediction"
-          "; plan.py: scripts/plan.py --hardware cpu --fp32's ratio (its peak: the 2048 x 256 x"
-          " 256 matmul)")
-    print(f"{'model':<17} {'matmul GF/s':>11} {'GEMM+attn':>9} {'attn':>8} {'us/op':>7} "
+          "; pred/meas at the model's own GEMM and attention rates; plan.py: scripts/plan.py "
+          "--hardware cpu --fp32's (its peak the 2048 x 256 x 256 matmul, its attention SDPA "
+          "at the model's heads and sequence)")
+    print(f"{'model':<17} {'matmul GF/s':>11} {'attn GF/s':>9} {'GEMMs':>8} {'attn':>8} "
+          f"{'us/op':>7} "
           f"{'predicted ms':>12} {'(gemm':>6} {'memory':>6} {'ops':>5} {'optim)':>6} "
           f"{'measured ms':>11} {'p10-p90':>13} {'CPU share':>9} {'pred/meas':>9} {'plan.py':>7}")
     for r in rows:
@@ -251,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         def pair(key: str, scale: float = 1e3, width: int = 11, h=hw) -> str:
             return f"{'/'.join(f'{scale * x[key]:.0f}' for x in h):>{width}}"
 
-        print(f"{r['model']:<17} {pair('peak_tflops')} {pair('model_tflops', width=9)} "
-              f"{pair('attention_tflops', width=8)} {pair('op_us', 1, 7)} "
+        print(f"{r['model']:<17} {pair('peak_tflops')} {pair('attention_tflops', width=9)} "
+              f"{pair('model_tflops', width=8)} {pair('model_attention_tflops', width=8)} "
+              f"{pair('op_us', 1, 7)} "
               f"{1e3 * p['step_s']:>12.1f} {1e3 * p['gemm_s']:>6.1f} {1e3 * p['memory_s']:>6.1f} "
               f"{1e3 * p['overhead_s']:>5.1f} {1e3 * p['optimizer_s']:>6.1f} "
               f"{1e3 * m['median_s']:>11.1f} {1e3 * m['p10_s']:>6.1f}-{1e3 * m['p90_s']:<6.1f} "
@@ -261,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"threads": threads, "rows": rows},
                                    indent=1))
     print(f"wrote {args.out}")
-    return 0 if all(0.7 <= r["ratio"] <= 1.3 for r in rows) else 1
+    return 0 if all(0.7 <= r[key] <= 1.3 for r in rows for key in ("ratio", "plan_py_ratio")) \
+        else 1
 
 
 if __name__ == "__main__":

@@ -1118,9 +1118,16 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias update: bias += rate x sign(mean load - expert load)."""
     expert_model_parallel_size: int = 1
-    """Expert parallelism: not implemented yet, only 1."""
+    """Expert parallelism: the routed experts split over this many ranks, carved out of the
+    DP x CP replicas (Megatron's MoE parallel folding); must divide --num-experts and DP x CP."""
     expert_tensor_parallel_size: int | None = None
     """TP size of the experts; only --tensor-model-parallel-size (the default) for now."""
+    moe_token_dispatcher_type: str = field(
+        default="allgather", metadata={"choices": ["allgather", "alltoall"]})
+    """How tokens reach the experts of other EP ranks: allgather (every EP rank receives all
+    the group's tokens and runs its experts on the ones routed there; output reduce-scattered
+    back) or alltoall (each token sent only to the ranks of its chosen experts, with the
+    per-expert counts exchanged first)."""
 
     def __post_init__(self) -> None:
         if self.num_experts is not None:
@@ -1161,16 +1168,16 @@ def _list_expr(node: ast.AST) -> int | list:
     raise ValueError(f"{type(node).__name__} is not allowed")
 
 
-def moe_errors(cfg: Config) -> list[str]:
+def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
     """What a MoE run needs of the other flags (nothing when --num-experts is not given)."""
     moe, model = cfg.moe, cfg.model
     tp = cfg.parallel.tensor_model_parallel_size
-    if moe.expert_model_parallel_size > 1:
-        return [f"--expert-model-parallel-size {moe.expert_model_parallel_size}: expert "
-                "parallelism is not implemented yet; use 1 (experts are split over TP)"]
     if moe.num_experts is None:
+        if moe.expert_model_parallel_size > 1:
+            return [f"--expert-model-parallel-size {moe.expert_model_parallel_size} needs "
+                    "--num-experts (a dense model has no experts to split)"]
         return []
-    errors = []
+    errors = _expert_parallel_errors(cfg, world_size)
     if moe.expert_tensor_parallel_size not in (None, tp):
         errors.append(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: the "
                       f"experts are split like the dense MLP, over --tensor-model-parallel-"
@@ -1197,6 +1204,29 @@ def moe_errors(cfg: Config) -> list[str]:
         ("--dry-run", cfg.train.dry_run)) if on]
     errors += [f"--num-experts with {flag} is not implemented yet; drop one of them"
                for flag in not_yet]
+    return errors
+
+
+def _expert_parallel_errors(cfg: Config, world_size: int) -> list[str]:
+    """--expert-model-parallel-size must split the experts and the DP x CP replicas evenly."""
+    ep, experts = cfg.moe.expert_model_parallel_size, cfg.moe.num_experts
+    if ep == 1:
+        return []
+    par = cfg.parallel
+    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    replicas = world_size // model_parallel if world_size % model_parallel == 0 else 0
+    errors = []
+    if experts % ep:
+        errors.append(f"--expert-model-parallel-size {ep} does not divide --num-experts "
+                      f"{experts}; pick a divisor of the experts")
+    if replicas and replicas % ep:
+        errors.append(f"--expert-model-parallel-size {ep} does not divide the {replicas} "
+                      "data x context parallel replicas it is carved out of (world size / "
+                      "(TP x PP)); launch a multiple of EP x TP x PP ranks")
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        errors.append(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of "
+                      "expert-parallel runs are not implemented yet (each EP rank holds "
+                      "different experts); run without EP to checkpoint")
     return errors
 
 
@@ -1303,33 +1333,60 @@ def _fp64_errors(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Cross-field checks, run before anything is allocated. Raises ConfigError."""
-    model, parallel, train = cfg.model, cfg.parallel, cfg.train
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    cp = parallel.context_parallel_size
-    replica = tp * cp * pp
-    errors: list[str] = []
-    if world_size % replica:
-        errors.append(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            + (f"--context-parallel-size {cp} x " if cp > 1 else "")
-            + f"--pipeline-model-parallel-size {pp} = {replica}; launch a multiple of "
-            f"{replica} processes or change the parallel sizes"
-        )
+    """Cross-field checks, run before anything is allocated. Raises ConfigError with every
+    problem found (one per line), so a user fixes a command line in one go."""
+    parallel, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
+    errors = _grid_errors(cfg, world_size)
     errors += _context_parallel_errors(cfg)
     errors += _fp64_errors(cfg)
-    errors += moe_errors(cfg)
+    errors += moe_errors(cfg, world_size)
+    errors += _head_dim_errors(cfg.model)
+    errors += _rotary_errors(cfg.model)
+    errors += _padded_vocab_errors(cfg.model, tp)
+    errors += _head_split_errors(cfg.model, tp)
+    errors += _sequence_length_errors(cfg)
+    errors += _batch_errors(cfg, world_size)
+    errors += _schedule_errors(cfg)
+    errors += _dry_run_errors(cfg, world_size)
+    errors += layout.overlap_param_gather_errors(parallel.overlap_param_gather,
+                                                 parallel.use_distributed_optimizer)
+    errors += _sharding_errors(parallel, cfg.train.compile)
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _grid_errors(cfg: Config, world_size: int) -> list[str]:
+    """The world must tile into whole model replicas (tp x cp x pp); every per-replica check
+    (`_batch_errors`) is skipped when it does not, as the data-parallel size is then undefined."""
+    parallel = cfg.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
+    replica = model_replica_size(parallel)
+    if not world_size % replica:
+        return []
+    return [f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            + (f"--context-parallel-size {cp} x " if cp > 1 else "")
+            + f"--pipeline-model-parallel-size {pp} = {replica}; launch a multiple of "
+            f"{replica} processes or change the parallel sizes"]
+
+
+def _head_dim_errors(model: ModelConfig) -> list[str]:
+    """The head dim must exist (width / heads, or --kv-channels) and be even and positive, as
+    rotary embeddings rotate channel pairs."""
     if model.kv_channels is None:
-        errors.append(
-            f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
-            f"{model.num_attention_heads}; pick heads that divide the width or set the head "
-            "dim with --kv-channels"
-        )
-    elif model.kv_channels <= 0 or model.kv_channels % 2:
-        errors.append(f"head dim {model.kv_channels} (--kv-channels, default --hidden-size / "
-                      "--num-attention-heads) must be even and positive for rotary embeddings")
-    errors += _rotary_errors(model)
-    errors += _padded_vocab_errors(model, tp)
+        return [f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
+                f"{model.num_attention_heads}; pick heads that divide the width or set the head "
+                "dim with --kv-channels"]
+    if model.kv_channels <= 0 or model.kv_channels % 2:
+        return [f"head dim {model.kv_channels} (--kv-channels, default --hidden-size / "
+                "--num-attention-heads) must be even and positive for rotary embeddings"]
+    return []
+
+
+def _head_split_errors(model: ModelConfig, tp: int) -> list[str]:
+    """Each KV head serves whole query heads, and tensor parallelism splits heads, KV groups and
+    the MLP width into equal whole parts per rank."""
+    errors: list[str] = []
     if model.num_attention_heads % model.num_query_groups:
         errors.append(
             f"--num-attention-heads {model.num_attention_heads} is not divisible by "
@@ -1344,7 +1401,15 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"--{name} {value} is not divisible by --tensor-model-parallel-size {tp}; "
                 f"use a multiple of {tp} or a smaller tensor-parallel size"
             )
-    if parallel.sequence_parallel and model.seq_length % tp:
+    return errors
+
+
+def _sequence_length_errors(cfg: Config) -> list[str]:
+    """Sequence parallelism splits the sequence evenly over TP, and RoPE's table ends at
+    --max-position-embeddings."""
+    model, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    errors: list[str] = []
+    if cfg.parallel.sequence_parallel and model.seq_length % tp:
         errors.append(
             f"--sequence-parallel needs --seq-length ({model.seq_length}) divisible by "
             f"--tensor-model-parallel-size ({tp}); use --seq-length "
@@ -1355,26 +1420,29 @@ def validate(cfg: Config, world_size: int) -> None:
             f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
             f"{model.max_position_embeddings}; raise --max-position-embeddings or shorten sequences"
         )
-    if not world_size % replica:
-        dp = world_size // replica
-        gbs = train.global_batch_size or train.micro_batch_size * dp
-        if gbs % (train.micro_batch_size * dp):
-            errors.append(
-                f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                f"{train.micro_batch_size} x data-parallel size {dp} = "
-                f"{train.micro_batch_size * dp}; use a multiple of {train.micro_batch_size * dp}"
-            )
-    if not world_size % replica:
-        errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
-        errors += _rampup_errors(cfg, world_size // replica)
-        errors += lr_schedule_errors(cfg.optim, train, gbs)
-    errors += _schedule_errors(cfg)
-    errors += _dry_run_errors(cfg, world_size)
-    errors += layout.overlap_param_gather_errors(parallel.overlap_param_gather,
-                                                 parallel.use_distributed_optimizer)
-    errors += _sharding_errors(parallel, train.compile)
-    if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return errors
+
+
+def _batch_errors(cfg: Config, world_size: int) -> list[str]:
+    """The checks that need the data-parallel size (none when the grid does not tile, which
+    `_grid_errors` reports): whole micro-batches per DP rank, the pipeline's micro-batch needs,
+    the batch ramp-up and the LR schedule's sample counts."""
+    replica, train = model_replica_size(cfg.parallel), cfg.train
+    if world_size % replica:
+        return []
+    dp = world_size // replica
+    gbs = train.global_batch_size or train.micro_batch_size * dp
+    errors: list[str] = []
+    if gbs % (train.micro_batch_size * dp):
+        errors.append(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+            f"{train.micro_batch_size} x data-parallel size {dp} = "
+            f"{train.micro_batch_size * dp}; use a multiple of {train.micro_batch_size * dp}"
+        )
+    errors += _pipeline_errors(cfg, num_microbatches(cfg, world_size))
+    errors += _rampup_errors(cfg, dp)
+    errors += lr_schedule_errors(cfg.optim, train, gbs)
+    return errors
 
 
 def _rotary_errors(model: ModelConfig) -> list[str]:

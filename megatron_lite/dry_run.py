@@ -70,6 +70,7 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
 from megatron_lite.parallel.host_syncs import HostSyncCounter
+from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
     DEFAULT_DEVICE,
     GIB,
@@ -420,6 +421,20 @@ class _MeasuredCheckpointer(Checkpointer):
         return items
 
 
+@dataclass
+class _Iteration:
+    """The pieces of one rank's training loop that `run_rank` reads back after it ran."""
+
+    trainer: Trainer
+    runner: StepRunner
+    optimizer: Optimizer
+    loader: MicroBatchLoader
+    phases: _Phases
+    checkpointer: _MeasuredCheckpointer
+    state_bytes: tuple[int, int, int]
+    """Parameter, gradient and optimizer-state device bytes, measured before any step."""
+
+
 def run_rank(cfg: Config, world_size: int, rank: int, *, time_host: bool = True
              ) -> RankResult:
     """Build rank `rank` of a `world_size` job on meta and run one whole iteration of the
@@ -436,64 +451,81 @@ def run_rank(cfg: Config, world_size: int, rank: int, *, time_host: bool = True
         with tempfile.TemporaryDirectory(prefix="dry-run-save-") as scratch, \
                 HostSyncCounter(stand_in=False) as syncs, audit, live, ExitStack() as cleanup:
             run = _iteration_config(cfg, scratch)
-            chunks = build_model(run, pstate)
-            optimizer = Optimizer(run, chunks, pstate)
-            cleanup.callback(optimizer.close)
-            params = live.bytes_of(optimizer.param_tensors())
-            grads = live.bytes_of(optimizer.grad_tensors())
-            states = live.bytes_of([t for s in optimizer.shards
-                                    for t in (s.master, s.exp_avg, s.exp_avg_sq)])
-            phases = _Phases(live, audit)
-            loaders = build_loaders(run, pstate.dp_rank, pstate.dp_size,
-                                    coordinator=data_coordinator(run, pstate),
-                                    cp_rank=pstate.cp_rank)
-            for loader in (loaders.train, loaders.valid):
-                _with_documents(cfg, loader)
-            guard = Guard(run, pstate)
-            checkpointer = _MeasuredCheckpointer(run, pstate, chunks, optimizer, loaders.train,
-                                                 extra_state={"reliability": guard})
-            checkpointer.live = live
-            peak = (cfg.logging.peak_tflops or math.nan, "dry run: no device to measure")
-            log_startup(cfg, pstate, chunks, peak, "dry run")
-            log_memory(cfg, pstate, chunks, optimizer)
-            logger = MetricsLogger(run, pstate, peak_tflops=peak[0])
-            cleanup.callback(logger.close)
-            phases("startup")
-            logger.samples_per_epoch = plan_epochs(cfg, pstate, loaders.train)
-            phases("epoch_plan")
-            checkpointer.on_save = logger.log_checkpoint
-            guard.on_event = logger.log_event
-            guard.attach(optimizer, checkpointer, loaders.train)
-            runner = StepRunner(run, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
-                                distiller=build_distiller(run, pstate, chunks))
-            trainer = Trainer(run, pstate, runner, optimizer, loaders.train, loaders.valid,
-                              logger, checkpointer, guard, StepHooks(run, rank, pstate.device),
-                              StartupTimes(), on_phase=phases)
-            phases.syncs = syncs
-            train_loop(trainer)
+            it = _build_iteration(cfg, run, pstate, live, audit, cleanup)
+            it.phases.syncs = syncs
+            train_loop(it.trainer)
             # a second step, with the recording modes off (skipped by callers that only
             # read memory or collectives: 40% of a 70B rank's dry run)
-            host_step_s = (_host_step_seconds(runner, optimizer, loaders.train, pstate, run)
+            host_step_s = (_host_step_seconds(it.runner, it.optimizer, it.loader, pstate, run)
                            if time_host else math.nan)
-            layout = loaders.train.layout
-            if "train_step" in phases.ran and (layout.reset_attention_mask
-                                               or layout.reset_position_ids):
-                phases.ran.append("documents")
-        est = estimate_memory(cfg, world_size, stage=pstate.pp_rank,
-                              fused_kernels=resolve_use_triton(cfg.model.triton_kernels,
-                                                               pstate.device))
-        p2p = [op for op in audit.ops if op.op in ("send", "recv")]
-        return RankResult(
-            rank, pstate.pp_rank, pstate.tp_rank, pstate.dp_rank, params, grads, states,
-            phases.peaks.get("train_step", 0), est.param_bytes, est.grad_bytes,
-            est.optimizer_bytes, int(est.activation_bytes), len(audit.ops) - len(p2p),
-            len(p2p), sum(op.nbytes for op in audit.ops), checkpointer.growth,
-            time.perf_counter() - start, audit.ops, pstate.group_creations,
-            parallel_state.planned_creations(_group_lists(cfg, world_size), rank, world_size,
-                                             split=True), phases.ran,
-            phases.step_syncs.total(), host_step_s, dict(phases.step_syncs), phases.ops)
+            layout = it.loader.layout
+            if "train_step" in it.phases.ran and (layout.reset_attention_mask
+                                                  or layout.reset_position_ids):
+                it.phases.ran.append("documents")
+        return _rank_result(cfg, world_size, pstate, it, audit, host_step_s, start)
     finally:
         parallel_state.destroy(pstate)
+
+
+def _build_iteration(cfg: Config, run: Config, pstate: ParallelState, live: LiveBytes,
+                     audit: CommAudit, cleanup: ExitStack) -> _Iteration:
+    """Assemble the training loop as pretrain.py does, with the dry run's measuring doubles
+    (checkpointer, phase clock) in place, and run its start-up part: the start-up report and
+    the epoch plan are phases the dry run proves ran. `cfg` is the user's config (reports,
+    document flags), `run` the one-iteration copy the loop runs on."""
+    chunks = build_model(run, pstate)
+    optimizer = Optimizer(run, chunks, pstate)
+    cleanup.callback(optimizer.close)
+    state_bytes = (live.bytes_of(optimizer.param_tensors()),
+                   live.bytes_of(optimizer.grad_tensors()),
+                   live.bytes_of([t for s in optimizer.shards
+                                  for t in (s.master, s.exp_avg, s.exp_avg_sq)]))
+    phases = _Phases(live, audit)
+    loaders = build_loaders(run, pstate.dp_rank, pstate.dp_size,
+                            coordinator=data_coordinator(run, pstate), cp_rank=pstate.cp_rank)
+    for loader in (loaders.train, loaders.valid):
+        _with_documents(cfg, loader)
+    guard = Guard(run, pstate)
+    checkpointer = _MeasuredCheckpointer(run, pstate, chunks, optimizer, loaders.train,
+                                         extra_state={"reliability": guard})
+    checkpointer.live = live
+    peak = (cfg.logging.peak_tflops or math.nan, "dry run: no device to measure")
+    log_startup(cfg, pstate, chunks, peak, "dry run")
+    log_memory(cfg, pstate, chunks, optimizer)
+    logger = MetricsLogger(run, pstate, peak_tflops=peak[0])
+    cleanup.callback(logger.close)
+    phases("startup")
+    logger.samples_per_epoch = plan_epochs(cfg, pstate, loaders.train)
+    phases("epoch_plan")
+    checkpointer.on_save = logger.log_checkpoint
+    guard.on_event = logger.log_event
+    guard.attach(optimizer, checkpointer, loaders.train)
+    runner = StepRunner(run, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
+                        distiller=build_distiller(run, pstate, chunks))
+    trainer = Trainer(run, pstate, runner, optimizer, loaders.train, loaders.valid,
+                      logger, checkpointer, guard, StepHooks(run, pstate.rank, pstate.device),
+                      StartupTimes(), on_phase=phases)
+    return _Iteration(trainer, runner, optimizer, loaders.train, phases, checkpointer,
+                      state_bytes)
+
+
+def _rank_result(cfg: Config, world_size: int, pstate: ParallelState, it: _Iteration,
+                 audit: CommAudit, host_step_s: float, start: float) -> RankResult:
+    """The measured numbers of one rank's iteration next to the planner's for its stage."""
+    est = estimate_memory(cfg, world_size, stage=pstate.pp_rank,
+                          fused_kernels=resolve_use_triton(cfg.model.triton_kernels,
+                                                           pstate.device))
+    p2p = [op for op in audit.ops if op.op in ("send", "recv")]
+    phases = it.phases
+    return RankResult(
+        pstate.rank, pstate.pp_rank, pstate.tp_rank, pstate.dp_rank, *it.state_bytes,
+        phases.peaks.get("train_step", 0), est.param_bytes, est.grad_bytes,
+        est.optimizer_bytes, int(est.activation_bytes), len(audit.ops) - len(p2p),
+        len(p2p), sum(op.nbytes for op in audit.ops), it.checkpointer.growth,
+        time.perf_counter() - start, audit.ops, pstate.group_creations,
+        parallel_state.planned_creations(_group_lists(cfg, world_size), pstate.rank,
+                                         world_size, split=True), phases.ran,
+        phases.step_syncs.total(), host_step_s, dict(phases.step_syncs), phases.ops)
 
 
 def _host_step_seconds(runner: StepRunner, optimizer: Optimizer, loader, pstate,
@@ -539,7 +571,7 @@ def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
     p = cfg.parallel
     return parallel_state.group_lists(parallel_state.rank_grid(
         world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-        p.context_parallel_size))
+        p.context_parallel_size), cfg.moe.expert_model_parallel_size)
 
 
 def group_creations_line(r: RankResult) -> str:

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from megatron_lite import structure
 from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
 from megatron_lite.config import Config, ConfigError, ModelConfig
@@ -67,33 +68,19 @@ _LLAMA3_ROPE = {"low_freq_factor": rope_kernels.LLAMA3_LOW_FREQ_FACTOR,
 """Llama 3.1's fixed scaling constants (only the factor is a flag, as in Megatron)."""
 
 
-def _qkv_rows(model_cfg: ModelConfig) -> list[int]:
-    """Rows of Q, K and V in the fused qkv weight."""
-    d = model_cfg.head_dim
-    return [model_cfg.num_attention_heads * d, model_cfg.num_query_groups * d,
-            model_cfg.num_query_groups * d]
+def tp_split(param: structure.Param) -> tags.TpSplit | None:
+    """A structure entry's TP split as layers/tags.py writes it (and checkpoints store it)."""
+    if param.split_dim is None:
+        return None
+    if param.vocab:
+        return tags.vocab_split(param.shape[0])
+    return tags.column_split(param.partitions) if param.split_dim == 0 else tags.row_split()
 
 
 def canonical_tags(model_cfg: ModelConfig) -> dict[str, tags.TpSplit | None]:
-    """Global weight name -> TP split of an unpadded, TP=1 model (see layers/tags.py)."""
-    qkv = tags.column_split(_qkv_rows(model_cfg))
-    gate_up = tags.column_split([model_cfg.ffn_hidden_size] * 2)
-    vocab = tags.vocab_split(model_cfg.vocab_size)
-    splits: dict[str, tags.TpSplit | None] = {"embedding.weight": vocab, "final_norm.weight": None}
-    if model_cfg.untie_embeddings_and_output_weights:
-        splits["output.weight"] = vocab
-    for i in range(model_cfg.num_layers):
-        splits |= {f"layers.{i}.attention_norm.weight": None,
-                   f"layers.{i}.attention.qkv.weight": qkv,
-                   f"layers.{i}.attention.proj.weight": tags.row_split(),
-                   f"layers.{i}.mlp_norm.weight": None,
-                   f"layers.{i}.mlp.gate_up.weight": gate_up,
-                   f"layers.{i}.mlp.down.weight": tags.row_split()}
-        if model_cfg.add_qkv_bias:
-            splits[f"layers.{i}.attention.qkv.bias"] = qkv
-        if model_cfg.qk_layernorm:
-            splits |= {f"layers.{i}.{ours}": None for ours in _QK_NORM_NAMES}
-    return splits
+    """Global weight name -> TP split of an unpadded, TP=1 model (megatron_lite/structure.py)."""
+    return {p.name: tp_split(p)
+            for p in structure.model_parameters(model_cfg, model_cfg.vocab_size)}
 
 
 def hf_architecture(model_cfg: ModelConfig) -> tuple[str, str]:
@@ -124,7 +111,7 @@ def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
         prefix, rest = f"model.layers.{layer.group(1)}.", layer.group(2)
         if rest in ("attention.qkv.weight", "attention.qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
-            q, k, v = w.split(_qkv_rows(model_cfg))
+            q, k, v = w.split(structure.qkv_rows(model_cfg))
             out |= {prefix + f"self_attn.q_proj.{kind}": q,
                     prefix + f"self_attn.k_proj.{kind}": k,
                     prefix + f"self_attn.v_proj.{kind}": v}

@@ -1,7 +1,8 @@
 """Step-time model of the planner: each piece of a training step timed from its size.
 
-Pure arithmetic (no megatron_lite imports; torch only inside `measure_cpu`). `planner.evaluate`
-builds a step from `microbatch_costs` and `collective_s`; scripts/plan.py --explain prints it.
+Pure arithmetic (megatron_lite imports: the config and the model's parameter list, for
+`ModelShape`; torch only inside `measure_cpu`). `planner.evaluate` builds a step from
+`microbatch_costs` and `collective_s`; scripts/plan.py --explain prints it.
 
 - GEMMs: a roofline, max(FLOPs / (peak x efficiency), bytes / HBM bandwidth), with a shape-
   dependent efficiency `gemm_efficiency` = e_max · d / (d + d_half), d the smallest of m, n, k:
@@ -19,8 +20,10 @@ builds a step from `microbatch_costs` and `collective_s`; scripts/plan.py --expl
   all-reduce, (n-1)/n all-gather and reduce-scatter); `planner` picks NVLink or the network and
   decides what overlaps what.
 - Attention: "flash" (our model: the causal half skipped, the backward recomputes the scores:
-  5 matmuls against the forward's 2, Dao 2023) or "unfused" (GPT as Megatron ran it in 2021:
-  full s x s score and context batched GEMMs, scale-mask-softmax and dropout over them).
+  5 matmuls against the forward's 2, Dao 2023; on the GEMM curve, or at the kernel's measured
+  `Hardware.attention_tflops` where one is known: the CPU, a calibration file) or "unfused"
+  (GPT as Megatron ran it in 2021: full s x s score and context batched GEMMs,
+  scale-mask-softmax and dropout over them).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Protocol
 
+from megatron_lite import structure
+from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 from megatron_lite.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -58,6 +62,10 @@ class Hardware:
     op_us: float
     """Fixed cost per kernel: the launch interval on a GPU, dispatch on a CPU."""
     gpu_memory_gib: float
+    attention_tflops: float = 0.0
+    """Measured rate of the attention kernel (forward + backward, counted as `flash_core`
+    counts it); 0: priced on the GEMM curve. A CPU's flash kernel runs far below its matmul
+    rate (its softmax is scalar exp work over every score of a tile), so `measure_cpu` times it."""
     host_bound: bool = False
     """Kernels run on the host thread one after another (CPU): their fixed cost adds up."""
 
@@ -103,10 +111,19 @@ CPU curve is flat at the rate `measure_cpu` measures at 2048 x 256 x 256, near t
 models' shapes (d = 128-576)."""
 
 
-def measure_cpu(dtype_bytes: int = 4, seconds: float = 0.3) -> dict[str, float]:
+CPU_ATTENTION_TOKENS = 2048
+"""Tokens of the batch `measure_cpu` times attention on (the matmul's 2048 rows): b = 2048 / s
+sequences of at most 2048 tokens, so the timing stays under a second at any --seq-length."""
+
+
+def measure_cpu(dtype_bytes: int = 4, seconds: float = 0.3,
+                attention: tuple[int, int, int, int] | None = None) -> dict[str, float]:
     """This CPU's `Hardware` numbers, measured (medians: a shared CPU's best case would flatter
     it): the matmul rate at 2048 x 256 x 256 in the run's dtype (the peak, e_max = 1 on a
-    flat curve), copy bandwidth, and one autograd-recorded small op (dispatch)."""
+    flat curve), copy bandwidth, one autograd-recorded small op (dispatch), and, given the
+    model's `attention` = (seq, heads, query groups, head dim), its causal SDPA forward +
+    backward in fp32 (the model runs the CPU core in fp32 in every dtype) at
+    `CPU_ATTENTION_TOKENS` tokens: the rate of `flash_core`'s FLOPs."""
     import time
 
     import torch
@@ -130,8 +147,31 @@ def measure_cpu(dtype_bytes: int = 4, seconds: float = 0.3) -> dict[str, float]:
     gbps = 2 * big.numel() * dtype_bytes / median_s(lambda: out.copy_(big)) / 1e9
     small = torch.randn(8, 8, requires_grad=True)
     op_s = median_s(lambda: [small * 2 for _ in range(100)]) / 100
-    return {"peak_tflops": peak / 1e12, "gemm_efficiency": 1.0,
-            "gemm_half_dim": CPU_GEMM_HALF_DIM, "hbm_gbps": gbps, "op_us": op_s * 1e6}
+    out = {"peak_tflops": peak / 1e12, "gemm_efficiency": 1.0,
+           "gemm_half_dim": CPU_GEMM_HALF_DIM, "hbm_gbps": gbps, "op_us": op_s * 1e6}
+    if attention is not None:
+        seq, heads, groups, d = attention
+        seq = min(seq, CPU_ATTENTION_TOKENS)
+        batch = CPU_ATTENTION_TOKENS // seq
+        q, k, v = (torch.randn(batch, n, seq, d, requires_grad=True)
+                   for n in (heads, groups, groups))
+        grad = torch.randn(batch, heads, seq, d)
+
+        def core() -> None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=groups != heads)
+            torch.autograd.grad(o, (q, k, v), grad)
+
+        out["attention_tflops"] = flash_core(batch * seq, seq, heads, d).flops_per_step \
+            / median_s(core) / 1e12
+    return out
+
+
+def cpu_hardware(shape: ModelShape, seq_length: int, dtype_bytes: int = 4) -> Hardware:
+    """The "cpu" preset with this machine's numbers measured now, attention at `shape`'s
+    heads and `seq_length` (what scripts/plan.py --hardware cpu and bench/plan_cpu.py use)."""
+    return replace(PRESETS["cpu"], **measure_cpu(dtype_bytes, attention=(
+        seq_length, shape.heads, shape.query_groups, shape.head_dim)))
 
 
 def hardware_fields() -> list[str]:
@@ -154,8 +194,9 @@ def fit_gemm_curve(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def load_calibration(path: str | Path, hw: Hardware) -> Hardware:
     """`hw` with what bench/gpu_calibrate.py measured (`--calibration FILE`): the GEMM curve
-    fitted to its GEMMs, its peak, streaming bandwidth and kernel cost, and the bus bandwidth
-    of its largest all-reduce inside the node."""
+    fitted to its GEMMs, its peak, streaming bandwidth, kernel cost and attention kernel's
+    rate (files without one keep the preset's), and the bus bandwidth of its largest
+    all-reduce inside the node."""
     try:
         data = json.loads(Path(path).read_text())
         peak = float(data["peak_tflops"])
@@ -168,7 +209,7 @@ def load_calibration(path: str | Path, hw: Hardware) -> Hardware:
                         f"{len(points)}")
     e_max, half = fit_gemm_curve(points)
     out = replace(hw, peak_tflops=peak, gemm_efficiency=e_max, gemm_half_dim=half)
-    for key in ("hbm_gbps", "op_us"):
+    for key in ("hbm_gbps", "op_us", "attention_tflops"):
         if data.get(key):
             out = replace(out, **{key: float(data[key])})
     reduces = [c for c in data.get("collectives", []) if c["op"] == "all_reduce"]
@@ -248,12 +289,21 @@ class Pass:
     """Flash attention: the score tiles stay on-chip (its HBM traffic is `streamed`)."""
     backward_kernels: int | None = None
     """Memory-bound kernels of the backward (default twice the forward's)."""
+    tflops: float = 0.0
+    """A measured rate of these GEMMs (`Hardware.attention_tflops`): replaces the roofline."""
+
+    @property
+    def flops_per_step(self) -> float:
+        """FLOPs of the forward and the backward together."""
+        return sum(2 * m * n * k * b for m, n, k, b in self.gemms) * (1 + self.backward_flops)
 
     def costs(self, hw: Hardware, e: int, backward: bool = False) -> Costs:
         """The forward, or (`backward`) the backward, as `Costs`."""
         fg, fb = (self.backward_flops, self.backward_bytes) if backward else (1.0, 1.0)
-        times = [gemm_s(m, n, k, hw, e, b, self.on_chip) * fg for m, n, k, b in self.gemms]
         flops = sum(2 * m * n * k * b for m, n, k, b in self.gemms) * fg
+        times = ([2 * m * n * k * b * fg / (self.tflops * 1e12) for m, n, k, b in self.gemms]
+                 if self.tflops else
+                 [gemm_s(m, n, k, hw, e, b, self.on_chip) * fg for m, n, k, b in self.gemms])
         gemm_kernels = len(self.gemms) * (2 if backward else 1)
         kernels = self.kernels
         if backward:
@@ -268,17 +318,62 @@ class Pass:
         return Costs(sum(times), memory, overhead, flops)
 
 
-class Shape(Protocol):
-    """What the time model reads of planner.ModelShape."""
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the FLOP count and the time model depend on: our decoder's
+    (`from_config`, its matmul weights read from megatron_lite/structure.py), or a
+    planning-only block's (planner.gpt_shape). planner re-exports it."""
 
+    layers: int
     hidden: int
     ffn_hidden: int
     heads: int
     query_groups: int
     head_dim: int
     vocab: int
-    gated_mlp: bool
-    block: str
+    gated_mlp: bool = True
+    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
+    block: str = "llama"
+    """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
+    it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
+    a planning-only shape (planner.gpt_shape) so published runs can be planned as they were
+    run."""
+    layer_matmul: int = 0
+    """Matmul weights of one layer as megatron_lite/structure.py lists them; 0: counted from
+    the dimensions (planner.matmul_params_per_layer), for the blocks we do not build."""
+    moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts (--num-experts, --moe-layer-freq)..."""
+    moe_active_ffn: int = 0
+    """...and the SwiGLU width one token passes through there: top-k x --moe-ffn-hidden-size
+    + the shared expert's (the active parameters, which the FLOPs count)..."""
+    moe_experts: int = 0
+    """...plus the router's E x h matmul."""
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, tp_size: int = 1, moe: MoEConfig | None = None
+                    ) -> ModelShape:
+        """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
+        `tp_size` (the logits it really computes); with `moe` its MoE layers' active width."""
+        experts = moe.num_experts if moe is not None else None
+        moe_layers = (sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers))
+                      if experts else 0)
+        active = ((moe.moe_ffn_hidden_size or model.ffn_hidden_size) * moe.moe_router_topk
+                  + (moe.moe_shared_expert_intermediate_size or 0)) if experts else 0
+        return cls(layers=model.num_layers, hidden=model.hidden_size,
+                   ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
+                   query_groups=model.num_query_groups, head_dim=model.head_dim,
+                   vocab=model.padded_vocab_size(tp_size),
+                   layer_matmul=structure.matmul_weights(structure.layer_parameters(model, 0)),
+                   moe_layers=moe_layers, moe_active_ffn=active, moe_experts=experts or 0)
+
+
+def flash_core(tokens: float, seq: float, heads: float, head_dim: float) -> Pass:
+    """Flash attention of `tokens` queries over `seq`-token sequences: q·kᵀ and p·v over the
+    causal half of the s x s square (each query row sees on average s/2 keys), reading q, k,
+    v and writing out (`streamed`, set by the caller); the backward reruns q·kᵀ and p·v, and
+    computes dv, dp, dq, dk: 5 matmuls for the forward's 2."""
+    return Pass(((tokens, seq / 2, head_dim, heads), (tokens, head_dim, seq / 2, heads)), 0.0, 1,
+                backward_flops=2.5, on_chip=True)
 
 
 GPU_KERNELS_PER_LAYER = {"llama": 8, "gpt": 10}
@@ -307,7 +402,7 @@ class Work:
     """Context-parallel size: each rank holds s/cp query rows of every sequence."""
 
 
-def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
+def layer_passes(shape: ModelShape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
     """(one layer without its attention core, the attention core) on one TP rank."""
     e, tokens, tp = w.e, w.tokens, w.tp
     h, f, d = shape.hidden, shape.ffn_hidden // tp, shape.head_dim
@@ -334,11 +429,8 @@ def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
     else:
         body = Pass(gemms, streamed, GPU_KERNELS_PER_LAYER[shape.block])
     if w.attention == "flash":
-        # q·kᵀ and p·v over the causal half of the s x s square (each query row sees on
-        # average s/2 keys), reading q, k, v and writing out; the backward reruns q·kᵀ and
-        # p·v, and computes dv, dp, dq, dk: 5 matmuls for the forward's 2
-        core = Pass(((tokens, w.seq / 2, d, heads), (tokens, d, w.seq / 2, heads)),
-                    e * tokens * (2 * q + 2 * kv), 1, backward_flops=2.5, on_chip=True)
+        core = replace(flash_core(tokens, w.seq, heads, d),
+                       streamed=e * tokens * (2 * q + 2 * kv), tflops=hw.attention_tflops)
         return body, core
     # unfused: per sequence and head, scores [s_local, s] = q·kᵀ and context = p·v over the
     # whole (masked) square; scale-mask-softmax reads and writes the scores, dropout reads,
@@ -351,7 +443,7 @@ def layer_passes(shape: Shape, w: Work, hw: Hardware) -> tuple[Pass, Pass]:
     return body, core
 
 
-def head_pass(shape: Shape, w: Work) -> Pass:
+def head_pass(shape: ModelShape, w: Work) -> Pass:
     """Final norm, output layer over V/t, and the vocab-parallel cross-entropy: forward reads
     the logits and writes their fp32 softmax, backward writes the logits' gradient."""
     vocab = shape.vocab / w.tp
@@ -362,7 +454,7 @@ def head_pass(shape: Shape, w: Work) -> Pass:
                 backward_bytes=(4 + w.e) / (w.e + 4))
 
 
-def embedding_pass(shape: Shape, w: Work) -> Pass:
+def embedding_pass(shape: ModelShape, w: Work) -> Pass:
     """The lookup (and, for GPT, the learned positions added); backward scatters into an
     fp32 gradient."""
     pos = 2 if shape.block == "gpt" else 1
@@ -370,7 +462,7 @@ def embedding_pass(shape: Shape, w: Work) -> Pass:
                 backward_bytes=(w.e + 4) / (w.e * (1 + pos)))
 
 
-def microbatch_costs(shape: Shape, w: Work, hw: Hardware, layers: int, rerun: int,
+def microbatch_costs(shape: ModelShape, w: Work, hw: Hardware, layers: int, rerun: int,
                      selective: bool, head: bool, embedding: bool) -> Costs:
     """One micro-batch's forward and backward through `layers` layers of one stage (plus the
     head / the embedding where the stage holds them), and what recomputation reruns: the whole
@@ -387,7 +479,7 @@ def microbatch_costs(shape: Shape, w: Work, hw: Hardware, layers: int, rerun: in
     return total
 
 
-def attention_s(shape: Shape, w: Work, hw: Hardware) -> float:
+def attention_s(shape: ModelShape, w: Work, hw: Hardware) -> float:
     """One layer's attention core, forward and backward: what the CP ring's transfers hide
     behind."""
     core = layer_passes(shape, w, hw)[1]

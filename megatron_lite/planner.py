@@ -1,13 +1,14 @@
 """Memory, FLOP and step-time model for choosing a parallel layout before renting a cluster.
 
-Pure arithmetic (imports only `megatron_lite.config`). Three users:
+Pure arithmetic (imports `megatron_lite.config`, the schedule table and the model's parameter
+list, `megatron_lite.structure`, which our decoder's counts read). Three users:
 - `pretrain.py --dry-run` / the start-up log call `estimate_memory(cfg, world_size)` for the
   per-rank bytes of the layout in a `Config`;
 - `scripts/plan.py` calls `search(...)`, which enumerates TP x PP x schedule (1F1B, interleaved
   v, ZB-H1, ZBV) x DP x micro-batch x DP sharding x recompute, predicts memory and step time for
   each and ranks them;
 - `metrics.py` takes its FLOPs per token from `training_flops_per_token`, so the training log's
-  MFU and the planner's are the same number for the same run.
+  MFUs and the planner's are the same numbers for the same run.
 
 FLOPs per token (`training_flops_per_token`, the one count): 6·N + 12·l·q·s, N =
 `matmul_params`, every weight that takes part in a matmul (per layer QKV h·(q + 2k), attention
@@ -16,10 +17,12 @@ size; the input embedding is a lookup, so a tied one counts once, as the output 
 l layers, q = heads·head_dim (head_dim = --kv-channels), s = sequence length; the
 --add-qkv-bias biases and the --qk-layernorm weights are elementwise work, not matmuls, so
 they are parameters (`layer_params`) but not in N, as in Megatron's count. The 12·l·q·s term
-counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): that
-is the log's `mfu` and the planner's MFU. `causal=True` halves it (Megatron-LM since 2025):
-the log's `mfu_causal`, and the work the step-time model charges, since flash attention skips
-the masked half.
+counts the attention scores and values as if not causal (PaLM / nanoGPT / torchtitan): the
+log's `mfu` and the planner's `Plan.mfu_noncausal`. `causal=True` halves it (Megatron-LM since
+2025): the work the step-time model charges, since a causal kernel skips the masked half. The
+planner's headline `Plan.mfu` counts it so (the log's `mfu_causal`) and never exceeds the
+efficiency the time model allows (`efficiency_bound`), where the non-causal count does at
+128K tokens (it counts work that never runs).
 Recomputation never counts towards MFU; the step-time model adds it as extra work.
 
 Model states (bytes per parameter, what megatron_lite keeps; `STATE_BYTES`): bf16 runs hold bf16
@@ -48,19 +51,19 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_lite import plan_time, schedules
+from megatron_lite import plan_time, schedules, structure
+from megatron_lite import sharding as sharding_table
 from megatron_lite.config import (
     Config,
     ModelConfig,
-    MoEConfig,
     ParallelConfig,
     ddp_bucket_size,
-    moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
     schedule_in_effect,
     stage_layer_counts,
 )
+from megatron_lite.plan_time import ModelShape
 
 GIB = 2**30
 
@@ -109,54 +112,13 @@ class Recompute:
 # Matmul weights and FLOPs per token (see the module docstring for the convention)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions the FLOP count depends on; written out by hand for models we don't build."""
-
-    layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    query_groups: int
-    head_dim: int
-    vocab: int
-    gated_mlp: bool = True
-    """SwiGLU has three h x f matrices (gate, up, down); a plain GELU MLP has two."""
-    moe_layers: int = 0
-    """Layers whose MLP is a mixture of experts (--num-experts, --moe-layer-freq)..."""
-    moe_active_ffn: int = 0
-    """...and the SwiGLU width one token passes through there: top-k x --moe-ffn-hidden-size
-    + the shared expert's (the active parameters, which the FLOPs count)..."""
-    moe_experts: int = 0
-    """...plus the router's E x h matmul."""
-    block: str = "llama"
-    """llama: our decoder (RMSNorm, RoPE, SwiGLU, flash attention); gpt: GPT as Megatron-LM ran
-    it in 2021 (LayerNorm, GeLU MLP, learned positions, unfused softmax attention with dropout),
-    a planning-only shape (`gpt_shape`) so published runs can be planned as they were run."""
-
-    @classmethod
-    def from_config(cls, model: ModelConfig, tp_size: int = 1, moe: MoEConfig | None = None
-                    ) -> ModelShape:
-        """Our Llama decoder: SwiGLU, GQA, and the output layer over the vocabulary padded for
-        `tp_size` (the logits it really computes); with `moe` its MoE layers' active width."""
-        experts = moe.num_experts if moe is not None else None
-        moe_layers = sum(moe_layer_pattern(moe.moe_layer_freq, model.num_layers)) if experts \
-            else 0
-        active = ((moe.moe_ffn_hidden_size or model.ffn_hidden_size) * moe.moe_router_topk
-                  + (moe.moe_shared_expert_intermediate_size or 0)) if experts else 0
-        return cls(layers=model.num_layers, hidden=model.hidden_size,
-                   ffn_hidden=model.ffn_hidden_size, heads=model.num_attention_heads,
-                   query_groups=model.num_query_groups, head_dim=model.head_dim,
-                   vocab=model.padded_vocab_size(tp_size), moe_layers=moe_layers,
-                   moe_active_ffn=active, moe_experts=experts or 0)
-
-
 BLOCKS = ("llama", "gpt")
 
 
 def gpt_shape(model: ModelConfig, tp: int = 1) -> ModelShape:
     """`model` as a GPT block (`ModelShape.block`): --ffn-hidden-size is the GeLU MLP's width."""
-    return dataclasses.replace(ModelShape.from_config(model, tp), gated_mlp=False, block="gpt")
+    return dataclasses.replace(ModelShape.from_config(model, tp), gated_mlp=False, block="gpt",
+                               layer_matmul=0)
 
 
 def gpt_memory_stand_in(model: ModelConfig) -> ModelConfig:
@@ -194,8 +156,11 @@ def model_shape(model: ModelConfig, tp: int, block: str = "llama") -> ModelShape
 
 
 def matmul_params_per_layer(shape: ModelShape) -> int:
-    """Matmul weights of one transformer layer, all TP ranks together: QKV h·(q + 2k),
-    attention output q·h, MLP 3·h·f (2·h·f without gating)."""
+    """Matmul weights of one transformer layer, all TP ranks together: our decoder's from its
+    parameter list (`ModelShape.layer_matmul`), else QKV h·(q + 2k), attention output q·h,
+    MLP 3·h·f (2·h·f without gating)."""
+    if shape.layer_matmul:
+        return shape.layer_matmul
     q, kv = shape.heads * shape.head_dim, shape.query_groups * shape.head_dim
     mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn_hidden
     return shape.hidden * (q + 2 * kv) + q * shape.hidden + mlp
@@ -230,15 +195,12 @@ def training_flops_per_token(shape: ModelShape, seq_length: int, causal: bool = 
 
 
 def layer_params(model: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank: its matmul weights split over TP
-    (with --kv-channels d the attention ones are h·(heads + 2·groups)·d and heads·d·h), the
-    --add-qkv-bias biases (heads + 2·groups)·d split likewise, plus the RMSNorm weights every
-    rank holds whole: two h-wide, and two d-wide with --qk-layernorm."""
-    d = model.head_dim
-    bias = (model.num_attention_heads + 2 * model.num_query_groups) * d if model.add_qkv_bias \
-        else 0
-    norms = 2 * model.hidden_size + (2 * d if model.qk_layernorm else 0)
-    return norms + (matmul_params_per_layer(ModelShape.from_config(model)) + bias) // tp
+    """Parameters of one transformer layer on one TP rank (megatron_lite/structure.py): its
+    matmul weights split over TP (with --kv-channels d the attention ones are
+    h·(heads + 2·groups)·d and heads·d·h), the --add-qkv-bias biases (heads + 2·groups)·d split
+    likewise, plus the RMSNorm weights every rank holds whole: two h-wide, and two d-wide with
+    --qk-layernorm."""
+    return sum(p.local_numel(tp) for p in structure.layer_parameters(model, 0))
 
 
 def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_layers: int,
@@ -265,9 +227,7 @@ def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_lay
 
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
-    tables = 2 if model.untie_embeddings_and_output_weights else 1
-    emb = model.vocab_size * model.hidden_size * tables
-    return model.num_layers * layer_params(model, 1) + emb + model.hidden_size
+    return sum(p.numel for p in structure.model_parameters(model, model.vocab_size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +246,7 @@ def zero_state_bytes(num_params: float, dp: int, stage: int, param_bytes: float 
     return num_params * (param_bytes + grad_bytes + optim_bytes)
 
 
-SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING = sharding_table.NAMES
 """--data-parallel-sharding-strategy values; index = ZeRO stage."""
 
 
@@ -301,12 +261,12 @@ def state_bytes(num_params: int, dp: int, sharding: str, bf16: bool,
     dtype (bucket tensors in flight are not counted, as for the other strategies).
     `grad_bf16`: --grad-reduce-in-bf16.
     """
-    stage = SHARDING.index(sharding)
+    split = sharding_table.get(sharding)
     pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
-    owned = math.ceil(num_params / dp) if stage >= 1 else num_params
-    params = owned * pb if stage >= 3 else num_params * pb
-    grads = owned * gb if stage >= 2 else num_params * gb
-    if stage == 2 and full_grad_accumulator:
+    owned = math.ceil(num_params / dp) if split.state else num_params
+    params = owned * pb if split.params else num_params * pb
+    grads = owned * gb if split.grads else num_params * gb
+    if split.grads and not split.params and full_grad_accumulator:
         grads += num_params * pb
     return params, grads, owned * ob
 
@@ -316,11 +276,12 @@ def sharding_formula(sharding: str, dp: int, bf16: bool = True, grad_bf16: bool 
     """The issue's bytes-per-parameter formula of a strategy and its value at `dp` (the
     gathered ZeRO-3 unit is not in it), e.g. ("2 + 16/d", 2.25) for optim_grads at d = 64."""
     pb, gb, ob = grad_state_bytes(bf16, grad_bf16)
-    forms = {"no_shard": (f"{pb} + {gb} + {ob}", pb + gb + ob),
-             "optim": (f"{pb} + {gb} + {ob}/d", pb + gb + ob / dp),
-             "optim_grads": (f"{pb} + {gb + ob}/d", pb + (gb + ob) / dp),
-             "optim_grads_params": (f"{pb + gb + ob}/d + unit", (pb + gb + ob) / dp)}
-    return forms[sharding]
+    split = sharding_table.get(sharding)
+    whole = [b for b, cut in ((pb, split.params), (gb, split.grads), (ob, split.state))
+             if not cut]
+    cut = sum((pb, gb, ob)) - sum(whole)
+    form = " + ".join([str(b) for b in whole] + ([f"{cut}/d"] if cut else []))
+    return form + (" + unit" if split.params else ""), sum(whole) + cut / dp
 
 
 def largest_unit_params(model: ModelConfig, tp: int) -> int:
@@ -368,13 +329,8 @@ def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int) -> list[li
     A tied output layer's gradient is the embedding's (its unit owns the weight).
     """
     emb, _, head = zero3_units(model, tp)
-    h, f = model.hidden_size, model.ffn_hidden_size
-    q, k = model.num_attention_heads * model.head_dim, model.num_query_groups * model.head_dim
-    qk_norms = [model.head_dim] * 2 if model.qk_layernorm else []
-    qkv_bias = [(q + 2 * k) // tp] if model.add_qkv_bias else []
-    # down, gate|up, MLP norm, k and q norms, attention output, QKV bias, QKV, attention norm
-    layer = [f * h // tp, 2 * h * f // tp, h, *qk_norms, q * h // tp, *qkv_bias,
-             h * (q + 2 * k) // tp, h]
+    h = model.hidden_size
+    layer = [p.local_numel(tp) for p in reversed(structure.layer_parameters(model, 0))]
 
     def cut(sizes: list[int]) -> list[int]:
         buckets, n = [], 0
@@ -716,7 +672,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
             layer_step += output_weight_grad_bytes(model, spec.act)
         head_step = head + max(head_transient_bytes(model, spec.act),
                                head_backward_bytes(model, spec.act))
-    if spec.sharding == "optim_grads_params":
+    if sharding_table.get(spec.sharding).params:
         peak = zero3_peak_bytes(model, spec, per_chunk, ids, head, layer_step)
     else:
         others = (flying - 1) * per_chunk + ids * min(flying, spec.microbatches)
@@ -828,6 +784,8 @@ class Cluster:
     """Achieved memory bandwidth of memory-bound kernels and the optimizer step, GB/s."""
     op_us: float = _H100.op_us
     """Fixed cost per kernel (launch interval; CPU: dispatch, added to the work)."""
+    attention_tflops: float = _H100.attention_tflops
+    """Measured attention-kernel rate (plan_time.Hardware.attention_tflops); 0: the GEMM curve."""
     allowance_gib: float = 3.0
     """Not modelled elsewhere: CUDA context + NCCL buffers (~1 GiB), gradient buckets,
     allocator fragmentation."""
@@ -875,7 +833,7 @@ class Layout:
 
     @property
     def zero_stage(self) -> int:
-        return SHARDING.index(self.sharding)
+        return sharding_table.get(self.sharding).zero_stage
 
 
 @dataclass(frozen=True)
@@ -898,10 +856,12 @@ class Plan:
     optimizer_s: float
     tokens_per_s: float
     flops_per_token: float
-    """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP."""
+    """Model FLOPs per token the MFU counts: `training_flops_per_token` at this layout's TP,
+    attention causal (the work the step-time model charges: a causal kernel skips the masked
+    half)."""
     mfu: float
-    """tokens/s x flops_per_token / (GPUs x peak), as the training log's `mfu` (attention
-    counted as if not causal: it can exceed what the GPU executes at long sequences)."""
+    """tokens/s x flops_per_token / (GPUs x peak): the training log's `mfu_causal`; never
+    above the largest efficiency the time model allows (`efficiency_bound`)."""
     days: float
     fits: bool
     reason: str
@@ -909,11 +869,13 @@ class Plan:
     """Memory-bound kernels of the slowest stage's micro-batches."""
     overhead_s: float = 0.0
     """What the fixed cost per kernel adds."""
-    mfu_causal: float = 0.0
-    """MFU with causal attention FLOPs (the log's `mfu_causal`): never above e_max."""
+    mfu_noncausal: float = 0.0
+    """MFU with attention counted as if not causal (12·l·q·s, the log's `mfu`, PaLM's
+    convention): it counts the masked half, so it can exceed what the GPU runs at long
+    sequences."""
     hfu: float = 0.0
-    """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs)."""
-    hfu_causal: float = 0.0
+    """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs), causal."""
+    hfu_noncausal: float = 0.0
 
 
 def _recompute_layers(lay: Layout, layers: int) -> tuple[int, bool]:
@@ -1061,13 +1023,11 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
     shape = model_shape(model, lay.tp, opts.block)
-    flops = training_flops_per_token(shape, model.seq_length)
     causal = training_flops_per_token(shape, model.seq_length, causal=True)
+    full = training_flops_per_token(shape, model.seq_length)
     per_gpu = tokens_s / c.gpus / 1e12 / c.peak_tflops
-    mfu = tokens_s * flops / c.gpus / 1e12 / c.peak_tflops  # as metrics.MetricsLogger
-    hfu = per_gpu * (flops + recompute_flops_per_token(shape, model.seq_length, lay))
-    hfu_causal = per_gpu * (causal + recompute_flops_per_token(shape, model.seq_length, lay,
-                                                               causal=True))
+    rerun = {k: recompute_flops_per_token(shape, model.seq_length, lay, causal=k)
+             for k in (True, False)}
     need = worst.total_bytes / GIB + c.allowance_gib
     fits = need <= c.gpu_memory_gib
     reason = "" if fits else (
@@ -1075,9 +1035,17 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
         f"{worst.state_bytes / GIB:.1f} + activations {worst.activation_bytes / GIB:.1f} + "
         f"allowance {c.allowance_gib:g})")
     return Plan(lay, mbs, worst, need, step, mbs * costs.gemm, mbs * tp_comm, mbs * p2p, bubble,
-                dp_s, opt_s, tokens_s, flops, mfu, train_tokens / tokens_s / 86400, fits, reason,
-                memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
-                mfu_causal=per_gpu * causal, hfu=hfu, hfu_causal=hfu_causal)
+                dp_s, opt_s, tokens_s, causal, per_gpu * causal, train_tokens / tokens_s / 86400,
+                fits, reason, memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
+                mfu_noncausal=per_gpu * full, hfu=per_gpu * (causal + rerun[True]),
+                hfu_noncausal=per_gpu * (full + rerun[False]))
+
+
+def efficiency_bound(c: Cluster) -> float:
+    """The largest fraction of peak any work reaches in the time model: the GEMM curve's
+    e_max, or a measured attention kernel's rate if faster. No layout's MFU or HFU (causal
+    FLOPs over charged time) exceeds it."""
+    return max(c.gemm_efficiency, c.attention_tflops / c.peak_tflops)
 
 
 def _divisors(n: int) -> list[int]:
@@ -1191,9 +1159,9 @@ def pretrain_flags(model: ModelConfig, plan: Plan, global_batch: int) -> list[st
                   model.num_layers // (lay.pp * lay.chunks)]
     if lay.sequence_parallel:
         flags.append("--sequence-parallel")
-    if lay.sharding == "optim":
+    if lay.sharding == sharding_table.OPTIM:
         flags.append("--use-distributed-optimizer")
-    elif lay.sharding != "no_shard":
+    elif lay.sharding != sharding_table.NO_SHARD:
         flags += ["--data-parallel-sharding-strategy", lay.sharding]
     flags += lay.recompute.flags()
     return [str(f) for f in flags]

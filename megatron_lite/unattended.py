@@ -186,66 +186,93 @@ def decide(run_dir: Path, *, rc: int, from_line: int, log_offset: int, restarts:
            say: Callable[[str], None]) -> str:
     """What the launch script does after a launch (see the module docstring); writes the
     `failure`, `resubmit` and `job_end` records and appends to exclude_hosts."""
-    jsonl, log = run_dir / JSONL_NAME, run_dir / LOG_NAME
+    jsonl = run_dir / JSONL_NAME
     records = read_records(jsonl)
-    new = records[from_line:]
-    text = ""
-    if log.is_file():
-        with log.open("rb") as f:
-            f.seek(log_offset)
-            text = f.read().decode(errors="replace")
-    named = hosts_named(text)
+    named = hosts_named(_log_since(run_dir / LOG_NAME, log_offset))
     excluded = add_excluded(run_dir, named)
     if named:
         say(f"unattended: hosts named by hang/NaN/straggler/preflight messages: "
             f"{', '.join(named)} (now in {run_dir / EXCLUDE_FILE})")
     job = job_id()
     stamp = {"job": job} if job else {}
-    ends = [r for r in new if r.get("event") == "train_end"]
-    decision, why = "stop", ""
-    if rc == 0 and ends and ends[-1].get("done"):
-        why = f"training done at iteration {ends[-1]['iteration']}"
-    elif rc == 0 and ends:
-        decision, why = "resubmit", (f"stopped early at iteration {ends[-1]['iteration']} "
-                                     "(signal or time limit), checkpoint saved")
-    elif rc == 0:
-        why = "the launch exited 0 without a train_end record (nothing to resume)"
+    if rc == 0:
+        decision, why = _after_clean_exit(records[from_line:])
     else:
-        iteration = next((int(r["iteration"]) for r in reversed(records) if is_train(r)), 0)
-        before = [r for r in records if r.get("event") == "failure"]
-        _append(jsonl, {"event": "failure", "iteration": iteration, "time": time.time(),
-                        "rc": rc, "hosts": named, **stamp})
-        if before and int(before[-1]["iteration"]) == iteration:
-            why = (f"the failure repeated at iteration {iteration} (exit status {rc}); not "
-                   "restarting: look at the log above")
-        elif named:
-            decision, why = "resubmit", (f"failed (exit status {rc}) on a named host: "
-                                         "resubmitting without it")
-        elif restarts < max_restarts:
-            decision, why = "restart", (f"failed at iteration {iteration} (exit status {rc}): "
-                                        f"restart {restarts + 1} of {max_restarts} in place")
-        else:
-            decision, why = "resubmit", (f"failed (exit status {rc}) after {restarts} restarts "
-                                         "in place")
+        decision, why = _after_failure(jsonl, records, rc, named, restarts, max_restarts, stamp)
     if decision == "resubmit":
-        done = sum(1 for r in records if r.get("event") == "resubmit")
-        if not can_resubmit:
-            decision, why = "stop", why + "; not under Slurm, so not resubmitting"
-        elif done >= max_resubmits:
-            decision, why = "stop", why + f"; MAX_RESUBMITS={max_resubmits} reached"
-        else:
-            _append(jsonl, {"event": "resubmit", "time": time.time(), "count": done + 1,
-                            "exclude": excluded, **stamp})
-            why += f" (resubmission {done + 1} of {max_resubmits})"
+        decision, why = _resubmit_or_stop(jsonl, records, why, can_resubmit, max_resubmits,
+                                          excluded, stamp)
     say(f"unattended: {decision}: {why}")
     if decision != "restart":
-        end = {"event": "job_end", "time": time.time(), "rc": rc,
-               "allocated_s": time.time() - job_start, **stamp}
-        productive, allocated = goodput([*read_records(jsonl), end])
-        _append(jsonl, {**end, "run_productive_s": productive, "run_allocated_s": allocated,
-                        "run_goodput": productive / allocated if allocated > 0 else None})
-        say(goodput_line(read_records(jsonl)))
+        _end_job(jsonl, rc, job_start, stamp, say)
     return f"resubmit {','.join(excluded)}".strip() if decision == "resubmit" else decision
+
+
+def _log_since(log: Path, offset: int) -> str:
+    """The launch's own part of the run's log: what it appended after byte `offset`."""
+    if not log.is_file():
+        return ""
+    with log.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def _after_clean_exit(new: list[dict]) -> tuple[str, str]:
+    """(decision, why) after exit status 0: the launch's last train_end record says whether
+    training finished or stopped early with a checkpoint to resume from."""
+    ends = [r for r in new if r.get("event") == "train_end"]
+    if ends and ends[-1].get("done"):
+        return "stop", f"training done at iteration {ends[-1]['iteration']}"
+    if ends:
+        return "resubmit", (f"stopped early at iteration {ends[-1]['iteration']} "
+                            "(signal or time limit), checkpoint saved")
+    return "stop", "the launch exited 0 without a train_end record (nothing to resume)"
+
+
+def _after_failure(jsonl: Path, records: list[dict], rc: int, named: list[str], restarts: int,
+                   max_restarts: int, stamp: dict) -> tuple[str, str]:
+    """(decision, why) after a failed launch, which is recorded first: a failure at the same
+    iteration as the previous one is a bug that restarts would only repeat; a named host is
+    left behind by resubmitting; otherwise restart in place while restarts are left."""
+    iteration = next((int(r["iteration"]) for r in reversed(records) if is_train(r)), 0)
+    before = [r for r in records if r.get("event") == "failure"]
+    _append(jsonl, {"event": "failure", "iteration": iteration, "time": time.time(),
+                    "rc": rc, "hosts": named, **stamp})
+    if before and int(before[-1]["iteration"]) == iteration:
+        return "stop", (f"the failure repeated at iteration {iteration} (exit status {rc}); not "
+                        "restarting: look at the log above")
+    if named:
+        return "resubmit", f"failed (exit status {rc}) on a named host: resubmitting without it"
+    if restarts < max_restarts:
+        return "restart", (f"failed at iteration {iteration} (exit status {rc}): "
+                           f"restart {restarts + 1} of {max_restarts} in place")
+    return "resubmit", f"failed (exit status {rc}) after {restarts} restarts in place"
+
+
+def _resubmit_or_stop(jsonl: Path, records: list[dict], why: str, can_resubmit: bool,
+                      max_resubmits: int, excluded: list[str], stamp: dict) -> tuple[str, str]:
+    """A resubmission happens only under Slurm and within MAX_RESUBMITS (counted over the
+    run's records, so across jobs); one that happens is recorded with the hosts it avoids."""
+    done = sum(1 for r in records if r.get("event") == "resubmit")
+    if not can_resubmit:
+        return "stop", why + "; not under Slurm, so not resubmitting"
+    if done >= max_resubmits:
+        return "stop", why + f"; MAX_RESUBMITS={max_resubmits} reached"
+    _append(jsonl, {"event": "resubmit", "time": time.time(), "count": done + 1,
+                    "exclude": excluded, **stamp})
+    return "resubmit", why + f" (resubmission {done + 1} of {max_resubmits})"
+
+
+def _end_job(jsonl: Path, rc: int, job_start: float, stamp: dict,
+             say: Callable[[str], None]) -> None:
+    """Record the job's end (a restart in place is the same job) with the run's goodput so
+    far, and print it."""
+    end = {"event": "job_end", "time": time.time(), "rc": rc,
+           "allocated_s": time.time() - job_start, **stamp}
+    productive, allocated = goodput([*read_records(jsonl), end])
+    _append(jsonl, {**end, "run_productive_s": productive, "run_allocated_s": allocated,
+                    "run_goodput": productive / allocated if allocated > 0 else None})
+    say(goodput_line(read_records(jsonl)))
 
 
 def _append(path: Path, record: dict) -> None:

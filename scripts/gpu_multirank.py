@@ -272,7 +272,8 @@ class Job:
         return rc
 
 
-def _main(argv: list[str]) -> int:
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments and the layouts to run, in the order asked (unknown ones refused)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -283,84 +284,103 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     add_debug_flag(parser)
     args = parser.parse_args(argv)
-    backend = "cuda:gloo" if args.device == "cuda" else "gloo"
     layouts = (args.layouts.split(",") if args.layouts else list(DEFAULT_LAYOUTS[args.device]))
     unknown = [n for n in layouts if n not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout {unknown[0]}: choose from {', '.join(LAYOUTS)}")
+    return args, layouts
+
+
+class Launcher:
+    """How every child of one invocation starts: one environment, one torchrun command line,
+    the base flags, and a fresh loss file per run (the logger appends to an existing one)."""
+
+    def __init__(self, args: argparse.Namespace, backend: str) -> None:
+        self.out, self.backend = args.out, backend
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if args.device == "cpu":
+            self.env["CUDA_VISIBLE_DEVICES"] = ""
+        self.torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2"]
+        self.flags = [*FLAGS[args.device], *COMMON, "--train-iters", str(args.iters)]
+
+    def flags_for(self, dtype: str) -> list[str]:
+        """bf16 runs drop the CPU's --fp64 (the two are exclusive)."""
+        return [f for f in self.flags if f != "--fp64"] if dtype == "bf16" else self.flags
+
+    def jsonl(self, name: str) -> Path:
+        path = self.out / f"multirank_{name}.jsonl"
+        path.unlink(missing_ok=True)
+        return path
+
+    def single(self, name: str, dtype: str) -> Job:
+        """The one-process reference run of `dtype`."""
+        return Job(name, [sys.executable, "pretrain.py", *self.flags_for(dtype),
+                          *(["--bf16"] if dtype == "bf16" else []), "--log-jsonl",
+                          str(self.jsonl(name))], self.out, self.env)
+
+    def layout(self, name: str) -> Job:
+        """Layout `name` on two ranks over the invocation's backend."""
+        return Job(name, [*self.torchrun, "pretrain.py", *self.flags_for(dtype_of(name)),
+                          *LAYOUTS[name], "--distributed-backend", self.backend,
+                          "--log-jsonl", str(self.jsonl(name))], self.out, self.env)
+
+
+def judge(name: str, job: Job, rc: int, single_rc: int, single_losses: list[float],
+          single_log: str, iters: int, tolerance: float) -> dict:
+    """A finished layout's row: failed (its own exit status, or no reference to compare
+    with), else ok or failed by how its losses agree with the one-process run's."""
+    losses = read_losses(job.log.with_suffix(".jsonl"))  # multirank_NAME.jsonl
+    dtype = dtype_of(name)
+    if rc:
+        run = {"status": "failed", "reason": f"exit {rc} (see {job.log.name})"}
+    elif single_rc:
+        run = {"status": "failed", "reason": f"the one-process {dtype} run failed "
+               f"(exit {single_rc}, see {single_log}); nothing to compare with"}
+    else:
+        agrees, text = compare(losses, single_losses, iters, tolerance)
+        run = {"status": "ok" if agrees else "failed", "reason": text}
+    return {**run, "losses": losses, "seconds": job.seconds}
+
+
+def _main(argv: list[str]) -> int:
+    args, layouts = _parse_args(argv)
+    backend = "cuda:gloo" if args.device == "cuda" else "gloo"
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
         return run_probe(args.out, backend)
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
     for stale in args.out.glob("probe_rank*.jsonl"):
         stale.unlink()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node=2"]
-    flags = [*FLAGS[args.device], *COMMON, "--train-iters", str(args.iters)]
-
-    def flags_for(dtype: str) -> list[str]:
-        """bf16 runs drop the CPU's --fp64 (the two are exclusive)."""
-        return [f for f in flags if f != "--fp64"] if dtype == "bf16" else flags
-
-    def jsonl(name: str) -> Path:
-        path = args.out / f"multirank_{name}.jsonl"
-        path.unlink(missing_ok=True)  # the logger appends
-        return path
-
+    launch = Launcher(args, backend)
     # The one-process reference runs while the probe decides what the layouts can run.
-    probe = Job("probe", [*torchrun, str(Path(__file__).resolve()), "--probe", "--out",
-                          str(args.out), "--device", args.device], args.out, env)
+    probe = Job("probe", [*launch.torchrun, str(Path(__file__).resolve()), "--probe", "--out",
+                          str(args.out), "--device", args.device], args.out, launch.env)
     # One reference per dtype the requested layouts use ("single" is fp32, as before).
     refs = {d: ("single" if d == "fp32" else f"single_{d}")
             for d in dict.fromkeys(dtype_of(n) for n in layouts)}
-    singles = {d: Job(ref, [sys.executable, "pretrain.py", *flags_for(d),
-                            *(["--bf16"] if d == "bf16" else []), "--log-jsonl",
-                            str(jsonl(ref))], args.out, env) for d, ref in refs.items()}
+    singles = {d: launch.single(ref, d) for d, ref in refs.items()}
     ops = read_probe(args.out, probe.wait(120))
-    runs: dict[str, dict] = {}
-    jobs: dict[str, Job] = {}
-    for name in layouts:
-        reason = skip_reason(name, ops, args.device)
-        if reason is not None:
-            runs[name] = {"status": "skipped", "reason": reason}
-            continue
-        jobs[name] = Job(name, [*torchrun, "pretrain.py", *flags_for(dtype_of(name)),
-                                *LAYOUTS[name],
-                                "--distributed-backend", backend, "--log-jsonl",
-                                str(jsonl(name))], args.out, env)
+    skipped = {n: skip_reason(n, ops, args.device) for n in layouts}
+    runs = {n: {"status": "skipped", "reason": why} for n, why in skipped.items() if why}
+    jobs = {n: launch.layout(n) for n in layouts if n not in runs}
     single_rcs = {d: job.wait(args.timeout) for d, job in singles.items()}
     single_losses = {d: read_losses(args.out / f"multirank_{ref}.jsonl")
                      for d, ref in refs.items()}
     for name, job in jobs.items():
-        rc, dtype = job.wait(args.timeout), dtype_of(name)
-        losses = read_losses(args.out / f"multirank_{name}.jsonl")
-        if rc:
-            runs[name] = {"status": "failed", "reason": f"exit {rc} (see {job.log.name})"}
-        elif single_rcs[dtype]:
-            runs[name] = {"status": "failed", "reason": f"the one-process {dtype} run failed "
-                          f"(exit {single_rcs[dtype]}, see {singles[dtype].log.name}); "
-                          "nothing to compare with"}
-        else:
-            agrees, text = compare(losses, single_losses[dtype], args.iters,
-                                   BF16_TOLERANCE if dtype == "bf16"
-                                   else TOLERANCE[args.device])
-            runs[name] = {"status": "ok" if agrees else "failed", "reason": text}
-        runs[name].update(losses=losses, seconds=job.seconds)
-    runs = {name: runs[name] for name in layouts}  # the requested order
-
+        dtype = dtype_of(name)
+        runs[name] = judge(name, job, job.wait(args.timeout), single_rcs[dtype],
+                           single_losses[dtype], singles[dtype].log.name, args.iters,
+                           BF16_TOLERANCE if dtype == "bf16" else TOLERANCE[args.device])
     host = ops.get("host_tensor", {"status": "not run", "detail": ""})
     refused = host["status"] == "error"
-    result = {"backend": backend, "device": args.device, "iters": args.iters, "flags": flags,
-              "probe": ops, "host_tensor_refused": refused,
+    result = {"backend": backend, "device": args.device, "iters": args.iters,
+              "flags": launch.flags, "probe": ops, "host_tensor_refused": refused,
               "single_losses": single_losses.get("fp32", []),
               "single_exit": single_rcs.get("fp32"), "single_bf16_losses":
               single_losses.get("bf16", []), "single_bf16_exit": single_rcs.get("bf16"),
-              "runs": runs}
+              "runs": {name: runs[name] for name in layouts}}  # the requested order
     # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
-    result["exit"] = exit_code(runs, args.device, refused)
+    result["exit"] = exit_code(result["runs"], args.device, refused)
     lines = report_lines(result)
     (args.out / "multirank.json").write_text(json.dumps(result, indent=1))
     (args.out / "multirank.txt").write_text("\n".join(lines) + "\n")

@@ -15,7 +15,8 @@
 
 Memory lives in megatron_lite/planner.py, the step-time model in megatron_lite/plan_time.py
 (assumptions in their docstrings; --hardware presets, flags override them; --calibration reads
-what scripts/gpu_check.sh measured on a GPU). --hardware cpu measures this machine first.
+what scripts/gpu_check.sh measured on a GPU). --hardware cpu measures this machine first (its
+matmul rate, copy bandwidth, op dispatch, and SDPA at the model's heads and sequence).
 Prints the best fitting layouts, the fastest ones that do not fit (with why), the pipeline
 schedules ranked on the best plan's TP x CP x PP x DP x micro-batch (1F1B, interleaved, ZB-H1, ZBV:
 step time, bubble, memory), and the pretrain.py flags of the best plan. --timeline draws those
@@ -45,6 +46,8 @@ from megatron_lite.planner import (
     Cluster,
     Plan,
     RunOptions,
+    efficiency_bound,
+    model_shape,
     pipeline_op_costs,
     pretrain_flags,
     search,
@@ -56,7 +59,8 @@ from megatron_lite.unattended import read_records
 DEFAULT_HELP = {"peak_tflops": "dense bf16 TFLOP/s", "gemm_efficiency": "e_max of the GEMM curve",
                 "gemm_half_dim": "its d_half", "hbm_gbps": "achieved GB/s",
                 "intra_node_gbps": "NVLink bus GB/s", "inter_node_gbps": "network GB/s per GPU",
-                "op_us": "fixed us per kernel"}
+                "op_us": "fixed us per kernel",
+                "attention_tflops": "attention kernel TFLOP/s, 0: the GEMM curve"}
 
 _MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "seq_length", "vocab_size")
@@ -150,12 +154,13 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelConfig, int]:
     return ModelConfig(**fields), gbs
 
 
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The --hardware preset (cpu: measured now), the --calibration file over it, then the
-    flags over both."""
+def cluster_from_args(args: argparse.Namespace, model: ModelConfig) -> Cluster:
+    """The --hardware preset (cpu: measured now, attention at `model`'s heads and sequence),
+    the --calibration file over it, then the flags over both."""
     hw = plan_time.PRESETS[args.hardware]
     if args.hardware == "cpu":
-        hw = dataclasses.replace(hw, **plan_time.measure_cpu(4 if args.fp32 else 2))
+        hw = plan_time.cpu_hardware(model_shape(model, 1, args.block), model.seq_length,
+                                    4 if args.fp32 else 2)
     if args.calibration:
         hw = plan_time.load_calibration(args.calibration, hw)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)
@@ -190,7 +195,7 @@ def _keep(args: argparse.Namespace):
 
 HEADER = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
           f"{'m':>5} {'ZeRO':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
-          f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7} {'MFUc':>5} "
+          f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7} {'MFUnc':>5} "
           f"{'HFU':>5}")
 
 
@@ -202,8 +207,8 @@ def row(i: int, plan: Plan, gpus: int) -> str:
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
             f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
             f"{plan.bubble_s / plan.step_s:>6.1%} {plan.tokens_per_s / gpus:>10,.0f} "
-            f"{plan.mfu:>5.1%} {plan.days:>7.1f} {plan.mfu_causal:>5.1%} "
-            f"{plan.hfu_causal:>5.1%}")
+            f"{plan.mfu:>5.1%} {plan.days:>7.1f} {plan.mfu_noncausal:>5.1%} "
+            f"{plan.hfu:>5.1%}")
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
@@ -216,19 +221,23 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
              f"{cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s, GEMMs at "
              f"{cluster.gemm_efficiency:.0%} x d/(d + {cluster.gemm_half_dim:g}), HBM "
              f"{cluster.hbm_gbps:g} GB/s, NVLink {cluster.intra_node_gbps:g} GB/s, "
-             f"network {cluster.inter_node_gbps:g} GB/s per GPU, allowance "
+             f"network {cluster.inter_node_gbps:g} GB/s per GPU, "
+             + (f"attention kernel {cluster.attention_tflops:.3g} TFLOP/s, "
+                if cluster.attention_tflops else "") + "allowance "
              f"{cluster.allowance_gib:g} GiB",
              f"batch {gbs} x {model.seq_length} = {gbs * model.seq_length / 1e6:.2f}M tokens; "
              f"budget {tokens / 1e9:,.0f}B tokens",
              "memory in GiB on the fullest rank; bubble = share of the step; MFU counts "
-             "6N + 12·l·q·s per token, as the training log's `mfu` (not recompute); MFUc "
-             "counts causal attention (6·l·q·s), HFU adds what recomputation reruns (causal)",
+             "6N + 6·l·q·s per token, causal attention (the training log's `mfu_causal`; not "
+             "recompute); MFUnc counts attention as if not causal (12·l·q·s, the log's `mfu`); "
+             "HFU adds to MFU what recomputation reruns",
              ""]
     fitting = [p for p in plans if p.fits]
-    if any(p.mfu > cluster.gemm_efficiency for p in fitting[:top]):
-        lines += [f"note: MFU above the GEMMs' {cluster.gemm_efficiency:.0%} counts the masked "
+    bound = efficiency_bound(cluster)
+    if any(p.mfu_noncausal > bound for p in fitting[:top]):
+        lines += [f"note: MFUnc above the {bound:.0%} the time model allows counts the masked "
                   f"half of attention at seq {model.seq_length}, which is never computed; "
-                  "MFUc and HFU are what runs", ""]
+                  "MFU and HFU are what runs", ""]
     lines += ["fitting layouts, fastest first:", HEADER]
     lines += [row(i + 1, p, cluster.gpus) for i, p in enumerate(fitting[:top])] or ["  (none)"]
     best = fitting[0].tokens_per_s if fitting else 0.0
@@ -258,8 +267,8 @@ def plan_record(plan: Plan, gpus: int) -> dict:
             "schedule": lay.schedule_name, "vpp": lay.chunks, "micro_batch_size": lay.micro_batch,
             "microbatches": plan.microbatches, "sharding": lay.sharding,
             "sequence_parallel": lay.sequence_parallel, "recompute": lay.recompute.label(),
-            "step_s": plan.step_s, "mfu": plan.mfu, "mfu_causal": plan.mfu_causal,
-            "hfu": plan.hfu, "hfu_causal": plan.hfu_causal,
+            "step_s": plan.step_s, "mfu": plan.mfu, "mfu_noncausal": plan.mfu_noncausal,
+            "hfu": plan.hfu, "hfu_noncausal": plan.hfu_noncausal,
             "tokens_per_s_per_gpu": plan.tokens_per_s / gpus, "days": plan.days,
             "memory_gib": plan.need_gib, "fits": plan.fits, "reason": plan.reason,
             "breakdown_s": dict(breakdown(plan))}
@@ -282,8 +291,9 @@ def explain(plan: Plan, index: int, gpus: int) -> str:
     lines += [f"  {name:<26} {1e3 * s:>11,.1f} ms {s / plan.step_s:>6.1%}"
               for name, s in breakdown(plan)]
     lines += [f"  {'step':<26} {1e3 * plan.step_s:>11,.1f} ms",
-              f"  tokens/s/GPU {plan.tokens_per_s / gpus:,.0f}; MFU {plan.mfu:.1%} (causal "
-              f"{plan.mfu_causal:.1%}), HFU {plan.hfu:.1%} (causal {plan.hfu_causal:.1%})"]
+              f"  tokens/s/GPU {plan.tokens_per_s / gpus:,.0f}; MFU {plan.mfu:.1%} (attention "
+              f"counted non-causal {plan.mfu_noncausal:.1%}), HFU {plan.hfu:.1%} (non-causal "
+              f"{plan.hfu_noncausal:.1%})"]
     return "\n".join(lines)
 
 
@@ -394,7 +404,7 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
                           "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
-    cluster, opts = cluster_from_args(args), options_from_args(args)
+    cluster, opts = cluster_from_args(args, model), options_from_args(args)
     if args.tp and args.tp > cluster.gpus_per_node:
         raise ConfigError(f"--tp {args.tp}: TP wider than a node ({cluster.gpus_per_node} GPUs, "
                           "--gpus-per-node): its all-reduces in every layer need NVLink; use "

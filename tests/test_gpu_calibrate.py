@@ -41,6 +41,10 @@ def test_calibration_on_cpu_feeds_the_planner(tmp_path, monkeypatch) -> None:
         assert plan_time.collective_s(nbytes, ranks, busbw, 0.0, op) == pytest.approx(seconds)
     hw = plan_time.load_calibration(tmp_path / "calibration.json", plan_time.PRESETS["cpu"])
     assert hw.peak_tflops == data["peak_tflops"] and hw.hbm_gbps == data["hbm_gbps"]
+    core = data["attention"]  # 768 / 12 heads of 64, one 64-token sequence: 7·t·s·d·H FLOPs
+    assert (core["seq"], core["heads"], core["head_dim"]) == (64, 12, 64)
+    assert core["tflops"] == pytest.approx(7 * 64 * 64 * 64 * 12 / core["seconds"] / 1e12)
+    assert hw.attention_tflops == data["attention_tflops"] == core["tflops"]
     assert (hw.gemm_efficiency, hw.gemm_half_dim) == pytest.approx(
         (data["fit"]["gemm_efficiency"], data["fit"]["gemm_half_dim"]))
     assert "calibration (cpu" in (tmp_path / "calibration.txt").read_text()

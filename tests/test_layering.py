@@ -29,15 +29,18 @@ ALLOWED: dict[str, set[str]] = {
     # optim reads the parameter tags that layers/tags.py declares (split, SP, shared copies)
     "optim": {"config", "parallel", "layers", "layout", "sharding"},
     "data": {"config", "errors"},
-    "planner": {"config", "plan_time", "schedules"},
-    "plan_time": {"errors"},
+    # the model's parameter list (names, shapes, TP splits): read by the planner and export
+    "structure": {"config"},
+    "planner": {"config", "plan_time", "schedules", "structure", "sharding"},
+    "plan_time": {"errors", "config", "structure"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
     "unattended": set(),
     "metrics": {"config", "parallel", "planner", "unattended"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
-    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors"},
+    "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors",
+               "structure"},
     "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
     "startup_paths": {"config", "errors"},

@@ -232,9 +232,15 @@ def test_planner_and_log_agree_on_flops_and_mfu_for_the_demo() -> None:
                                              tokens=tokens, skipped=0))
     # N = 4 layers x (QKV 192·576 + out 192·192 + SwiGLU 3·192·512) + output 4096·192
     assert matmul_params(ModelShape.from_config(cfg.model)) == 2_555_904
-    assert plan.flops_per_token == logger.flops_per_token == 6 * 2_555_904 + 12 * 4 * 192 * 128
+    # the planner's headline counts attention causal (the log's mfu_causal), its non-causal
+    # figure is the log's mfu
+    assert plan.flops_per_token == logger.flops_per_token_causal == (6 * 2_555_904
+                                                                     + 6 * 4 * 192 * 128)
+    assert logger.flops_per_token == 6 * 2_555_904 + 12 * 4 * 192 * 128
     assert record["tokens_per_sec"] == plan.tokens_per_s
-    assert record["mfu"] == pytest.approx(plan.mfu, rel=1e-12)
+    assert record["mfu"] == pytest.approx(plan.mfu_noncausal, rel=1e-12)
+    causal = record["mfu"] * logger.flops_per_token_causal / logger.flops_per_token
+    assert causal == pytest.approx(plan.mfu, rel=1e-12)  # the log's mfu_causal
 
 
 class _FakeRun:

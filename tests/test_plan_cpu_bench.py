@@ -1,7 +1,8 @@
-"""bench/plan_cpu.py's measured peak: the FLOPs it weights its timings by are the planner's, so
-the planner's GEMM time at that peak is the sum of what the bench timed (each layer's GEMMs
-and attention core once per layer, the head's GEMMs once), and its attention rate is the
-core's FLOPs (the causal half, 2 matmuls forward and 5 backward) over the core's time."""
+"""bench/plan_cpu.py's measured rates: the FLOPs it weights its timings by are the planner's, so
+the planner's GEMM time at that GEMM peak and attention rate is the sum of what the bench
+timed (each layer's GEMMs and attention core once per layer, the head's GEMMs once), and its
+attention rate is the core's FLOPs (the causal half, 2 matmuls forward and 5 backward) over
+the core's time."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def test_model_rate_makes_the_planner_replay_the_timed_sum(monkeypatch) -> None:
     # the head: 1 GEMM x 3
     timed_s = call_s * (layers * (4 * 3 + 1) + 3)
     # huge bandwidth, free ops: the planner's GEMM time is FLOPs over the peak alone
-    hw = dataclasses.replace(plan_time.PRESETS["cpu"], peak_tflops=rate, hbm_gbps=1e12,
-                             op_us=0.0)
+    hw = dataclasses.replace(plan_time.PRESETS["cpu"], peak_tflops=rate,
+                             attention_tflops=core_rate, hbm_gbps=1e12, op_us=0.0)
     assert bench.predict(flags, hw)["gemm_s"] == pytest.approx(timed_s, rel=1e-9)
     core_flops = 7 * tokens * seq * head_dim * heads  # 2·t·(s/2)·d·H per matmul, 2 + 5
     assert core_rate == pytest.approx(core_flops / call_s / 1e12, rel=1e-12)

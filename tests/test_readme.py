@@ -60,7 +60,8 @@ COMMANDS: dict[str, Cheap] = {
     "bash scripts/test.sh --quick": Cheap("usage: python -m pytest", "--help"),
     "python pretrain.py --mock-data --train-iters 20": Cheap("iter     20/20"),
     "torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 "
-    "--sequence-parallel --mock-data --train-iters 20": Cheap("launch: torchrun, world size 2"),
+    "--sequence-parallel --mock-data --train-iters 20": Cheap(  # the run: tests/test_pretrain.py
+        "launch: torchrun, world size 2", "--train-iters 2 --eval-iters 1"),
     "srun python pretrain.py ...": Cheap("launch: slurm, world size 1",
                                          "--mock-data --train-iters 2 --eval-iters 10"),
     "python pretrain.py --dry-run --world-size 1024 ...": Cheap(

@@ -42,6 +42,11 @@ class LayerContext:
     cp_rank: int
     ring: Ring | None
     """The CP ring attention passes K/V around; None without context parallelism."""
+    ep_size: int
+    ep_rank: int
+    ep_group: comms.Group
+    """Expert parallelism (--expert-model-parallel-size): the group a MoE layer's experts
+    are split over and where this rank sits in it."""
     device: torch.device
     seed: int
     """Every weight is drawn from (seed, its name): the same model at any TP size."""
@@ -72,6 +77,7 @@ class LayerContext:
         return cls(tp_group=pstate.tp_group, tp_size=pstate.tp_size, tp_rank=pstate.tp_rank,
                    sequence_parallel=sequence_parallel and pstate.tp_size > 1,
                    cp_size=pstate.cp_size, cp_rank=pstate.cp_rank, ring=ring,
+                   ep_size=pstate.ep_size, ep_rank=pstate.ep_rank, ep_group=pstate.ep_group,
                    device=pstate.device, seed=seed, dtype=dtype, use_triton=use_triton,
                    recompute_granularity=recompute_granularity,
                    recompute_method=recompute_method,

@@ -126,21 +126,37 @@ class MoE(nn.Module):
         self.use_triton = ctx.use_triton
         self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
                              name=f"layers.{layer}.mlp.router")
-        shard = dict(tp_size=t, tp_rank=ctx.tp_rank, device=ctx.device, dtype=ctx.dtype)
-        split = tags.column_split([ffn] * (2 * experts))
-        self.gate_up = tags.mark_tp_split(nn.Parameter(init_shard(
-            (experts * 2 * ffn, hidden), split, std=cfg.init_method_std, seed=ctx.seed,
-            name=f"layers.{layer}.mlp.experts.gate_up", **shard)), split)
-        self.down = tags.mark_tp_split(nn.Parameter(init_shard(
-            (experts * hidden, ffn), tags.row_split(),
-            std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers), seed=ctx.seed,
-            name=f"layers.{layer}.mlp.experts.down", **shard)), tags.row_split())
+        ep = ctx.ep_size
+        self.local_experts, self.first_expert = experts // ep, ctx.ep_rank * (experts // ep)
+        self.ep_group, self.dispatcher = ctx.ep_group, moe.moe_token_dispatcher_type
+        self.gate_up, self.down = self._expert_weights(cfg, ffn, ctx)
         width = moe.moe_shared_expert_intermediate_size
         self.shared = SharedExpert(cfg, width, ctx, layer) if width else None
 
+    def _expert_weights(self, cfg: ModelConfig, ffn: int, ctx: LayerContext
+                        ) -> tuple[nn.Parameter, nn.Parameter]:
+        """This rank's experts, stacked: gate/up [E_local x 2f/t, h] (each expert's gate and
+        up column-split over TP) and down [E_local x h, f/t] (row-split). Each expert is drawn
+        on its own name, so every EP and TP size starts from the same experts."""
+        hidden, layer = cfg.hidden_size, self.layer
+        shard = dict(tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, device=ctx.device,
+                     dtype=ctx.dtype, seed=ctx.seed)
+        down_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
+        ids = range(self.first_expert, self.first_expert + self.local_experts)
+        gate_up = torch.cat([init_shard((2 * ffn, hidden), tags.column_split([ffn, ffn]),
+                                        std=cfg.init_method_std,
+                                        name=f"layers.{layer}.mlp.experts.{e}.gate_up",
+                                        **shard) for e in ids])
+        down = torch.cat([init_shard((hidden, ffn), tags.row_split(), std=down_std,
+                                     name=f"layers.{layer}.mlp.experts.{e}.down", **shard)
+                          for e in ids])
+        split = tags.column_split([ffn] * (2 * self.local_experts))
+        return (tags.mark_expert(tags.mark_tp_split(nn.Parameter(gate_up), split)),
+                tags.mark_expert(tags.mark_tp_split(nn.Parameter(down), tags.row_split())))
+
     def expert_weights(self) -> tuple[Tensor, Tensor]:
         """This rank's gate/up [E, h, 2f/t] and down [E, f/t, h] as matmul operands (views)."""
-        e, f = self.experts, self.local_ffn
+        e, f = self.local_experts, self.local_ffn
         gate_up = self.gate_up.view(e, 2 * f, -1).transpose(1, 2)
         down = self.down.view(e, -1, f).transpose(1, 2)
         return gate_up, down
@@ -158,14 +174,67 @@ class MoE(nn.Module):
         else:
             tokens, probs = comms.copy_to_region(x, group), comms.copy_to_region(probs, group)
         full = tokens.shape[0]
-        out = experts_forward(tokens.reshape(full * b, h), probs.reshape(full * b, -1).to(x.dtype),
-                              routing_map.reshape(full * b, -1), *self.expert_weights(),
-                              use_triton=self.use_triton).view(full, b, h)
+        out = self._dispatch(tokens.reshape(full * b, h), probs.reshape(full * b, -1).to(x.dtype),
+                             routing_map.reshape(full * b, -1)).view(full, b, h)
         out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
                else comms.reduce_from_region(out, group))
         if self.shared is not None:
             out = out + self.shared(x, self.use_triton)
         return out
+
+
+    def _dispatch(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+        """The experts' summed output for every row of `tokens` [N, h] (a partial sum over TP),
+        this rank's experts run here and the others' on their EP ranks."""
+        if comms.group_size(self.ep_group) == 1:
+            return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
+                                   use_triton=self.use_triton)
+        if self.dispatcher == "alltoall":
+            return self._all_to_all(tokens, probs, routing_map)
+        return self._all_gather(tokens, probs, routing_map)
+
+    def _local(self, x: Tensor) -> Tensor:
+        """The columns of this rank's experts in a [N, E] table."""
+        return x[:, self.first_expert:self.first_expert + self.local_experts]
+
+    def _all_gather(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+        """allgather dispatcher: every EP rank takes all the group's tokens, runs its own
+        experts on the ones routed to them, and the partial outputs are reduce-scattered back
+        (gradients: the reverse collectives)."""
+        group = self.ep_group
+        tokens = comms.gather_from_sequence_region(tokens, group)
+        probs = comms.gather_from_sequence_region(probs, group)
+        routing_map = comms.all_gather_dim0(routing_map.to(torch.uint8).contiguous(),
+                                            group)[0].bool()
+        out = experts_forward(tokens, self._local(probs), self._local(routing_map),
+                              *self.expert_weights(), use_triton=self.use_triton)
+        return comms.reduce_scatter_to_sequence_region(out, group)
+
+    def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+        """alltoall dispatcher: each (token, expert) pair goes only to its expert's EP rank.
+
+        Pairs sorted by global expert are already grouped by destination rank; the per-expert
+        counts are exchanged first (a host sync: the splits are sizes), the rows arrive
+        grouped by source rank and are sorted by local expert for the grouped GEMM, and the
+        outputs go back the same way, weighted and summed into their tokens at home.
+        """
+        group, ep, local = self.ep_group, comms.group_size(self.ep_group), self.local_experts
+        expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)
+        counts = routing_map.sum(0).view(ep, local)
+        received = comms.all_to_all_counts(counts, group)  # [source rank, local expert]
+        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
+        rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep), received.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        gate_up, down = self.expert_weights()
+        per_expert = received.sum(0)
+        hidden = grouped_matmul(rows[order], gate_up, per_expert)
+        gate, up = hidden.chunk(2, dim=-1)
+        out = grouped_matmul(swiglu(gate, up, use_triton=self.use_triton), down, per_expert)
+        back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
+        back = back * probs[token_ids, expert_ids].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, token_ids, back)
 
 
 class MoEStep:

@@ -18,6 +18,8 @@ tags are plain attributes of the `nn.Parameter`:
   and must be summed over TP after backward.
 - shared embedding: one of the two copies of a tied embedding, on the first and on the last
   pipeline stage; their gradients are summed over the embedding group.
+- expert: a routed expert's weight, split over expert-parallel ranks (each holds its own
+  experts), so its gradient is summed over the expert-data-parallel group instead of DP x CP.
 
 Adding a parallelism-aware layer:
 1. Pick each weight's split: `column_split(partitions)`, `row_split()`,
@@ -104,6 +106,12 @@ def mark_shared_embedding(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def mark_expert(param: nn.Parameter) -> nn.Parameter:
+    """Tag a routed expert's weight (its replicas are the expert-data-parallel ranks)."""
+    param.expert = True
+    return param
+
+
 # ---- reading (optimizer, clipping, checkpoints, export) -------------------------------------
 
 def tp_split(param: nn.Parameter) -> TpSplit | None:
@@ -124,3 +132,8 @@ def is_sequence_parallel_grad(param: nn.Parameter) -> bool:
 def is_shared_embedding(param: nn.Parameter) -> bool:
     """`param` is a stage copy of a tied embedding (see `mark_shared_embedding`)."""
     return getattr(param, "shared_embedding", False)
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """`param` is a routed expert's weight (see `mark_expert`)."""
+    return getattr(param, "expert", False)

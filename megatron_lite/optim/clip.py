@@ -2,8 +2,9 @@
 
 A weight replicated over TP (norm weights) is counted on TP rank 0 only; the last stage's copy
 of a tied embedding is skipped (the first stage holds the same gradient). The squared sums are
-then added over the model-parallel group (tp x pp), or over every rank when each DP rank
-holds a different shard of the gradients (distributed optimizer).
+then added over a group where every element is counted once: the model-parallel group
+(tp x pp) when the replicas hold the same gradient, every rank when each holds a different
+shard (the distributed optimizer) or a different expert (optim/optimizer.py's groups).
 """
 
 from __future__ import annotations
@@ -25,32 +26,17 @@ def counts_toward_norm(param: nn.Parameter, pstate: ParallelState) -> bool:
     return not (tags.is_shared_embedding(param) and not pstate.is_first_stage)
 
 
-def global_norm(grads: Iterable[Tensor], pstate: ParallelState, *, sharded_over_dp: bool,
-                dtype: torch.dtype = torch.float32) -> Tensor:
-    """L2 norm of the given (already de-duplicated) gradient pieces across all ranks.
-
-    Returns a scalar tensor of `dtype` (the accumulation dtype, the same on every rank: fp32,
-    or float64 under --fp64); NaN/Inf anywhere propagates into it.
-    """
-    return global_norm_and_sums(grads, None, pstate, sharded_over_dp=sharded_over_dp,
-                                dtype=dtype)[0]
-
-
-def global_norm_and_sums(grads: Iterable[Tensor], carry: Tensor | None, pstate: ParallelState,
-                         *, sharded_over_dp: bool, dtype: torch.dtype = torch.float32
-                         ) -> tuple[Tensor, Tensor | None]:
-    """`global_norm`, and `carry` (a 1-D tensor of `dtype`) summed over the same group in the
-    same all-reduce: other per-step numbers ride along at no extra collective or sync."""
-    sq = _local_square_sum(grads, pstate, dtype)
-    group = pstate.world_group if sharded_over_dp else pstate.mp_group
-    if carry is None:
-        comms.all_reduce_(sq, group)
-        return sq.sqrt(), None
-    both = comms.all_reduce_(torch.cat([sq.reshape(1), carry]), group)
-    return both[0].sqrt(), both[1:]
+def reduced_square_sum(grads: Iterable[Tensor], carry: Tensor | None, group: comms.Group,
+                       dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[sum of squares of the given (already de-duplicated) pieces, *carry] summed over
+    `group` in one all-reduce: other per-step numbers ride along at no extra collective or
+    sync. A 1-D tensor of `dtype` (fp32, or float64 under --fp64); NaN/Inf propagates."""
+    sq = _local_square_sum(grads, dtype, device).reshape(1)
+    both = sq if carry is None else torch.cat([sq, carry])
+    return comms.all_reduce_(both, group)
 
 
-def _local_square_sum(grads: Iterable[Tensor], pstate: ParallelState, dtype: torch.dtype
+def _local_square_sum(grads: Iterable[Tensor], dtype: torch.dtype, device: torch.device
                       ) -> Tensor:
     grads = [g for g in grads if g.numel()]
     if grads:
@@ -59,7 +45,7 @@ def _local_square_sum(grads: Iterable[Tensor], pstate: ParallelState, dtype: tor
         norms = torch._foreach_norm(grads, 2, dtype=dtype)
         sq = torch.stack(norms).square().sum()
     else:
-        sq = torch.zeros((), dtype=dtype, device=pstate.device)
+        sq = torch.zeros((), dtype=dtype, device=device)
     return sq
 
 

@@ -20,6 +20,8 @@ Where parameters live: optim/param_buffers.py. How they are synchronised: optim/
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,9 +34,10 @@ from torch import Tensor, nn
 from megatron_lite import sharding
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.config import num_microbatches as num_microbatches_of
+from megatron_lite.layers import tags
 from megatron_lite.layout import overlap_param_gather_errors
 from megatron_lite.optim import zero1
-from megatron_lite.optim.clip import clip_coefficient, global_norm, global_norm_and_sums
+from megatron_lite.optim.clip import clip_coefficient, reduced_square_sum
 from megatron_lite.optim.grad_sync import GradSync, SyncContext
 from megatron_lite.optim.param_buffers import ParamBuffers
 from megatron_lite.optim.sync_full import AllReduce, Zero1
@@ -42,13 +45,32 @@ from megatron_lite.optim.sync_sharded import Zero2, Zero3
 from megatron_lite.optim.update_check import UpdateCheck
 from megatron_lite.optim.zero3 import FullyShardedParams
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, ReplicaGroup
 
 STRATEGIES: dict[str, type[GradSync]] = {
     sharding.NO_SHARD: AllReduce, sharding.OPTIM: Zero1, sharding.OPTIM_GRADS: Zero2,
     sharding.OPTIM_GRADS_PARAMS: Zero3}
 """The gradient-sync class of each --data-parallel-sharding-strategy (megatron_lite/sharding.py
 says what each splits)."""
+
+
+@dataclass
+class SyncGroup:
+    """Parameters kept alike over one replica group: the dense ones over DP x CP, with expert
+    parallelism the routed experts over expert-DP. Each has its own buffers and its own
+    strategy instance; their squared norms are summed over `norm_group`."""
+
+    name: str
+    bufs: ParamBuffers
+    sync: GradSync
+    ctx: SyncContext
+    norm_group: dist.ProcessGroup | None
+    check: UpdateCheck | None
+
+    def reduced_terms(self, carry: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """[squared gradient norm, *carry] of this group, summed over its norm group."""
+        return reduced_square_sum([g for s in self.bufs.shards for g in s.norm_pieces()],
+                                  carry, self.norm_group, dtype, self.ctx.replicas.device)
 
 
 @dataclass
@@ -94,6 +116,32 @@ class MemoryReport:
                 f"{100 * self.buffer_padding_fraction:.3f}% of the buffer)")
 
 
+def _group_specs(pstate: ParallelState, sharded: bool) -> list[tuple]:
+    """(name, which parameters, replicas, norm group, count-once) per sync group: the dense
+    parameters' norm is summed over the model-parallel ranks when the replicas hold the same
+    gradient; the experts' over every rank (EP ranks hold different experts), counted on
+    expert-replica 0 only when not sharded."""
+    dense_norm = pstate.world_group if sharded else pstate.mp_group
+    if pstate.ep_size == 1:
+        return [("dense", lambda p: True, pstate.replicas, dense_norm, False)]
+    return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, dense_norm, False),
+            ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, True)]
+
+
+def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
+                select: Callable[[nn.Parameter], bool], replicas: ReplicaGroup,
+                norm_group: dist.ProcessGroup | None, norm_once: bool) -> SyncGroup:
+    """One group's buffers and strategy instance, sharing the optimizer's clocks."""
+    cfg = opt.cfg
+    bufs = ParamBuffers.build(chunks, select, opt.pstate, cfg.parallel, opt.strategy,
+                              opt.math_dtype, replicas, norm_once)
+    ctx = SyncContext(replicas, cfg.parallel, opt.reduce_tied, opt.traffic, opt.wait_clock)
+    check = (UpdateCheck(bufs.shards, cfg.optim, opt.math_dtype, opt.pstate.device)
+             if cfg.reliability.check_for_nan_in_loss_and_grad else None)
+    return SyncGroup(name, bufs, STRATEGIES[opt.strategy.name](chunks, bufs, ctx), ctx,
+                     norm_group, check)
+
+
 class Optimizer:
     """AdamW over this rank's model chunks, its gradient sync chosen by the config."""
 
@@ -107,7 +155,7 @@ class Optimizer:
         self.cfg, self.pstate = cfg, pstate
         self.strategy = sharding.get(parallel.data_parallel_sharding_strategy)
         self.sharded = self.strategy.state
-        """The optimizer state is sharded over DP x CP (every strategy but no_shard)."""
+        """The optimizer state is sharded over the replicas (every strategy but no_shard)."""
         self.shard_params = self.strategy.params
         self.math_dtype = torch.float64 if cfg.train.fp64 else torch.float32
         """Masters, moments, reductions and norms (float64 only under --fp64)."""
@@ -118,35 +166,34 @@ class Optimizer:
         the tied-embedding and SP all-reduces), ZeRO-1/2's parameter all-gathers (their waits
         under --overlap-param-gather, the whole gather otherwise); the training step adds its
         token-count and loss all-reduces."""
-        self.bufs = ParamBuffers.build(chunks, pstate, parallel, self.strategy, self.math_dtype)
-        self.params, self.buffers, self.shards = self.bufs.params, self.bufs.buffers, \
-            self.bufs.shards
-        self._sp_pieces = self.bufs.sequence_parallel_pieces()
-        self._ctx = SyncContext(pstate.replicas, parallel, self._reduce_tied, self.traffic,
-                                self.wait_clock)
-        self.sync = STRATEGIES[self.strategy.name](chunks, self.bufs, self._ctx)
-        self.sync.begin(num_microbatches_of(cfg, pstate.world_size))
-        self.check = (UpdateCheck(self.shards, cfg.optim, self.math_dtype, pstate.device)
-                      if cfg.reliability.check_for_nan_in_loss_and_grad else None)
-        """Skip a step whose update could leave a non-finite weight or Adam moment."""
+        self.groups = [_sync_group(self, chunks, *spec) for spec in _group_specs(pstate,
+                                                                                 self.sharded)]
+        self.params = [p for g in self.groups for p in g.bufs.params]
+        self.buffers = [b for g in self.groups for b in g.bufs.buffers]
+        self.shards = [s for g in self.groups for s in g.bufs.shards]
+        self.sync = self.groups[0].sync
+        """The dense parameters' strategy."""
+        self._sp_pieces = [(g.bufs.shards[b], r) for g in self.groups
+                           for b, r in g.bufs.sequence_parallel_pieces()]
+        self.zero_grad()
         self.on_skip: Callable[[str], None] | None = None
         """Told why `step` skipped (the reliability guard's event names the cause)."""
         self._step = 0
-        self._finalized = False
 
     @property
     def grad_check(self) -> Callable[[Tensor], None] | None:
         """Called with each bucket's local gradients right before its DP reduction (NaN/Inf
         checks that can name the rank; set by megatron_lite/reliability)."""
-        return self._ctx.grad_check
+        return self.groups[0].ctx.grad_check
 
     @grad_check.setter
     def grad_check(self, check: Callable[[Tensor], None] | None) -> None:
-        self._ctx.grad_check = check
+        for group in self.groups:
+            group.ctx.grad_check = check
 
     @property
     def fsdp(self) -> FullyShardedParams | None:
-        """ZeRO-3's gathers and frees (None under the other strategies)."""
+        """ZeRO-3's gathers and frees of the dense parameters (None for other strategies)."""
         return self.sync.fsdp if isinstance(self.sync, Zero3) else None
 
     def close(self) -> None:
@@ -158,34 +205,39 @@ class Optimizer:
         shutdown, where a thread still releasing its last collective's tensors aborts the
         process ("terminate called without an active exception").
         """
-        self.sync.close()
+        for group in self.groups:
+            group.sync.close()
 
     # ---- gradients -------------------------------------------------------------------------
 
     def zero_grad(self, num_microbatches: int | None = None) -> None:
         """Start a step of `num_microbatches` backward passes (default the config's; a
         batch-size ramp-up changes it per step): overlap launches a bucket after the last."""
-        self.sync.begin(num_microbatches
-                        or num_microbatches_of(self.cfg, self.pstate.world_size))
+        count = num_microbatches or num_microbatches_of(self.cfg, self.pstate.world_size)
+        for group in self.groups:
+            group.sync.begin(count)
         self._finalized = False
 
     def start_grad_sync(self, chunk_index: int) -> None:
         """Pipeline hook: chunk `chunk_index` ran its last backward; its buckets may start
         (with --overlap-grad-reduce, and under ZeRO-2/3 always)."""
-        self.sync.start(chunk_index)
+        for group in self.groups:
+            group.sync.start(chunk_index)
 
     def finalize_grads(self) -> None:
         """Finish the step's gradient reduction: tied embeddings, DP, then SP norms over TP."""
         with self.wait_clock:
-            self.sync.finish()
+            for group in self.groups:
+                group.sync.finish()
             if self._sp_pieces and self.pstate.tp_size > 1:
-                grads = [self.shards[b].grad_at(r) for b, r in self._sp_pieces]
+                grads = [shard.grad_at(r) for shard, r in self._sp_pieces]
                 flat = comms.all_reduce_(torch.cat(grads), self.pstate.tp_group)
                 for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(reduced)
         self._finalized = True
 
-    def _reduce_tied(self, grad: Tensor) -> None:
+    def reduce_tied(self, grad: Tensor) -> None:
+        """Sum a tied-embedding gradient over the first and last stage (in place)."""
         comms.all_reduce_(grad, self.pstate.embedding_group)
 
     # ---- update ----------------------------------------------------------------------------
@@ -200,30 +252,35 @@ class Optimizer:
         self._finalized = False
         self.finish_param_sync()
         wd = self.cfg.optim.weight_decay if weight_decay is None else weight_decay
-        carry = (self.check.terms(self._step + 1, lr, decoupled_lr, wd)
-                 if self.check is not None else None)
-        norm, sums = global_norm_and_sums([g for s in self.shards for g in s.norm_pieces()],
-                                          carry, self.pstate, sharded_over_dp=self.sharded,
-                                          dtype=self.math_dtype)
-        if sums is None or norm.is_meta:  # meta: a dry run, no values
-            norm_value, terms = comms.host_scalar(norm), None
+        carries = [g.check.terms(self._step + 1, lr, decoupled_lr, wd)
+                   if g.check is not None else None for g in self.groups]
+        reduced = [g.reduced_terms(c, self.math_dtype) for g, c in zip(self.groups, carries)]
+        norm = torch.stack([r[0] for r in reduced]).sum().sqrt()
+        if norm.is_meta:  # a dry run: no values
+            values = [[math.nan] * r.numel() for r in reduced]
         else:
-            norm_value, *terms = torch.cat([norm.reshape(1), sums]).cpu().tolist()  # 1 sync
+            flat = torch.cat(reduced).cpu().tolist()  # the step's one host sync
+            values = [flat[a:a + r.numel()] for a, r in
+                      zip(itertools.accumulate([0] + [r.numel() for r in reduced]), reduced)]
+        norm_value = math.nan if norm.is_meta else math.sqrt(sum(v[0] for v in values))
         if not (norm.is_meta or math.isfinite(norm_value)):
             return self._skipped(norm_value, "non-finite gradient norm")
-        if terms is not None and not self.check.passes(terms, norm_value):
-            rates = [lr] if decoupled_lr is None else [lr, decoupled_lr]
-            return self._skipped(norm_value, self.check.culprits(
-                carry, norm_value, rates, self.pstate.rank, self._norm_group()))
+        rates = [lr] if decoupled_lr is None else [lr, decoupled_lr]
+        for group, carry, terms in zip(self.groups, carries, values):
+            if (carry is not None and not norm.is_meta
+                    and not group.check.passes(terms[1:], norm_value)):
+                return self._skipped(norm_value, group.check.culprits(
+                    carry, norm_value, rates, self.pstate.rank, group.norm_group))
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
             shard.adamw_step(self.cfg.optim, lr, self._step, coeff, decoupled_lr, wd)
-        if self.cfg.parallel.overlap_param_gather:
-            self.sync.after_step(async_op=True)  # waited in the next forward's hooks
-        else:
-            with self.wait_clock:
-                self.sync.after_step(async_op=False)
+        for group in self.groups:
+            if self.cfg.parallel.overlap_param_gather:
+                group.sync.after_step(async_op=True)  # waited in the next forward's hooks
+            else:
+                with self.wait_clock:
+                    group.sync.after_step(async_op=False)
         return StepResult(norm_value, skipped=False)
 
     def _skipped(self, norm_value: float, why: str) -> StepResult:
@@ -231,25 +288,24 @@ class Optimizer:
             self.on_skip(why)
         return StepResult(norm_value, skipped=True, skip_reason=why)
 
-    def _norm_group(self) -> dist.ProcessGroup | None:
-        """Where per-shard numbers are summed: every rank when each holds a different shard,
-        the model-parallel group when the replicas hold the same state."""
-        return self.pstate.world_group if self.sharded else self.pstate.mp_group
-
     def params_norm(self) -> float:
         """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""
-        pieces = [s.buffer.param[r.start:r.end] for s in self.shards for r in s.norm_ranges]
-        return comms.host_scalar(global_norm(pieces, self.pstate, sharded_over_dp=self.sharded,
-                                             dtype=self.math_dtype))
+        squares = [reduced_square_sum(
+            [s.buffer.param[r.start:r.end] for s in g.bufs.shards for r in s.norm_ranges],
+            None, g.norm_group, self.math_dtype, self.pstate.device) for g in self.groups]
+        return comms.host_scalar(torch.cat(squares).sum().sqrt())
 
     def num_zeros_in_grad(self) -> int | float:
         """Reduced gradient elements that are exactly zero, each element once (after `step`,
         before the next `zero_grad`; --log-num-zeros-in-grad; collective); NaN on meta."""
-        count = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
-        for s in self.shards:
-            for r in s.norm_ranges:
-                count += (s.grad_at(r) == 0).sum()
-        value = comms.host_scalar(comms.all_reduce_(count, self._norm_group()))
+        total = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
+        for group in self.groups:
+            count = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
+            for s in group.bufs.shards:
+                for r in s.norm_ranges:
+                    count += (s.grad_at(r) == 0).sum()
+            total += comms.all_reduce_(count, group.norm_group)
+        value = comms.host_scalar(total)
         return int(value) if math.isfinite(value) else value
 
     # ---- parameters ------------------------------------------------------------------------
@@ -258,22 +314,26 @@ class Optimizer:
     def gathered_params(self) -> Iterator[None]:
         """Under ZeRO-3 every parameter holds its full value inside (all units gathered at
         once: for reading weights outside a forward); a no-op otherwise."""
-        with self.sync.gathered():
+        with contextlib.ExitStack() as stack:
+            for group in self.groups:
+                stack.enter_context(group.sync.gathered())
             yield
 
     def set_param(self, param: nn.Parameter, value: Tensor) -> None:
         """Set a parameter (this rank's TP/PP-local tensor), e.g. from a checkpoint; under
         ZeRO-3 only its owned slice is kept. Call `reload_model_params` afterwards."""
-        self.sync.write_param(param, value)
+        group = next(g for g in self.groups if any(p is param for p in g.bufs.params))
+        group.sync.write_param(param, value)
 
     def param_tensors(self) -> list[Tensor]:
         """The parameter storage kept through a step (the model's, or ZeRO-3's shards)."""
-        return self.sync.param_tensors()
+        return [t for g in self.groups for t in g.sync.param_tensors()]
 
     def finish_param_sync(self) -> None:
         """Wait for outstanding parameter all-gathers; call before reading model weights
         outside a forward (e.g. saving a checkpoint) under --overlap-param-gather."""
-        self.sync.wait_params()
+        for group in self.groups:
+            group.sync.wait_params()
 
     def reload_model_params(self) -> None:
         """Take the fp32 masters from the model's current weights: call after loading model
@@ -286,7 +346,7 @@ class Optimizer:
 
     def grad_tensors(self) -> list[Tensor]:
         """The gradient storage kept through a step (full buffers or ZeRO-2/3 shards)."""
-        return self.sync.grad_tensors()
+        return [t for g in self.groups for t in g.sync.grad_tensors()]
 
     def memory(self) -> MemoryReport:
         """What this rank's optimizer holds (the lead prints `describe()` at start-up)."""
@@ -294,13 +354,14 @@ class Optimizer:
         return MemoryReport(
             state_bytes=sum(s.nbytes() for s in self.shards),
             padding_elements=sum(s.padding() for s in self.shards),
-            grad_buffer_bytes=self.sync.grad_bytes(),
+            grad_buffer_bytes=sum(g.sync.grad_bytes() for g in self.groups),
             local_params=sum(p.numel() for p in self.params),
             buffer_elements=sum(layout.numel for layout in layouts),
             buffer_padding_elements=sum(layout.padding for layout in layouts))
 
     def state_dict(self) -> dict:
-        """This replica's optimizer state; format in `megatron_lite.optim.zero1`.
+        """This replica's optimizer state; format in `megatron_lite.optim.zero1` (the dense
+        group's: expert-parallel runs cannot save yet, config.validate refuses them).
 
         The tensors are the live shard buffers, not copies (a copy would cost 12 bytes per
         owned element of device memory at every save): callers copy before training
@@ -308,7 +369,7 @@ class Optimizer:
         """
         self.finish_param_sync()
         replicas = self.pstate.replicas
-        return zero1.state_dict(self.shards, self._step, replicas.rank, replicas.size,
+        return zero1.state_dict(self.sync.bufs.shards, self._step, replicas.rank, replicas.size,
                                 self.sharded)
 
     def load_state_dict(self, state: dict) -> None:
@@ -318,9 +379,8 @@ class Optimizer:
         """
         self.finish_param_sync()
         replicas = self.pstate.replicas
-        self._step = zero1.load_state_dict(self.shards, state, replicas.rank, replicas.size,
-                                           self.sharded)
-        for shard in self.shards:
+        self._step = zero1.load_state_dict(self.sync.bufs.shards, state, replicas.rank,
+                                           replicas.size, self.sharded)
+        for shard in self.sync.bufs.shards:
             shard.copy_master_to_params()
         self.sync.after_step(async_op=False)
-

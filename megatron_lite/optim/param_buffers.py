@@ -15,7 +15,7 @@ group before its DP reduction (`deferred`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +26,7 @@ from megatron_lite.layers import tags
 from megatron_lite.optim import zero1, zero3
 from megatron_lite.optim.buffers import GradBuffer, Range, build_layout
 from megatron_lite.optim.clip import counts_toward_norm
-from megatron_lite.parallel.state import ParallelState
+from megatron_lite.parallel.state import ParallelState, ReplicaGroup
 from megatron_lite.sharding import Sharding
 
 BucketKey = tuple[int, int]
@@ -66,17 +66,20 @@ class ParamBuffers:
     """Tied-embedding buckets: summed over the embedding group before their DP reduction."""
 
     @classmethod
-    def build(cls, chunks: Sequence[nn.Module], pstate: ParallelState,
-              parallel: ParallelConfig, strategy: Sharding, math_dtype: torch.dtype
+    def build(cls, chunks: Sequence[nn.Module], select: Callable[[nn.Parameter], bool],
+              pstate: ParallelState, parallel: ParallelConfig, strategy: Sharding,
+              math_dtype: torch.dtype, replicas: ReplicaGroup, norm_once: bool = False
               ) -> ParamBuffers:
-        """Lay out `chunks`' parameters for `strategy`, owned slices cut over DP x CP."""
-        named = named_parameters(chunks)
+        """Lay out the `select`ed parameters of `chunks` for `strategy`, owned slices cut over
+        `replicas`; `norm_once`: without sharding, only replica 0 counts them toward the norm
+        (their norm is summed over every rank)."""
+        named = [(n, p, c) for n, p, c in named_parameters(chunks) if select(p)]
         out = cls([p for _, p, _ in named], [n for n, _, _ in named])
         out.slot, out.local = [(0, 0)] * len(named), [0] * len(named)
         units = (zero3.unit_of_params(zero3.unit_modules(chunks)) if strategy.params
                  else None)
         grad_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else math_dtype
-        replicas = pstate.replicas
+        counted = strategy.state or not norm_once or replicas.rank == 0
         index = {id(p): i for i, p in enumerate(out.params)}
         for dtype in dict.fromkeys(p.dtype for p in out.params):
             members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
@@ -95,7 +98,7 @@ class ParamBuffers:
                 buffer = GradBuffer(tensors, layout, grad_dtype, full_grad=not strategy.grads)
             out._add(buffer, [index[id(p)] for p in tensors], [c for _, _, c in members])
             infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2,
-                                     counts_toward_norm(p, pstate),
+                                     counted and counts_toward_norm(p, pstate),
                                      decoupled=n.split(".", 1)[1].startswith(DECOUPLED))
                      for n, p, _ in members]
             out.shards.append(zero1.ShardState(

@@ -37,8 +37,8 @@ class UpdateCheck:
                  device: torch.device) -> None:
         self.shards, self.optim, self.dtype, self.device = list(shards), optim, dtype, device
         self.limit = min([torch.finfo(s.buffer.param.dtype).max for s in self.shards]
-                         + [torch.finfo(s.master.dtype).max for s in self.shards]
-                         ) / UPDATE_LIMIT_DIVISOR
+                         + [torch.finfo(s.master.dtype).max for s in self.shards],
+                         default=math.inf) / UPDATE_LIMIT_DIVISOR
         self._state_max = torch.zeros(3)
         """This step's largest |master|, |exp_avg|, exp_avg_sq (for the skip message)."""
 

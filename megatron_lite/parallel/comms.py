@@ -144,6 +144,42 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather(grad, 0, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged between the ranks of a group, `send[i]` rows to rank i and
+    `recv[i]` from it; the backward sends the gradients back the same way (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+    """Differentiable all-to-all of `x`'s rows: `send[i]` consecutive rows go to rank i, the
+    result holds `recv[i]` rows from each rank i in rank order (MoE token dispatch)."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, send, recv, group)
+
+
+def all_to_all_counts(counts: Tensor, group: Group) -> Tensor:
+    """Non-differentiable all-to-all of a [n, k] table: row i goes to rank i; row j of the
+    result came from rank j (the per-expert token counts an all-to-all dispatch needs)."""
+    if group_size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
 def copy_to_region(x: Tensor, group: Group) -> Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)

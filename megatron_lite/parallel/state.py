@@ -88,6 +88,16 @@ class ParallelState:
     dp_cp_group: dist.ProcessGroup | None = None
     """dp x cp ranks holding the same parameters: gradients are summed and ZeRO-1 shards over
     it (Megatron's data-parallel group with context parallelism)."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    """Expert parallel: the ranks that split the routed experts of a MoE layer between them
+    and exchange tokens (Megatron's MoE parallel folding: the stage's dp x cp x tp ranks
+    re-read as edp x ep x etp with etp = tp innermost, so an EP group holds consecutive
+    DP x CP replicas of one TP rank)."""
+    edp_group: dist.ProcessGroup | None = None
+    """Expert data parallel: the ranks holding the same experts (DP x CP / EP of them); expert
+    gradients are summed, and their optimizer state sharded, over it."""
     group_creations: int = 0
     """Group creations this rank took part in at start-up (the dry run prints it)."""
 
@@ -105,6 +115,14 @@ class ParallelState:
         """The DP x CP group gradients are summed over (see `ReplicaGroup`)."""
         return ReplicaGroup(self.dp_cp_group if self.cp_size > 1 else self.dp_group,
                             self.dp_cp_size, self.dp_cp_rank, self.device)
+
+    @property
+    def expert_replicas(self) -> ReplicaGroup:
+        """The expert-DP group expert gradients are summed over (DP x CP without EP)."""
+        if self.ep_size == 1:
+            return self.replicas
+        return ReplicaGroup(self.edp_group, self.dp_cp_size // self.ep_size,
+                            self.dp_cp_rank // self.ep_size, self.device)
 
     def gradient_replicas(self) -> ParallelState:
         """This state seen by the optimizer and the checkpoint files: the data-parallel
@@ -253,7 +271,7 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
     if use_cuda:
         device = torch.device("cuda", _device_index(backend, env.local_rank))
         torch.cuda.set_device(device)
-    common = _coordinates(env, grid, device)
+    common = _coordinates(env, grid, device, cfg.moe.expert_model_parallel_size)
     if world == 1 and init_method is None:
         return ParallelState(backend=None, **common)
 
@@ -305,7 +323,7 @@ def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:
                     num_nodes=max(1, world_size // 8))
     tp, pp, cp = _sizes(cfg)
     grid = rank_grid(world_size, tp, pp, cp)
-    common = _coordinates(env, grid, torch.device("meta"))
+    common = _coordinates(env, grid, torch.device("meta"), cfg.moe.expert_model_parallel_size)
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -321,16 +339,17 @@ def _sizes(cfg: Config) -> tuple[int, int, int]:
             p.context_parallel_size)
 
 
-def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torch.device
-                 ) -> dict:
-    """The ParallelState fields that follow from the rank grid alone."""
+def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torch.device,
+                 ep: int = 1) -> dict:
+    """The ParallelState fields that follow from the rank grid (and the EP size) alone."""
     pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
     p_idx, rem = divmod(env.rank, dp * cp * tp)
     d_idx, rem = divmod(rem, cp * tp)
     c_idx, t_idx = divmod(rem, tp)
     return dict(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                 tp_size=tp, tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp,
-                dp_rank=d_idx, cp_size=cp, cp_rank=c_idx, device=device,
+                dp_rank=d_idx, cp_size=cp, cp_rank=c_idx, device=device, ep_size=ep,
+                ep_rank=(d_idx * cp + c_idx) % ep,
                 pp_ranks=tuple(grid[s][d_idx][c_idx][t_idx] for s in range(pp)),
                 cp_ranks=tuple(grid[p_idx][d_idx][c][t_idx] for c in range(cp)),
                 grid=tuple(tuple(tuple(tuple(r) for r in dp_row) for dp_row in stage)
@@ -338,14 +357,15 @@ def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torc
 
 
 GROUP_KINDS = ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group", "cp_group",
-               "dp_cp_group")
+               "dp_cp_group", "ep_group", "edp_group")
 """The ParallelState group fields, in the order every rank creates them."""
 
 
-def group_lists(grid: list[list[list[list[int]]]]) -> dict[str, list[list[int]]]:
+def group_lists(grid: list[list[list[list[int]]]], ep: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind: kind -> rank lists (a partition of the world, or of the first
     and last stages for `embedding_group`), each in rank order; single-rank lists included.
-    Without CP there are no CP kinds: no ring, and DP x CP is DP."""
+    Without CP there are no CP kinds: no ring, and DP x CP is DP; without EP (`ep` = 1) no
+    expert kinds: the expert-DP group is DP x CP."""
     pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
     cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
              for t in range(tp)]
@@ -365,6 +385,9 @@ def group_lists(grid: list[list[list[list[int]]]]) -> dict[str, list[list[int]]]
     if cp > 1:
         out.update(cp_group=lists(lambda x: (x[0], x[1], x[3])),
                    dp_cp_group=lists(lambda x: (x[0], x[3])))
+    if ep > 1:  # replica index q = d·cp + c read as (edp, ep): q // ep, q % ep
+        out.update(ep_group=lists(lambda x: (x[0], (x[1] * cp + x[2]) // ep, x[3])),
+                   edp_group=lists(lambda x: (x[0], (x[1] * cp + x[2]) % ep, x[3])))
     return out
 
 
@@ -442,10 +465,12 @@ def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_s
 def _with_groups(backend: str, timeout: timedelta, common: dict,
                  grid: list[list[list[list[int]]]]) -> ParallelState:
     """Create this rank's groups once the default group exists (see `_create_groups`)."""
-    groups, count = _create_groups(group_lists(grid), common["rank"], common["world_size"],
-                                   timeout)
+    groups, count = _create_groups(group_lists(grid, common["ep_size"]), common["rank"],
+                                   common["world_size"], timeout)
     groups.setdefault("cp_group", None)
     groups.setdefault("dp_cp_group", groups["dp_group"])
+    groups.setdefault("ep_group", None)
+    groups.setdefault("edp_group", groups["dp_cp_group"])
     return ParallelState(backend=backend, world_group=dist.group.WORLD, group_creations=count,
                          **groups, **common)
 

@@ -108,10 +108,16 @@ def test_checkpoint_round_trip_keeps_expert_bias(tmp_path: Path) -> None:
         export(tmp_path / "ckpt", tmp_path / "hf")
 
 
-def test_expert_parallelism_is_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: expert parallelism "
-                                          "is not implemented yet"):
-        validate(parse_config([*FLAGS, "--expert-model-parallel-size", "2"]), 2)
+def test_expert_parallel_sizes_that_do_not_divide_are_refused_by_name() -> None:
+    ep = ["--expert-model-parallel-size", "3"]
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide "
+                                          "--num-experts 4"):
+        validate(parse_config([*FLAGS, *ep]), 3)
+    with pytest.raises(ConfigError, match="does not divide the 2 data x context parallel"):
+        validate(parse_config([*FLAGS, "--num-experts", "6", *ep]), 2)
+    with pytest.raises(ConfigError, match="needs --num-experts"):
+        validate(parse_config([f for f in FLAGS if f not in FLAGS[FLAGS.index("--num-experts"):]
+                               ] + ["--expert-model-parallel-size", "2"]), 2)
 
 
 def test_moe_pretrain_loss_falls(tmp_path: Path) -> None:

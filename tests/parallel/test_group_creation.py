@@ -35,6 +35,8 @@ def _expected(pstate: ParallelState) -> dict[str, list[int] | None]:
         out[kind] = own if len(own) > 1 else None
     out.setdefault("cp_group", None)
     out.setdefault("dp_cp_group", out["dp_group"])
+    out.setdefault("ep_group", None)
+    out.setdefault("edp_group", out["dp_cp_group"])
     return out
 
 

@@ -1,0 +1,97 @@
+"""The model's parameters, listed once: each one's name, global shape, TP split and tags.
+
+One owner of the decoder's structure for every reader that must not build it: export takes its
+names and TP splits from here (`canonical_tags`), the planner its parameter counts, its matmul
+weights (the N of 6N) and the order ZeRO-3 cuts gradient buckets in. model/llama.py's modules
+create exactly these parameters, in this order (tests/test_structure.py compares the list with
+a meta-device build's `named_parameters`: names, shapes and splits, for the GQA, untied,
+--add-qkv-bias, --qk-layernorm, --kv-channels and --padded-vocab-size variants).
+
+Pure arithmetic on a `ModelConfig` (no torch), so the planner stays importable without it.
+Shapes are global (all TP ranks together); a split weight's rank holds 1/t of it along
+`split_dim`. The vocabulary's rows are what the caller passes: `ModelConfig.padded_vocab_size(t)`
+for a running model, the real vocabulary for export and for counting unique parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the model."""
+
+    name: str
+    shape: tuple[int, ...]
+    split_dim: int | None = None
+    """TP split: 0 the output rows (column- and vocab-parallel), 1 the input columns (row-
+    parallel), None replicated on every TP rank."""
+    partitions: tuple[int, ...] = ()
+    """split_dim 0: the row counts of the stacked sub-matrices (Q, K, V; gate, up), each cut
+    over TP on its own."""
+    vocab: bool = False
+    """Its rows are the vocabulary (split by rows, the padding rows last and zero)."""
+    matmul: bool = False
+    """Takes part in a matmul, so in the N of 6N: not norms, biases, or an input embedding
+    that is only looked up (a tied one is the output layer's weight, so it is)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, tp: int) -> int:
+        """Elements on one rank of a TP group of `tp`."""
+        return self.numel if self.split_dim is None else self.numel // tp
+
+
+def qkv_rows(model: ModelConfig) -> tuple[int, int, int]:
+    """Rows of Q, K and V in the fused qkv weight (heads·d, groups·d, groups·d)."""
+    d = model.head_dim
+    return (model.num_attention_heads * d, model.num_query_groups * d,
+            model.num_query_groups * d)
+
+
+def layer_parameters(model: ModelConfig, layer: int) -> list[Param]:
+    """Layer `layer`'s parameters in the order its modules create them: the attention norm,
+    fused QKV (and its --add-qkv-bias bias), the output projection, the --qk-layernorm
+    per-head norms, the MLP norm, fused gate|up and down."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    rows = qkv_rows(model)
+    p = f"layers.{layer}."
+    out = [Param(p + "attention_norm.weight", (h,)),
+           Param(p + "attention.qkv.weight", (sum(rows), h), 0, rows, matmul=True)]
+    if model.add_qkv_bias:
+        out.append(Param(p + "attention.qkv.bias", (sum(rows),), 0, rows))
+    out.append(Param(p + "attention.proj.weight", (h, rows[0]), 1, matmul=True))
+    if model.qk_layernorm:
+        out += [Param(p + "attention.q_norm.weight", (d,)),
+                Param(p + "attention.k_norm.weight", (d,))]
+    return [*out, Param(p + "mlp_norm.weight", (h,)),
+            Param(p + "mlp.gate_up.weight", (2 * f, h), 0, (f, f), matmul=True),
+            Param(p + "mlp.down.weight", (h, f), 1, matmul=True)]
+
+
+def model_parameters(model: ModelConfig, vocab_rows: int) -> list[Param]:
+    """The whole model's unique parameters (one chunk holding every layer, as
+    `named_parameters` lists them): the embedding, the layers, the final norm, and the output
+    layer when untied (tied, it reads the embedding's weight)."""
+    untied = model.untie_embeddings_and_output_weights
+    h = model.hidden_size
+
+    def vocab_table(name: str, matmul: bool) -> Param:
+        return Param(name, (vocab_rows, h), 0, (vocab_rows,), vocab=True, matmul=matmul)
+
+    out = [vocab_table("embedding.weight", matmul=not untied)]
+    for i in range(model.num_layers):
+        out += layer_parameters(model, i)
+    out.append(Param("final_norm.weight", (h,)))
+    return out + ([vocab_table("output.weight", matmul=True)] if untied else [])
+
+
+def matmul_weights(params: list[Param]) -> int:
+    """Elements of the weights that take part in a matmul (`Param.matmul`)."""
+    return sum(p.numel for p in params if p.matmul)

@@ -1,0 +1,63 @@
+"""Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch),
+EP2 x TP2 + SP, EP2 with ZeRO-1 and ZeRO-3 over expert-DP 2, per iteration of loss,
+gradient norm, router losses and load imbalance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_lite.config import Config, MoEConfig, ParallelConfig
+from megatron_lite.parallel.state import ParallelState, single_process_state
+from tests.distributed import relayout, run_ranks
+from tests.layers.test_moe_training import FLAGS, TERMS, _run
+from tests.numerics import EXACT, assert_close
+
+EP2 = ["--expert-model-parallel-size", "2"]
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+# 4 ranks: (name, tp, extra flags); EP2 folds over DP x CP = 4 / tp replicas
+LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, ["--tensor-model-parallel-size", "2",
+                                        "--sequence-parallel", *ALLTOALL]),
+            "ep2-zero1": (1, ["--use-distributed-optimizer"]),
+            "ep2-zero3-alltoall": (1, ["--data-parallel-sharding-strategy",
+                                       "optim_grads_params", *ALLTOALL])}
+
+
+def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:
+    runs = {}
+    for name, (tp, flags) in LAYOUTS4.items():
+        cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp),
+                     moe=MoEConfig(num_experts=4, expert_model_parallel_size=2))
+        pstate = relayout(world, cfg)
+        runs[name] = _run(pstate, [*FLAGS, *EP2, "--micro-batch-size", "1", *flags],
+                          Path(tmp) / f"{name}-{world.rank}.jsonl")
+    return runs
+
+
+def _two_ranks(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:
+    cfg = Config(moe=MoEConfig(num_experts=4, expert_model_parallel_size=2))
+    pstate = relayout(world, cfg)
+    return {name: _run(pstate, [*FLAGS, *EP2, *flags], Path(tmp) / f"{name}-{world.rank}.jsonl")
+            for name, flags in (("ep2-allgather", []), ("ep2-alltoall", ALLTOALL))}
+
+
+def _check(got: dict[str, dict[str, list[float]]], ref: dict[str, list[float]]) -> None:
+    for layout, run in got.items():
+        for term in TERMS:
+            for i, (a, b) in enumerate(zip(run[term], ref[term], strict=True)):
+                assert_close(a, b, EXACT, f"{layout} {term} at {i + 1}")
+
+
+@pytest.mark.quick
+def test_ep2_equals_one_process(tmp_path: Path) -> None:
+    ref = _run(single_process_state(), FLAGS, tmp_path / "ref.jsonl")
+    _check(run_ranks(_two_ranks, 2, tmp_path, tmp=str(tmp_path))[0], ref)
+
+
+def test_ep2_with_tp_sp_and_sharding_equals_one_process(tmp_path: Path) -> None:
+    # the same micro-batches as the 4-rank runs: the aux loss is per micro-batch (a product
+    # of two means over its tokens), so it depends on how the batch is cut
+    ref = _run(single_process_state(), [*FLAGS, "--micro-batch-size", "1"],
+               tmp_path / "ref.jsonl")
+    _check(run_ranks(_layouts, 4, tmp_path, tmp=str(tmp_path))[0], ref)
