@@ -115,9 +115,9 @@ def test_expert_parallel_sizes_that_do_not_divide_are_refused_by_name() -> None:
         validate(parse_config([*FLAGS, *ep]), 3)
     with pytest.raises(ConfigError, match="does not divide the 2 data x context parallel"):
         validate(parse_config([*FLAGS, "--num-experts", "6", *ep]), 2)
+    dense = FLAGS[:FLAGS.index("--num-experts")]
     with pytest.raises(ConfigError, match="needs --num-experts"):
-        validate(parse_config([f for f in FLAGS if f not in FLAGS[FLAGS.index("--num-experts"):]
-                               ] + ["--expert-model-parallel-size", "2"]), 2)
+        validate(parse_config([*dense, "--expert-model-parallel-size", "2"]), 2)
 
 
 def test_moe_pretrain_loss_falls(tmp_path: Path) -> None:
