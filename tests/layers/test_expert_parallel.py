@@ -1,5 +1,6 @@
 """Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch),
-EP2 x TP2 + SP, EP2 x CP2, EP2 with ZeRO-1 and ZeRO-3 over expert-DP 2, per iteration of loss,
+EP2 x TP2 + SP, EP2 x CP2, EP2 x PP2 (interleaved), EP2 with ZeRO-1 and ZeRO-3 over
+expert-DP 2, per iteration of loss,
 gradient norm, router losses and load imbalance."""
 
 from __future__ import annotations
@@ -16,20 +17,23 @@ from tests.numerics import EXACT, assert_close
 
 EP2 = ["--expert-model-parallel-size", "2"]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
-# 4 ranks: (name, tp, cp, extra flags); EP2 folds over the DP x CP = 4 / tp replicas
-LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, 1, ["--tensor-model-parallel-size", "2",
-                                           "--sequence-parallel", *ALLTOALL]),
-            "ep2-cp2-alltoall": (1, 2, ["--context-parallel-size", "2", *ALLTOALL]),
-            "ep2-zero1": (1, 1, ["--use-distributed-optimizer"]),
-            "ep2-zero3-alltoall": (1, 1, ["--data-parallel-sharding-strategy",
-                                          "optim_grads_params", *ALLTOALL])}
+# 4 ranks: (name, tp, cp, pp, extra flags); EP2 folds over the DP x CP = 4 / (tp pp) replicas
+LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, 1, 1, ["--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel", *ALLTOALL]),
+            "ep2-cp2-alltoall": (1, 2, 1, ["--context-parallel-size", "2", *ALLTOALL]),
+            "ep2-pp2-interleaved": (1, 1, 2, ["--pipeline-model-parallel-size", "2",
+                                              "--num-layers-per-virtual-pipeline-stage", "1"]),
+            "ep2-zero1": (1, 1, 1, ["--use-distributed-optimizer"]),
+            "ep2-zero3-alltoall": (1, 1, 1, ["--data-parallel-sharding-strategy",
+                                             "optim_grads_params", *ALLTOALL])}
 
 
 def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:
     runs = {}
-    for name, (tp, cp, flags) in LAYOUTS4.items():
+    for name, (tp, cp, pp, flags) in LAYOUTS4.items():
         cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                             context_parallel_size=cp),
+                                             context_parallel_size=cp,
+                                             pipeline_model_parallel_size=pp),
                      moe=MoEConfig(num_experts=4, expert_model_parallel_size=2))
         pstate = relayout(world, cfg)
         runs[name] = _run(pstate, [*FLAGS, *EP2, "--micro-batch-size", "1", *flags],
