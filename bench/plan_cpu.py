@@ -200,49 +200,31 @@ def gemm_curve(seconds: float = 0.3) -> tuple[list[tuple[int, float]], float, fl
     return rates, e_max, half
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="pretrain.py runs per model, constants measured around each")
-    ap.add_argument("--count-ops", action="store_true")
-    ap.add_argument("--gemm-curve", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_cpu.json")
-    args = ap.parse_args(argv)
-    if args.count_ops:
-        for name, flags in MODELS.items():
-            print(name, count_ops(flags))
-        return 0
-    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
-    torch.set_num_threads(threads)
-    if args.gemm_curve:
-        rates, e_max, half = gemm_curve()
-        print(" ".join(f"d={d}: {r:.0f}" for d, r in rates), "GFLOP/s")
-        print(f"fit vs d=1024: e_max {e_max:.2f}, d_half {half:.0f}")
-        return 0
-    rows = []
-    for name, flags in MODELS.items():
-        # constants before, between and after --rounds runs, the median of the predictions
-        # from each: a shared CPU's speed drifts within minutes (another job's burst can halve
-        # one measurement), so constants from one other moment mislead
-        preds, hws, times, shares, generic = [], [], [], [], []
-        for i in range(args.rounds + 1):
-            if i:
-                run_times, share = measure(flags, args.iters, args.warmup)
-                times, shares = times + run_times, [*shares, share]
-            hw = plan_py_hardware(flags)
-            rate, core_rate = model_gemm_rate(flags)
-            hws.append({**dataclasses.asdict(hw), "model_tflops": rate,
-                        "model_attention_tflops": core_rate})
-            preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate,
-                                                            attention_tflops=core_rate)))
-            generic.append(predict(flags, hw)["step_s"])
-        pred = sorted(preds, key=lambda p: p["step_s"])[len(preds) // 2]
-        got = summary(times, shares)
-        rows.append({"model": name, "hardware": hws, "predicted": pred, "measured": got,
-                     "ratio": pred["step_s"] / got["median_s"],
-                     "plan_py_ratio": statistics.median(generic) / got["median_s"]})
+def _model_row(name: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """One model's measured and predicted step: constants before, between and after
+    --rounds runs, the median of the predictions from each (a shared CPU's speed drifts within
+    minutes: another job's burst can halve one measurement, so constants from one other
+    moment mislead)."""
+    preds, hws, times, shares, generic = [], [], [], [], []
+    for i in range(args.rounds + 1):
+        if i:
+            run_times, share = measure(flags, args.iters, args.warmup)
+            times, shares = times + run_times, [*shares, share]
+        hw = plan_py_hardware(flags)
+        rate, core_rate = model_gemm_rate(flags)
+        hws.append({**dataclasses.asdict(hw), "model_tflops": rate,
+                    "model_attention_tflops": core_rate})
+        preds.append(predict(flags, dataclasses.replace(hw, peak_tflops=rate,
+                                                        attention_tflops=core_rate)))
+        generic.append(predict(flags, hw)["step_s"])
+    pred = sorted(preds, key=lambda p: p["step_s"])[len(preds) // 2]
+    got = summary(times, shares)
+    return {"model": name, "hardware": hws, "predicted": pred, "measured": got,
+            "ratio": pred["step_s"] / got["median_s"],
+            "plan_py_ratio": statistics.median(generic) / got["median_s"]}
+
+
+def _print_table(rows: list[dict], threads: int) -> None:
     print(f"CPU, {threads} thread(s); constants measured around each run; the median prediction"
           "; pred/meas at the model's own GEMM and attention rates; plan.py: scripts/plan.py "
           "--hardware cpu --fp32's (its peak the 2048 x 256 x 256 matmul, its attention SDPA "
@@ -264,6 +246,31 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e3 * p['overhead_s']:>5.1f} {1e3 * p['optimizer_s']:>6.1f} "
               f"{1e3 * m['median_s']:>11.1f} {1e3 * m['p10_s']:>6.1f}-{1e3 * m['p90_s']:<6.1f} "
               f"{m['cpu_share']:>9.2f} {r['ratio']:>9.2f} {r['plan_py_ratio']:>7.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="pretrain.py runs per model, constants measured around each")
+    ap.add_argument("--count-ops", action="store_true")
+    ap.add_argument("--gemm-curve", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "plan_cpu.json")
+    args = ap.parse_args(argv)
+    if args.count_ops:
+        for name, flags in MODELS.items():
+            print(name, count_ops(flags))
+        return 0
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    if args.gemm_curve:
+        rates, e_max, half = gemm_curve()
+        print(" ".join(f"d={d}: {r:.0f}" for d, r in rates), "GFLOP/s")
+        print(f"fit vs d=1024: e_max {e_max:.2f}, d_half {half:.0f}")
+        return 0
+    rows = [_model_row(name, flags, args) for name, flags in MODELS.items()]
+    _print_table(rows, threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"threads": threads, "rows": rows},
                                    indent=1))

@@ -66,6 +66,28 @@ _MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "num_query_groups", "seq_length", "vocab_size")
 
 
+def _add_run_and_search_flags(ap: argparse.ArgumentParser) -> None:
+    """How the planned run computes, and which layouts the search may return."""
+    run = ap.add_argument_group("how the run computes")
+    run.add_argument("--block", choices=BLOCKS, default="llama",
+                     help="llama (ours) or gpt (LayerNorm, GeLU MLP of --ffn-hidden-size, "
+                          "default 4h, learned positions; planning only)")
+    run.add_argument("--attention", choices=["flash", "unfused"], default="flash",
+                     help="unfused: materialised softmax + dropout (GPT as run in 2021)")
+    run.add_argument("--grad-reduce-in-bf16", action="store_true",
+                     help="reduce gradients over DP in 16 bits (time only)")
+    run.add_argument("--fp32", action="store_true",
+                     help="time fp32 activations (the CPU runs); memory stays bf16")
+    flt = ap.add_argument_group("restrict the search")
+    for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
+        flt.add_argument("--" + flag, type=int)
+    flt.add_argument("--schedule", choices=list(schedules.NAMES))
+    flt.add_argument("--sharding", choices=list(SHARDING),
+                     help="--data-parallel-sharding-strategy (column ZeRO: its stage 0-3)")
+    flt.add_argument("--recompute", choices=["none", "selective", "full"])
+    ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = ap.add_argument_group("model (a preset, or flags; flags override the preset)")
@@ -92,24 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DP collectives fully exposed (no --overlap-grad-reduce)")
     cl.add_argument("--tp-comm-overlap", action="store_true",
                     help="TP collectives hidden behind the layers' GEMMs (Megatron's flag)")
-    run = ap.add_argument_group("how the run computes")
-    run.add_argument("--block", choices=BLOCKS, default="llama",
-                     help="llama (ours) or gpt (LayerNorm, GeLU MLP of --ffn-hidden-size, "
-                          "default 4h, learned positions; planning only)")
-    run.add_argument("--attention", choices=["flash", "unfused"], default="flash",
-                     help="unfused: materialised softmax + dropout (GPT as run in 2021)")
-    run.add_argument("--grad-reduce-in-bf16", action="store_true",
-                     help="reduce gradients over DP in 16 bits (time only)")
-    run.add_argument("--fp32", action="store_true",
-                     help="time fp32 activations (the CPU runs); memory stays bf16")
-    flt = ap.add_argument_group("restrict the search")
-    for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
-        flt.add_argument("--" + flag, type=int)
-    flt.add_argument("--schedule", choices=list(schedules.NAMES))
-    flt.add_argument("--sharding", choices=list(SHARDING),
-                     help="--data-parallel-sharding-strategy (column ZeRO: its stage 0-3)")
-    flt.add_argument("--recompute", choices=["none", "selective", "full"])
-    ap.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    _add_run_and_search_flags(ap)
     ckpt = ap.add_argument_group("checkpoint interval (Young/Daly)")
     ckpt.add_argument("--save-seconds", type=_save_seconds, metavar="S|RUN.jsonl",
                       help="measured time a save blocks training: seconds, or a run's "

@@ -40,6 +40,7 @@ class LayerContext:
     """Sequence parallelism in effect: False at TP=1, whatever --sequence-parallel says."""
     cp_size: int
     cp_rank: int
+    cp_group: comms.Group
     ring: Ring | None
     """The CP ring attention passes K/V around; None without context parallelism."""
     ep_size: int
@@ -76,7 +77,8 @@ class LayerContext:
                 if pstate.cp_size > 1 else None)
         return cls(tp_group=pstate.tp_group, tp_size=pstate.tp_size, tp_rank=pstate.tp_rank,
                    sequence_parallel=sequence_parallel and pstate.tp_size > 1,
-                   cp_size=pstate.cp_size, cp_rank=pstate.cp_rank, ring=ring,
+                   cp_size=pstate.cp_size, cp_rank=pstate.cp_rank, cp_group=pstate.cp_group,
+                   ring=ring,
                    ep_size=pstate.ep_size, ep_rank=pstate.ep_rank, ep_group=pstate.ep_group,
                    device=pstate.device, seed=seed, dtype=dtype, use_triton=use_triton,
                    recompute_granularity=recompute_granularity,

@@ -258,7 +258,8 @@ class MoEStep:
                                                                       num_layers)) if on]
         self.routers = {m.layer: m.router for chunk in chunks for m in chunk.modules()
                         if isinstance(m, MoE)}
-        self.counted = any(r.sp_size > 1 for r in self.routers.values()) or pstate.tp_rank == 0
+        self.counted = (any(r.splits_over_tp for r in self.routers.values())
+                        or pstate.tp_rank == 0)
         self.table_rows, self.microbatches = num_layers, 1
         self.bias = None
         if moe.moe_router_enable_expert_bias:

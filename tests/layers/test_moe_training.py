@@ -36,14 +36,15 @@ FLAGS = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-atten
 TERMS = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "moe_load_imbalance")
 
 
-def _run(pstate: ParallelState, flags: list[str], log: Path) -> dict[str, list[float]]:
+def _run(pstate: ParallelState, flags: list[str], log: Path,
+         terms: tuple[str, ...] = TERMS) -> dict[str, list[float]]:
     cfg = parse_config([*flags, "--log-jsonl", str(log)])
     apply_checkpoint_args(cfg, pstate.world_size)  # as training.run does
     train(cfg, pstate)
     if pstate.rank:
         return {}
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    return {k: [r[k] for r in records if "grad_norm" in r] for k in TERMS}
+    return {k: [r[k] for r in records if "grad_norm" in r] for k in terms}
 
 
 def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:
@@ -115,9 +116,9 @@ def test_expert_parallel_sizes_that_do_not_divide_are_refused_by_name() -> None:
         validate(parse_config([*FLAGS, *ep]), 3)
     with pytest.raises(ConfigError, match="does not divide the 2 data x context parallel"):
         validate(parse_config([*FLAGS, "--num-experts", "6", *ep]), 2)
+    dense = FLAGS[:FLAGS.index("--num-experts")]
     with pytest.raises(ConfigError, match="needs --num-experts"):
-        validate(parse_config([f for f in FLAGS if f not in FLAGS[FLAGS.index("--num-experts"):]
-                               ] + ["--expert-model-parallel-size", "2"]), 2)
+        validate(parse_config([*dense, "--expert-model-parallel-size", "2"]), 2)
 
 
 def test_moe_pretrain_loss_falls(tmp_path: Path) -> None:
