@@ -250,7 +250,9 @@ class Checkpointer:
 
     Files are per (tp, pp, dp) position with CP folded into DP (`gradient_replicas`): a CP
     rank holds the same parameters as its peers, so a checkpoint's "dp" counts DP x CP
-    replicas and any CP size reads it like a change of DP size.
+    replicas and any CP size reads it like a change of DP size. With EP > 1 the routed
+    experts are per (tp, pp, ep) position, their optimizer state per (tp, pp, ep, expert-dp):
+    the EP ranks are DP ranks holding different experts (reshard.py reassembles them).
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
