@@ -1222,10 +1222,6 @@ def _expert_parallel_errors(cfg: Config, world_size: int) -> list[str]:
         errors.append(f"--expert-model-parallel-size {ep} does not divide the {replicas} "
                       "data x context parallel replicas it is carved out of (world size / "
                       "(TP x PP)); launch a multiple of EP x TP x PP ranks")
-    if cfg.checkpoint.save or cfg.checkpoint.load:
-        errors.append(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints of "
-                      "expert-parallel runs are not implemented yet (each EP rank holds "
-                      "different experts); run without EP to checkpoint")
     return errors
 
 

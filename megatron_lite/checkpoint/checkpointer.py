@@ -1,9 +1,10 @@
 """Saving and loading a training run: the training loop's only view of checkpoints.
 
 Save (every rank, collectively): rank 0 prepares `iter_XXXXXXX.tmp/`; each rank copies its
-own state to host memory (weights of its (tp, pp) slice on DP rank 0, its optimizer shard,
-its RNG and loader state) and writes it, in parallel with every other rank; then the file
-sizes are gathered and rank 0 commits (see files.py). Before any of that the ranks agree that
+own state to host memory (weights of its (tp, pp) slice on DP rank 0, with EP > 1 its EP
+rank's experts on expert-DP rank 0, its optimizer shards, its RNG and loader state) and
+writes it, in parallel with every other rank; then the file sizes are gathered and rank 0
+commits (see files.py). Before any of that the ranks agree that
 every weight and optimizer tensor is finite: a save of NaN/Inf is refused with the tensors
 named, nothing written and nothing deleted (a --save-keep-last rotation would otherwise drop
 the last good checkpoint for a poisoned one). With --async-save the writes run in a
@@ -249,7 +250,9 @@ class Checkpointer:
 
     Files are per (tp, pp, dp) position with CP folded into DP (`gradient_replicas`): a CP
     rank holds the same parameters as its peers, so a checkpoint's "dp" counts DP x CP
-    replicas and any CP size reads it like a change of DP size.
+    replicas and any CP size reads it like a change of DP size. With EP > 1 the routed
+    experts are per (tp, pp, ep) position, their optimizer state per (tp, pp, ep, expert-dp):
+    the EP ranks are DP ranks holding different experts (reshard.py reassembles them).
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
@@ -305,22 +308,40 @@ class Checkpointer:
             return self.staging.stage(file, tensors) if copy else {
                 k: v.detach() for k, v in tensors.items()}
 
-        items = []
-        if pstate.dp_rank == 0:
+        split_experts = pstate.ep_size > 1  # each EP rank's experts in its own files
+
+        def weights_item(file: str, experts: bool) -> tuple[str, dict[str, Tensor], dict]:
             weights, splits = {}, {}
             for name, local, param in model_parameters(self.chunks, self.tied):
-                if not is_tied_copy(local, self.tied):
+                if (not is_tied_copy(local, self.tied)
+                        and (split_experts and tags.is_expert(param)) == experts):
                     if not self.optimizer.shard_params:  # ZeRO-3: the masters are the weights
                         weights[name] = param.detach()
                     splits[name] = tags.tp_split(param)
-            file = ckpt_files.model_file(pstate.tp_rank, pstate.pp_rank)
             weight_meta = {"tp_split": splits, "tp_rank": pstate.tp_rank,
-                           "pp_rank": pstate.pp_rank}
-            items.append((file, stage(file, weights), weight_meta))
+                           "pp_rank": pstate.pp_rank, **({"ep_rank": pstate.ep_rank}
+                                                         if experts else {})}
+            return file, stage(file, weights), weight_meta
+
+        def optim_item(file: str, state: dict) -> tuple[str, dict[str, Tensor], dict]:
+            skeleton, tensors = ckpt_files.flatten_state(state)
+            return file, stage(file, tensors), {"state": skeleton}
+
+        items = []
+        tp, pp = pstate.tp_rank, pstate.pp_rank
+        if pstate.dp_rank == 0:
+            items.append(weights_item(ckpt_files.model_file(tp, pp), experts=False))
+        state = self.optimizer.state_dict()
+        expert_state = state.pop("expert", None)
         if self.optimizer.sharded or pstate.dp_rank == 0:
-            skeleton, tensors = ckpt_files.flatten_state(self.optimizer.state_dict())
-            file = ckpt_files.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
-            items.append((file, stage(file, tensors), {"state": skeleton}))
+            items.append(optim_item(ckpt_files.optim_file(tp, pp, pstate.dp_rank), state))
+        edp = pstate.expert_replicas.rank
+        if split_experts and edp == 0:
+            items.append(weights_item(ckpt_files.expert_model_file(tp, pp, pstate.ep_rank),
+                                      experts=True))
+        if expert_state is not None and (self.optimizer.sharded or edp == 0):
+            items.append(optim_item(ckpt_files.expert_optim_file(tp, pp, pstate.ep_rank, edp),
+                                    expert_state))
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["torch_cuda"] = torch.cuda.get_rng_state(pstate.device)
@@ -341,6 +362,7 @@ class Checkpointer:
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
                        "dp": pstate.dp_size, "cp": parallel.context_parallel_size,
+                       "ep": pstate.ep_size,
                        "virtual_chunks": len(self.partition[0]),
                        "use_distributed_optimizer": parallel.use_distributed_optimizer,
                        "weights_in_optimizer": self.optimizer.shard_params},
@@ -390,7 +412,9 @@ class Checkpointer:
         read-only pass (each one's min and max, NaN/Inf through) and one sync."""
         named = [] if self.optimizer.shard_params else [  # ZeRO-3: the masters are the weights
             (name, param.detach()) for name, _, param in model_parameters(self.chunks, self.tied)]
-        named += [(f"optimizer {k}", t) for k, t in self.optimizer.state_dict()["tensors"].items()]
+        state = self.optimizer.state_dict()
+        for prefix, part in (("", state), ("expert ", state.get("expert", {}))):
+            named += [(f"optimizer {prefix}{k}", t) for k, t in part.get("tensors", {}).items()]
         named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named or named[0][1].is_meta:
             return []
@@ -556,7 +580,8 @@ class Checkpointer:
             cp = saved.get("cp", 1)  # the layout's "dp" counts dp x cp ranks (its shards)
             print(f"checkpoint: loaded iteration {iteration} from {ckpt_dir} (saved with tp "
                   f"{saved['tp']}, pp {saved['pp']}, dp {saved['dp'] // cp}"
-                  f"{f', cp {cp}' if cp > 1 else ''}): {total / 1e9:.4f} GB "
+                  f"{f', cp {cp}' if cp > 1 else ''}"
+                  f"{f', ep {reader.ep}' if reader.ep > 1 else ''}): {total / 1e9:.4f} GB "
                   f"read in {seconds:.3f} s ({total / 1e9 / seconds:.3f} GB/s); RNG "
                   f"{'restored' if restored_rng else 'not restored'}"
                   f"{'' if restored_rng else ' (layout changed or --no-load-rng)'}",
@@ -614,9 +639,10 @@ class Checkpointer:
         pstate = self.pstate
         for name, _local, param in model_parameters(self.chunks, self.tied):
             tensor = None
-            if reader.tp == pstate.tp_size:
+            same_ep = name not in reader.experts or reader.ep == pstate.ep_size
+            if reader.tp == pstate.tp_size and same_ep:
                 tp_rank = pstate.tp_rank if reader.where.get(name, (0, None))[1] else 0
-                tensor = reader.local_weight(name, tp_rank)
+                tensor = reader.local_weight(name, tp_rank, pstate.ep_rank)
             if tensor is None or tensor.shape != param.shape:
                 tensor = local_slice(reader.full_weight(name), param, pstate)
             self.optimizer.set_param(param, tensor)
@@ -631,7 +657,7 @@ class Checkpointer:
             if state is None:
                 state = fill_optimizer_state(template, self.chunks, self.pstate, self.tied,
                                              reader.full_optimizer)
-                state["step"] = reader.file(ckpt_files.optim_file(0, 0, 0)).meta["state"]["step"]
+                _set_step(state, reader.file(ckpt_files.optim_file(0, 0, 0)).meta["state"]["step"])
         else:  # model-only (e.g. imported from Hugging Face): fresh Adam moments
             def from_weights(name: str) -> dict[str, Tensor]:
                 w = reader.full_weight(name)  # fill_optimizer_state casts to the masters'
@@ -640,7 +666,7 @@ class Checkpointer:
 
             state = fill_optimizer_state(template, self.chunks, self.pstate, self.tied,
                                          from_weights)
-            state["step"] = 0
+            _set_step(state, 0)
         self.optimizer.load_state_dict(state)
 
     def _load_rank_state(self, reader: CheckpointReader) -> bool:
@@ -669,6 +695,12 @@ class Checkpointer:
         kind, keys, pos, has_gauss, cached = f.meta["numpy_random"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         return True
+
+
+def _set_step(state: dict, step: int) -> None:
+    """The optimizer's step count, in the dense and (EP > 1) the expert group's state."""
+    for part in (state, state.get("expert", {})):
+        part["step"] = step
 
 
 def apply_checkpoint_args(cfg: Config, world_size: int, rank: int = 0) -> None:

@@ -5,6 +5,9 @@
     <save>/iter_0000010/model_tp0_pp0.safetensors        dp rank 0 of each (tp, pp) position
     <save>/iter_0000010/optim_tp0_pp0_dp0.safetensors    every dp rank with ZeRO-1, else dp 0
     <save>/iter_0000010/rank_00000.safetensors           every rank: RNG and loader state
+  with expert parallelism (EP > 1) the routed experts have their own files, per EP rank:
+    <save>/iter_0000010/experts_tp0_pp0_ep1.safetensors  expert-DP rank 0 of each EP rank
+    <save>/iter_0000010/optim_experts_tp0_pp0_ep1_dp0.safetensors   idem, per expert-DP rank
 
 Every tensor file is safetensors (tensors + a JSON string in the header), metadata is JSON:
 nothing is unpickled on load, so a checkpoint from elsewhere cannot run code. A directory is
@@ -64,6 +67,14 @@ def model_file(tp: int, pp: int) -> str:
 
 def optim_file(tp: int, pp: int, dp: int) -> str:
     return f"optim_tp{tp}_pp{pp}_dp{dp}.safetensors"
+
+
+def expert_model_file(tp: int, pp: int, ep: int) -> str:
+    return f"experts_tp{tp}_pp{pp}_ep{ep}.safetensors"
+
+
+def expert_optim_file(tp: int, pp: int, ep: int, edp: int) -> str:
+    return f"optim_experts_tp{tp}_pp{pp}_ep{ep}_dp{edp}.safetensors"
 
 
 def rank_file(rank: int) -> str:

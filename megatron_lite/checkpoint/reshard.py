@@ -10,6 +10,12 @@ parameter here by placing each DP rank's owned ranges back into the flat buffer.
 
 The tied output layer of the last pipeline stage is a copy of `embedding.weight` (same
 values, same optimizer state): it is not stored, and filled from the embedding on load.
+
+Routed experts (layers/moe.py: each rank stacks its E/ep experts, `layers.{l}.mlp.gate_up`
+and `.down`) are saved by each EP rank in its own files when EP > 1 (files.py), their
+optimizer state in the expert group's own zero1 format over expert-DP. Their "full" tensor is
+the EP-unsplit stack of all E experts (each EP rank's TP-unsharded stack, in EP-rank order),
+which is exactly what an EP=1 run holds unsharded, so any (EP, TP) layout reads any other.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from torch import Tensor, nn
 from megatron_lite.checkpoint.files import (
     CheckpointError,
     TensorFile,
+    expert_model_file,
+    expert_optim_file,
     model_file,
     optim_file,
     read_metadata,
@@ -65,7 +73,10 @@ def model_parameters(chunks: Sequence[nn.Module], tied: bool
 
 
 def local_slice(full: Tensor, param: nn.Parameter, pstate: ParallelState) -> Tensor:
-    """This rank's slice of a full (vocab-unpadded) tensor, shaped like `param`."""
+    """This rank's slice of a full (vocab-unpadded) tensor, shaped like `param`: a routed
+    expert's full stack is first cut to this EP rank's experts."""
+    if tags.is_expert(param) and pstate.ep_size > 1:
+        full = full.chunk(pstate.ep_size)[pstate.ep_rank]
     split = tags.tp_split(param)
     padded_rows = tags.padded_vocab_size(split)
     if padded_rows is not None:
@@ -95,13 +106,22 @@ class CheckpointReader:
         self.param_dtype = (torch.float64 if train_cfg.get("fp64") else
                             torch.bfloat16 if train_cfg["bf16"] else torch.float32)
         self.tied = not self.model_cfg["untie_embeddings_and_output_weights"]
+        self.ep = layout.get("ep", 1)
+        """The EP size saved at; with EP > 1 the routed experts are in per-EP-rank files."""
         self._files: dict[str, TensorFile] = {}
-        self._optim: dict[tuple[int, int], dict[str, dict[str, Tensor]]] = {}
+        self._optim: dict[tuple[int, int, int | None], dict[str, dict[str, Tensor]]] = {}
         self.where: dict[str, tuple[int, list | None]] = {}
         """Global name -> (pipeline stage holding it, TP split as saved: JSON lists)."""
+        self.experts: set[str] = set()
+        """The names saved per EP rank (empty when saved at EP 1)."""
         for stage in range(self.pp):
             for name, split in self.file(model_file(0, stage)).meta["tp_split"].items():
                 self.where[name] = (stage, split)
+            if self.ep > 1:
+                for name, split in self.file(expert_model_file(0, stage, 0)).meta[
+                        "tp_split"].items():
+                    self.where[name] = (stage, split)
+                    self.experts.add(name)
 
     @property
     def has_optimizer(self) -> bool:
@@ -122,12 +142,24 @@ class CheckpointReader:
                                   f"{len(self.where)} weights, e.g. {sorted(self.where)[:3]})")
         return self.where[name]
 
-    def local_weight(self, name: str, tp_rank: int) -> Tensor:
-        """The tensor exactly as saved by TP rank `tp_rank` (same-TP fast path)."""
+    def _ep_ranks(self, name: str) -> list[int | None]:
+        """The EP ranks whose files hold a piece of `name` (None: the dense files)."""
+        return list(range(self.ep)) if name in self.experts else [None]
+
+    def local_weight(self, name: str, tp_rank: int, ep_rank: int | None = None) -> Tensor:
+        """The tensor exactly as saved by TP rank `tp_rank` (and, for a routed expert of an
+        EP > 1 save, EP rank `ep_rank`): the same-layout fast path."""
         stage, _ = self._stage(name)
+        if name not in self.experts:
+            ep_rank = None
+        elif ep_rank is None:
+            raise CheckpointError(f"{self.dir}: {name!r} was saved per EP rank; name one")
         if self.weights_in_optimizer:
-            return self._optim_position(tp_rank, stage)[name]["master"].to(self.param_dtype)
-        return self.file(model_file(tp_rank, stage)).get(name)
+            return self._optim_position(tp_rank, stage, ep_rank)[name]["master"].to(
+                self.param_dtype)
+        file = (model_file(tp_rank, stage) if ep_rank is None
+                else expert_model_file(tp_rank, stage, ep_rank))
+        return self.file(file).get(name)
 
     def _full(self, name: str, pieces: list[Tensor]) -> Tensor:
         split = self._stage(name)[1]
@@ -139,7 +171,9 @@ class CheckpointReader:
     def full_weight(self, name: str) -> Tensor:
         """The unsharded weight (vocab padding removed), gathered from every TP file."""
         slices = self.tp if self._stage(name)[1] is not None else 1
-        return self._full(name, [self.local_weight(name, tp_rank) for tp_rank in range(slices)])
+        return torch.cat([self._full(name, [self.local_weight(name, tp_rank, ep)
+                                            for tp_rank in range(slices)])
+                          for ep in self._ep_ranks(name)])
 
     def full_optimizer(self, name: str) -> dict[str, Tensor]:
         """Unsharded master weight and Adam moments of one weight, in their saved dtype."""
@@ -147,22 +181,33 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir} holds no optimizer state (saved model-only)")
         stage, split = self._stage(name)
         slices = self.tp if split is not None else 1
-        pieces = [self._optim_position(tp_rank, stage)[name] for tp_rank in range(slices)]
-        return {k: self._full(name, [p[k] for p in pieces]) for k in KINDS}
+        per_ep = [[self._optim_position(tp_rank, stage, ep)[name] for tp_rank in range(slices)]
+                  for ep in self._ep_ranks(name)]
+        return {k: torch.cat([self._full(name, [p[k] for p in pieces]) for pieces in per_ep])
+                for k in KINDS}
 
-    def _optim_position(self, tp_rank: int, stage: int) -> dict[str, dict[str, Tensor]]:
-        """Per global name, the (TP-local) optimizer tensors of one (tp, pp) position."""
-        key = (tp_rank, stage)
+    def _optim_position(self, tp_rank: int, stage: int, ep_rank: int | None = None
+                        ) -> dict[str, dict[str, Tensor]]:
+        """Per global name, the (TP-local) optimizer tensors of one (tp, pp) position: its
+        dense group's, or with `ep_rank` that EP rank's expert group's (sharded over the
+        dp / ep expert-DP ranks)."""
+        key = (tp_rank, stage, ep_rank)
         if key in self._optim:
             return self._optim[key]
+
+        def file_name(d: int) -> str:
+            return (optim_file(tp_rank, stage, d) if ep_rank is None
+                    else expert_optim_file(tp_rank, stage, ep_rank, d))
+
         partition = self.meta["partition"][stage]
-        first = self.file(optim_file(tp_rank, stage, 0)).meta["state"]
-        dp_files = self.dp if first["sharded"] else 1
+        first = self.file(file_name(0)).meta["state"]
+        replicas = self.dp if ep_rank is None else self.dp // self.ep
+        dp_files = replicas if first["sharded"] else 1
         out: dict[str, dict[str, Tensor]] = {}
         for b, buf in enumerate(first["buffers"]):
             flat: dict[str, Tensor] = {}
             for d in range(dp_files):
-                f = self.file(optim_file(tp_rank, stage, d))
+                f = self.file(file_name(d))
                 state = f.meta["state"]
                 owned = state["buffers"][b]["owned"]
                 for k in KINDS:
@@ -190,7 +235,8 @@ def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: Pa
     every owned element taken from `source(global name)` (full tensors per kind).
 
     A new state on the host: `template`'s tensors are the optimizer's live buffers, so they
-    are neither written nor copied here (`load_state_dict` copies into them).
+    are neither written nor copied here (`load_state_dict` copies into them). The expert
+    group's state (EP > 1, under "expert") is filled the same way.
     """
     params = {f"chunk{c}.{local}": (global_name(chunk.layer_ids, local, tied), p)
               for c, chunk in enumerate(chunks) for local, p in chunk.named_parameters()}
@@ -206,23 +252,42 @@ def fill_optimizer_state(template: dict, chunks: Sequence[nn.Module], pstate: Pa
                 flat[k][start:end] = local_slice(full[k].to(dtype), param, pstate).reshape(-1)
         for k in KINDS:
             tensors[f"{b}.{k}"] = torch.cat([flat[k][s:e] for s, e in buf["owned"]])
-    return {**template, "tensors": tensors}
+    out = {**template, "tensors": tensors}
+    if "expert" in template:
+        out["expert"] = fill_optimizer_state(template["expert"], chunks, pstate, tied, source)
+    return out
+
+
+def _saved_state(reader: CheckpointReader, name: str, template: dict) -> dict | None:
+    """The optimizer state in file `name` when its layout is `template`'s, else None."""
+    f = reader.file(name)
+    skeleton = f.meta["state"]
+    if (skeleton.get("format") != template["format"] or skeleton["sharded"] != template["sharded"]
+            or skeleton["buffers"] != template["buffers"]):
+        return None
+    return unflatten_state(skeleton, f)
 
 
 def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: ParallelState,
                            partition: list) -> dict | None:
     """This rank's saved optimizer state as-is when the saved layout equals the running one
-    (the common resume: read only one's own file), else None."""
-    if ((reader.tp, reader.pp) != (pstate.tp_size, pstate.pp_size)
+    (the common resume: read only one's own files), else None."""
+    if ((reader.tp, reader.pp, reader.ep) != (pstate.tp_size, pstate.pp_size, pstate.ep_size)
             or reader.meta["partition"] != partition
             or (template["sharded"] and reader.dp != pstate.dp_size)):
         return None
     dp = pstate.dp_rank if template["sharded"] else 0
-    f = reader.file(optim_file(pstate.tp_rank, pstate.pp_rank, dp))
-    skeleton = f.meta["state"]
-    if (skeleton.get("format") != template["format"] or skeleton["sharded"] != template["sharded"]
-            or skeleton["buffers"] != template["buffers"]):
+    state = _saved_state(reader, optim_file(pstate.tp_rank, pstate.pp_rank, dp), template)
+    if state is None:
         return None
-    state = unflatten_state(skeleton, f)
     state["dp_rank"], state["dp_size"] = pstate.dp_rank, pstate.dp_size
+    if "expert" in template:
+        replicas = pstate.expert_replicas
+        edp = replicas.rank if template["sharded"] else 0
+        expert = _saved_state(reader, expert_optim_file(pstate.tp_rank, pstate.pp_rank,
+                                                        pstate.ep_rank, edp), template["expert"])
+        if expert is None:
+            return None
+        expert["dp_rank"], expert["dp_size"] = replicas.rank, replicas.size
+        state["expert"] = expert
     return state

@@ -362,26 +362,30 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """This replica's optimizer state; format in `megatron_lite.optim.zero1` (the dense
-        group's: expert-parallel runs cannot save yet, config.validate refuses them).
+        group's, over DP x CP). With expert parallelism the expert group's state, in the same
+        format over expert-DP, is added under "expert" (the dense part stays as it is).
 
         The tensors are the live shard buffers, not copies (a copy would cost 12 bytes per
         owned element of device memory at every save): callers copy before training
         continues, as the Checkpointer does into its host buffers.
         """
         self.finish_param_sync()
-        replicas = self.pstate.replicas
-        return zero1.state_dict(self.sync.bufs.shards, self._step, replicas.rank, replicas.size,
-                                self.sharded)
+        states = [zero1.state_dict(g.bufs.shards, self._step, g.ctx.replicas.rank,
+                                   g.ctx.replicas.size, self.sharded) for g in self.groups]
+        return {**states[0], "expert": states[1]} if len(states) > 1 else states[0]
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore this replica's state and set the model's weights from the masters.
+        """Restore this replica's state (`state_dict`'s format) and set the model's weights
+        from the masters.
 
-        Collective over the replica group when the state is sharded (every rank calls it).
+        Collective over each group's replicas when the state is sharded (every rank calls it).
         """
         self.finish_param_sync()
-        replicas = self.pstate.replicas
-        self._step = zero1.load_state_dict(self.sync.bufs.shards, state, replicas.rank,
-                                           replicas.size, self.sharded)
-        for shard in self.sync.bufs.shards:
-            shard.copy_master_to_params()
-        self.sync.after_step(async_op=False)
+        parts = [state, state["expert"]] if len(self.groups) > 1 else [state]
+        for group, part in zip(self.groups, parts, strict=True):
+            replicas = group.ctx.replicas
+            self._step = zero1.load_state_dict(group.bufs.shards, part, replicas.rank,
+                                               replicas.size, self.sharded)
+            for shard in group.bufs.shards:
+                shard.copy_master_to_params()
+            group.sync.after_step(async_op=False)
