@@ -123,7 +123,7 @@ def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
 TRAIN = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
          "4", "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
          "--vocab-size", "97", "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "1",
-         "--global-batch-size", "2", "--lr", "2e-2", "--train-iters", "2", "--eval-iters", "0",
+         "--global-batch-size", "1", "--lr", "2e-2", "--train-iters", "1", "--eval-iters", "0",
          "--peak-tflops", "1", "--log-interval", "100", "--fp64", "--num-experts", "4",
          "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
          "--tensor-model-parallel-size", "2"]
