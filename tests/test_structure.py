@@ -1,6 +1,6 @@
 """megatron_lite/structure.py is the model's parameter list: a meta-device build of the modules
-has exactly its names, order, shapes and TP splits (for each dense variant), and the planner's
-and export's counts read it.
+has exactly its names, order, shapes and TP splits (for each dense variant and a MoE model),
+and the planner's and export's counts read it.
 
 Built on the meta device only (no weights drawn, no process group for TP=2)."""
 
