@@ -65,9 +65,8 @@ def check_exportable(model_cfg: ModelConfig, moe: MoEConfig) -> None:
         (moe.moe_router_score_function != "softmax",
          f"--moe-router-score-function {moe.moe_router_score_function}"),
         (moe.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
-        (bool(moe.moe_router_num_groups or moe.moe_router_group_topk),
-         f"--moe-router-num-groups {moe.moe_router_num_groups} / --moe-router-group-topk "
-         f"{moe.moe_router_group_topk}"),
+        (bool(moe.moe_router_group_topk),  # what makes routing group-limited (router.py)
+         f"--moe-router-group-topk {moe.moe_router_group_topk} (group-limited routing)"),
         (scaling not in (None, 1.0), f"--moe-router-topk-scaling-factor {scaling}"),
         (moe.moe_expert_capacity_factor is not None,
          f"--moe-expert-capacity-factor {moe.moe_expert_capacity_factor}"),

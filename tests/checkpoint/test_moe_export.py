@@ -158,7 +158,7 @@ BASE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidd
 REFUSED = {
     "--moe-router-score-function sigmoid": (BASE, {"moe_router_score_function": "sigmoid"}),
     "--moe-router-enable-expert-bias": (BASE, {"moe_router_enable_expert_bias": True}),
-    "--moe-router-num-groups 2": (BASE, {"moe_router_num_groups": 2,
+    "--moe-router-group-topk 1": (BASE, {"moe_router_num_groups": 2,
                                          "moe_router_group_topk": 1}),
     "--moe-router-topk-scaling-factor 2.5": (BASE, {"moe_router_topk_scaling_factor": 2.5}),
     "--moe-expert-capacity-factor 1.0": (BASE, {"moe_expert_capacity_factor": 1.0}),
