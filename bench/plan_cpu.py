@@ -160,7 +160,8 @@ def count_ops(flags: list[str]) -> dict[str, int]:
     the CPU reference path (what CPU_KERNELS_PER_LAYER stands for)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_lite.model.llama import BuildOptions, LlamaChunk
+    from megatron_lite.layers.context import LayerContext
+    from megatron_lite.model.llama import LlamaChunk
     from megatron_lite.parallel.state import single_process_state
 
     gemms = ("mm", "addmm", "bmm", "matmul", "linear", "_scaled_dot_product")
@@ -176,8 +177,8 @@ def count_ops(flags: list[str]) -> dict[str, int]:
             return func(*args, **(kwargs or {}))
 
     cfg = parse_config(["--mock-data", *flags])
-    layer = LlamaChunk(cfg.model, single_process_state(), range(1), pre_process=False,
-                       post_process=False, opts=BuildOptions(seed=0))
+    layer = LlamaChunk(cfg.model, LayerContext.from_state(single_process_state(), seed=0),
+                       range(1), pre_process=False, post_process=False)
     x = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size,
                     requires_grad=True)
     with Count() as fwd:

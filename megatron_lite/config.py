@@ -1198,7 +1198,6 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     not_yet = [flag for flag, on in (
-        ("--context-parallel-size > 1", cfg.parallel.context_parallel_size > 1),
         ("--pipeline-schedule zb-h1/zbv", schedule_in_effect(cfg.parallel).split_backward),
         ("--recompute-granularity full", cfg.train.recompute_granularity == "full"),
         ("--dry-run", cfg.train.dry_run)) if on]

@@ -42,7 +42,7 @@ from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice, mode
 from megatron_lite.config import Config, ConfigError, ModelConfig
 from megatron_lite.kernels._precision import upcast
 from megatron_lite.metrics import DISTILL_TERMS
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import BatchContext, LlamaChunk
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
@@ -288,14 +288,15 @@ class DistillationChunk(nn.Module):
         self.pre_process, self.post_process = student.pre_process, student.post_process
         self.weight_grads, self.layer_ids = student.weight_grads, student.layer_ids
 
-    def forward(self, x: Tensor, labels: Tensor | None = None, **sequence) -> Tensor:
+    def forward(self, x: Tensor, labels: Tensor | None = None,
+                batch: BatchContext | None = None) -> Tensor:
         if labels is None:
             raise ValueError("the distillation chunk needs labels")
         teacher, out = self.teacher[0], self.student.output
         with torch.no_grad():
-            t_hidden = teacher.final_hidden(x, **sequence)
+            t_hidden = teacher.final_hidden(x, batch)
             t_logits = teacher.output.logits(t_hidden)
-        hidden = self.student.final_hidden(x, **sequence)
+        hidden = self.student.final_hidden(x, batch)
         logits = out.logits(hidden)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.dcfg.skip_lm_loss):
             lm = out.token_losses(logits, labels)
@@ -340,12 +341,10 @@ def build_distiller(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk]
         return None
     dry = pstate.device.type == "meta"
     teacher_cfg, ckpt_dir = check_distillation(cfg, dry_run=dry)
-    head = chunks[0].output
-    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                        dtype=head.weight.dtype if head.shared_weight is None
-                        else head.shared_weight.dtype, use_triton=head.use_triton)
-    teacher = LlamaChunk(teacher_cfg, pstate, list(range(teacher_cfg.num_layers)),
-                         pre_process=True, post_process=True, opts=opts)
+    # the student's context without recomputation or split backward
+    ctx = dataclasses.replace(chunks[0].ctx, recompute_granularity=None, split_backward=False)
+    teacher = LlamaChunk(teacher_cfg, ctx, list(range(teacher_cfg.num_layers)),
+                         pre_process=True, post_process=True)
     teacher.requires_grad_(False).eval()
     if ckpt_dir is not None and not dry:
         load_teacher_weights(teacher, ckpt_dir, pstate)

@@ -49,7 +49,8 @@ from megatron_lite.config import Config, ConfigError, ModelConfig, MoEConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.kernels import rope as rope_kernels
 from megatron_lite.layers import tags
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -438,9 +439,10 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
     pstate = single_process_state(device)
-    opts = BuildOptions(seed=0, moe=export_moe.moe_config(reader.meta["config"]))
-    chunk = LlamaChunk(model_cfg, pstate, range(model_cfg.num_layers), pre_process=True,
-                       post_process=True, opts=opts)
+    ctx = LayerContext.from_state(pstate, seed=0,
+                                  moe=export_moe.moe_config(reader.meta["config"]))
+    chunk = LlamaChunk(model_cfg, ctx, range(model_cfg.num_layers), pre_process=True,
+                       post_process=True)
     for name, param in chunk.named_parameters():
         param.copy_(local_slice(reader.full_weight(name).float(), param, pstate))
     return model_cfg, chunk.eval()
@@ -449,10 +451,7 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
 @torch.no_grad()
 def model_logits(chunk: LlamaChunk, tokens: Tensor, vocab_size: int) -> Tensor:
     """Logits [b, s, vocab] of a whole-model chunk (TP=1) for token ids [b, s]."""
-    x = chunk.embedding(tokens)
-    for layer in chunk.layers:
-        x = layer(x, chunk.rope_cos, chunk.rope_sin)
-    logits = chunk.output.logits(chunk.final_norm(x))
+    logits = chunk.output.logits(chunk.final_hidden(tokens))
     return logits.transpose(0, 1)[..., :vocab_size]
 
 

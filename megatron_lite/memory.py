@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_lite.config import Config, validate
 from megatron_lite.data.loader import context_parallel_index
 from megatron_lite.parallel.state import ParallelState, format_grid, rank_grid
+from megatron_lite.pipeline.engine import BatchContext  # the chunks' input (ModelChunk)
 from megatron_lite.pipeline.partition import config_partition, stage_chunks
 from megatron_lite.planner import estimate_memory, sharding_formula, stage_params
 
@@ -193,15 +194,15 @@ def measure_saved_bytes(chunks: list[nn.Module], cfg: Config, pstate: ParallelSt
         raise RuntimeError("the memory-measurement forward has no backward")
 
     generator = torch.Generator().manual_seed(0)
-    sequence = {}
+    batch = BatchContext()
     if pstate.cp_size > 1:
-        sequence["token_index"] = context_parallel_index(
-            cfg.model.seq_length, pstate.cp_size, pstate.cp_rank).to(pstate.device)
+        batch = BatchContext(token_index=context_parallel_index(
+            cfg.model.seq_length, pstate.cp_size, pstate.cp_rank).to(pstate.device))
     outputs = []
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         for chunk in chunks:
             x, labels = _chunk_inputs(chunk, cfg, pstate, generator)
-            outputs.append(chunk(x, labels, **sequence))
+            outputs.append(chunk(x, labels, batch))
     del outputs
     total = sum(t.untyped_storage().nbytes() for t in saved.values())
     saved.clear()  # the graph holds `pack`, whose closure holds these tensors: break the cycle

@@ -17,7 +17,7 @@ import resource
 import socket
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -149,9 +149,8 @@ def _gather_floats(values: list[float], pstate: ParallelState) -> list[list[floa
     out = [torch.empty_like(local) for _ in range(pstate.world_size)]
     with op_identity("rank_values"):
         dist.all_gather(out, local, group=pstate.world_group)
-    if local.is_meta:  # a dry run: no values come back; each rank reads its own as everyone's
-        return [list(values) for _ in out]
-    return [row.tolist() for row in out]
+    # a dry run: no values come back; each rank reads its own as everyone's
+    return comms.host_value(torch.stack(out), [list(values) for _ in out])
 
 
 def _gather_hosts(pstate: ParallelState) -> list[str]:
@@ -177,6 +176,38 @@ def resolve_wandb_mode(flag: str | None, environ: dict[str, str] | os._Environ
     except (OSError, netrc.NetrcParseError):
         pass
     return "offline", "no WANDB_API_KEY or ~/.netrc login"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One iteration's telemetry as the training loop produces it, or a log interval's (the
+    means over its steps, with the last step's position and LR), as `log_train` takes it."""
+
+    iteration: int
+    consumed_samples: int
+    """Samples consumed after this step, over all DP ranks (the resume position)."""
+    loss: float
+    lr: float
+    grad_norm: float
+    iter_time_s: float
+    """Wall time of the iteration."""
+    tokens: int
+    """Tokens in the global batch."""
+    skipped: int
+    """Iterations skipped so far in this run (not updated: NaN/Inf, spikes)."""
+    compute_time_s: float | None = None
+    """This rank's forward/backward time (None: `iter_time_s`), for the straggler check."""
+    global_batch_size: int | None = None
+    """The global batch size, shown where it changes (a ramp-up; None: not shown)."""
+    scalars: dict[str, float] = field(default_factory=dict)
+    """Extra values for the record (--log-params-norm, --log-num-zeros-in-grad,
+    distillation's terms)."""
+    data_wait_s: float = 0.0
+    """Time blocked on the loader, this rank."""
+    comm_wait_s: float = 0.0
+    """Exposed communication, this rank (comms.WaitClock: token-count and loss all-reduces,
+    DP gradient reductions, ZeRO-1 gathers, pipeline transfers; not TP collectives, the
+    grad-norm or the guard's all-reduce; training._pop_comm_wait)."""
 
 
 class MetricsLogger:
@@ -272,57 +303,39 @@ class MetricsLogger:
         gathers every job's records; unattended.py reads them across jobs)."""
         return {**record, "job": self.job} if self.job else record
 
-    def log_train(self, *, iteration: int, consumed_samples: int, loss: float, lr: float,
-                  grad_norm: float, iter_time_s: float, tokens: int, skipped: int,
-                  compute_time_s: float | None = None, global_batch_size: int | None = None,
-                  scalars: dict[str, float] | None = None, data_wait_s: float = 0.0,
-                  comm_wait_s: float = 0.0) -> dict:
-        """One log interval (averages over it); `compute_time_s` is this rank's forward/backward
-        time per iteration, gathered from every rank for the spread and the straggler check;
-        `global_batch_size` is the last step's (given with a ramp-up, where it changes);
-        `scalars` are extra values for the record (--log-params-norm, --log-num-zeros-in-grad).
-
-        `data_wait_s` (time blocked on the loader) and `comm_wait_s` (exposed communication,
-        comms.WaitClock: token-count and loss all-reduces, DP gradient reductions, ZeRO-1
-        gathers, pipeline transfers; not TP collectives, the grad-norm or the guard's
-        all-reduce; training._pop_comm_wait) are this rank's per-iteration means; the record
-        holds the largest over all ranks, the one that held the step up. `tokens_seen` and
-        `epoch` come from `consumed_samples`, the global position a checkpoint restores
-        (samples of skipped steps count: they were consumed)."""
+    def log_train(self, step: StepRecord) -> dict:
+        """One log interval (`StepRecord`: means over it). A collective: this rank's compute
+        time, peak memory and waits are gathered from every rank, for the spread, the
+        straggler check and the waits in the record (the largest over all ranks, the one
+        that held the step up). `tokens_seen` and `epoch` come from `consumed_samples`, the
+        global position a checkpoint restores (samples of skipped steps count: they were
+        consumed). Returns the JSONL record (on every rank)."""
         mem = memory_stats(self.pstate.device)
-        own = iter_time_s if compute_time_s is None else compute_time_s
-        gathered = _gather_floats([own, _peak_gib(mem), data_wait_s, comm_wait_s], self.pstate)
-        data_wait_ms = max(g[2] for g in gathered) * 1e3
-        comm_wait_ms = max(g[3] for g in gathered) * 1e3
-        tokens_seen = consumed_samples * self.cfg.model.seq_length
-        epoch = (consumed_samples / self.samples_per_epoch if self.samples_per_epoch
+        own = step.iter_time_s if step.compute_time_s is None else step.compute_time_s
+        gathered = _gather_floats([own, _peak_gib(mem), step.data_wait_s, step.comm_wait_s],
+                                  self.pstate)
+        tokens_seen = step.consumed_samples * self.cfg.model.seq_length
+        epoch = (step.consumed_samples / self.samples_per_epoch if self.samples_per_epoch
                  else float("nan"))
-        tokens_per_sec = tokens / iter_time_s
+        tokens_per_sec = step.tokens / step.iter_time_s
         tflops = tokens_per_sec * self.flops_per_token / self.pstate.world_size / 1e12
         causal = tflops * self.flops_per_token_causal / self.flops_per_token
-        record = {"iteration": iteration, "consumed_samples": consumed_samples, "loss": loss,
-                  "lr": lr, "grad_norm": grad_norm, "iter_time_ms": iter_time_s * 1e3,
-                  "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
-                  "mfu": tflops / self.peak_tflops, "data_wait_ms": data_wait_ms,
-                  "comm_wait_ms": comm_wait_ms, "tokens_seen": tokens_seen, "epoch": epoch}
-        if global_batch_size is not None:
-            record["global_batch_size"] = global_batch_size
-        record.update(scalars or {})
+        record = {"iteration": step.iteration, "consumed_samples": step.consumed_samples,
+                  "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
+                  "iter_time_ms": step.iter_time_s * 1e3, "tokens_per_sec": tokens_per_sec,
+                  "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops,
+                  "data_wait_ms": max(g[2] for g in gathered) * 1e3,
+                  "comm_wait_ms": max(g[3] for g in gathered) * 1e3,
+                  "tokens_seen": tokens_seen, "epoch": epoch}
+        if step.global_batch_size is not None:
+            record["global_batch_size"] = step.global_batch_size
+        record.update(step.scalars)
         if not self.enabled:
             return record
         times = [g[0] for g in gathered]
         spread = rank_spread(times, self.hosts)
         mem_peak = max(range(len(gathered)), key=lambda r: gathered[r][1])
-        line = (f"iter {iteration:>6}/{self.cfg.train.train_iters} | loss {loss:.4f} | "
-                + "".join(f"{k} {record[k]:.4f} | " for k in (*DISTILL_TERMS, *MOE_TERMS)
-                          if k in record)
-                + f"{'' if global_batch_size is None else f'batch {global_batch_size} | '}"
-                f"lr {lr:.3e} | grad norm {grad_norm:.3f} | {iter_time_s * 1e3:.1f} ms | "
-                f"{tokens_per_sec:,.0f} tok/s | {tflops:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
-                f"MFU {100 * record['mfu']:.3g}% (causal {100 * causal / self.peak_tflops:.3g}%) | "
-                f"data wait {data_wait_ms:.1f} ms | comm wait {comm_wait_ms:.1f} ms | epoch "
-                f"{epoch:.4g} ({tokens_seen:,} tokens) | skipped {skipped} | mem "
-                f"{_format_memory(mem)}")
+        line = self._train_line(step, record, causal) + f" | mem {_format_memory(mem)}"
         if len(times) > 1:
             line += (f" | max mem {gathered[mem_peak][1]:.2f} GiB (rank {mem_peak}) | rank fwd-bwd"
                      f" ms min/med/max {spread.min_s * 1e3:.1f}/{spread.median_s * 1e3:.1f}/"
@@ -332,11 +345,25 @@ class MetricsLogger:
         self._warn_stragglers(times)
         self._write(record, {
             "tflops_per_device_causal": causal, "mfu_causal": causal / self.peak_tflops,
-            "skipped_iterations": skipped, **{f"memory/{k}": v for k, v in mem.items()},
+            "skipped_iterations": step.skipped, **{f"memory/{k}": v for k, v in mem.items()},
             "memory/max_over_ranks_gib": gathered[mem_peak][1],
             "rank_time/min_ms": spread.min_s * 1e3, "rank_time/median_ms": spread.median_s * 1e3,
             "rank_time/max_ms": spread.max_s * 1e3, "rank_time/slowest_rank": spread.slowest_rank})
         return record
+
+    def _train_line(self, step: StepRecord, record: dict, causal: float) -> str:
+        """The step line up to the memory column."""
+        batch = "" if step.global_batch_size is None else f"batch {step.global_batch_size} | "
+        return (f"iter {step.iteration:>6}/{self.cfg.train.train_iters} | loss {step.loss:.4f} | "
+                + "".join(f"{k} {record[k]:.4f} | " for k in (*DISTILL_TERMS, *MOE_TERMS)
+                          if k in record)
+                + f"{batch}lr {step.lr:.3e} | grad norm {step.grad_norm:.3f} | "
+                f"{step.iter_time_s * 1e3:.1f} ms | {record['tokens_per_sec']:,.0f} tok/s | "
+                f"{record['tflops_per_device']:.4g} TFLOP/s/dev (causal {causal:.4g}) | "
+                f"MFU {100 * record['mfu']:.3g}% (causal {100 * causal / self.peak_tflops:.3g}%) | "
+                f"data wait {record['data_wait_ms']:.1f} ms | comm wait "
+                f"{record['comm_wait_ms']:.1f} ms | epoch {record['epoch']:.4g} "
+                f"({record['tokens_seen']:,} tokens) | skipped {step.skipped}")
 
     def _warn_stragglers(self, times: list[float]) -> None:
         median = statistics.median(times)

@@ -15,7 +15,7 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,11 @@ from megatron_lite.distill import Distiller, build_distiller, check_distillation
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
 from megatron_lite.layers.attention import attention_plan
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.moe import MoEStep
 from megatron_lite.memory import memory_report
-from megatron_lite.metrics import ComputeTimer, MetricsLogger, detect_peak_tflops
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.metrics import ComputeTimer, MetricsLogger, StepRecord, detect_peak_tflops
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.optim.lr import step_lrs, weight_decay_at
 from megatron_lite.optim.optimizer import Optimizer
@@ -198,8 +199,7 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
     """Iterations from `start_iteration` to --train-iters (or an earlier agreed exit)."""
     cfg, guard, loader = trainer.cfg, trainer.guard, trainer.train_loader
     result = TrainResult(iteration=start_iteration)
-    # step, seconds, fwd-bwd seconds, data wait seconds, comm wait seconds
-    window: list[tuple[StepOutcome, float, float, float, float]] = []
+    window: list[StepRecord] = []  # the steps since the last log line
     skipped = 0
     iteration = start_iteration
     while iteration < cfg.train.train_iters:
@@ -221,27 +221,16 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
         skipped += step.skipped
         if not step.skipped:
             loader.scheduler_samples += step.samples
-        window.append((step, time.perf_counter() - started, trainer.runner.timer.pop_seconds(),
-                       loader.pop_wait_seconds(), _pop_comm_wait(trainer)))
-        if iteration == start_iteration + 1 and trainer.startup is not None:
-            trainer.startup.seconds["first step"] = window[-1][1]
-            trainer.startup.report(trainer.pstate)
-        if iteration == start_iteration + 1 and trainer.journal is not None:
-            trainer.journal.first_step(iteration, trainer.logger.log_event)
+        window.append(_step_record(trainer, iteration, lr, step, started, skipped))
+        if iteration == start_iteration + 1:
+            _after_first_step(trainer, iteration, window[-1])
         result.losses.append(step.loss)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.train.train_iters:
-            _log_window(trainer, iteration, lr, window, skipped)
+            trainer.logger.log_train(_interval_record(trainer, window))
             window.clear()
             _phase_done(trainer, "log")
         if _evaluation_due(cfg, iteration) and trainer.valid_loader is not None:
-            guard.phase("evaluation")
-            result.eval_losses.append(evaluate(
-                cfg, trainer.runner, trainer.valid_loader, trainer.pstate,
-                eval_start(cfg, iteration, trainer.valid_loader.global_batch_size)))
-            trainer.logger.log_eval(iteration, result.eval_losses[-1])
-            trainer.hooks.after_evaluation()
-            _pop_comm_wait(trainer)  # evaluation's pipeline waits are not the next step's
-            _phase_done(trainer, "eval")
+            _evaluate_in_training(trainer, trainer.valid_loader, iteration, result)
         trainer.hooks.after_step(iteration)
         result.iteration = iteration
         decision = guard.after_step(step)
@@ -263,6 +252,28 @@ def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
     if guard.decision.stop_reason:  # too many skipped steps: saved above, now fail loudly
         raise guard.log_stop(result.iteration)
     return result
+
+
+def _after_first_step(trainer: Trainer, iteration: int, record: StepRecord) -> None:
+    """The start-up line (its "first step" phase is this step) and the resume event."""
+    if trainer.startup is not None:
+        trainer.startup.seconds["first step"] = record.iter_time_s
+        trainer.startup.report(trainer.pstate)
+    if trainer.journal is not None:
+        trainer.journal.first_step(iteration, trainer.logger.log_event)
+
+
+def _evaluate_in_training(trainer: Trainer, loader: MicroBatchLoader, iteration: int,
+                          result: TrainResult) -> None:
+    """A periodic (or the final) validation pass, logged and appended to `result`."""
+    trainer.guard.phase("evaluation")
+    result.eval_losses.append(evaluate(trainer.cfg, trainer.runner, loader, trainer.pstate,
+                                       eval_start(trainer.cfg, iteration,
+                                                  loader.global_batch_size)))
+    trainer.logger.log_eval(iteration, result.eval_losses[-1])
+    trainer.hooks.after_evaluation()
+    _pop_comm_wait(trainer)  # evaluation's pipeline waits are not the next step's
+    _phase_done(trainer, "eval")
 
 
 def _phase_done(trainer: Trainer, name: str) -> None:
@@ -501,27 +512,40 @@ def _pop_comm_wait(trainer: Trainer) -> float:
         comm.wait_clock.pop_seconds() if comm is not None else 0.0)
 
 
-def _log_window(trainer: Trainer, iteration: int, lr: float,
-                window: list[tuple[StepOutcome, float, float, float, float]], skipped: int
-                ) -> None:
-    """One log line / JSONL record: means over the steps since the last one."""
-    n = len(window)
-    lg, scalars = trainer.cfg.logging, {}
+def _step_record(trainer: Trainer, iteration: int, lr: float, step: StepOutcome,
+                 started: float, skipped: int) -> StepRecord:
+    """This iteration's telemetry, its times and waits popped from their clocks."""
+    return StepRecord(
+        iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
+        loss=step.loss, lr=lr, grad_norm=step.grad_norm,
+        iter_time_s=time.perf_counter() - started,
+        tokens=step.samples * trainer.cfg.model.seq_length, skipped=skipped,
+        compute_time_s=trainer.runner.timer.pop_seconds(), global_batch_size=step.samples,
+        scalars=dict(step.extras), data_wait_s=trainer.train_loader.pop_wait_seconds(),
+        comm_wait_s=_pop_comm_wait(trainer))
+
+
+def _interval_record(trainer: Trainer, window: list[StepRecord]) -> StepRecord:
+    """One log line / JSONL record: means over the steps since the last one, with the last
+    step's position, LR and skip count."""
+    n, last, lg = len(window), window[-1], trainer.cfg.logging
+
+    def mean(name: str) -> float:
+        return sum(getattr(record, name) for record in window) / n
+
+    scalars = {}
     if lg.log_params_norm:
         scalars["params_norm"] = trainer.optimizer.params_norm()
     if lg.log_num_zeros_in_grad:
         scalars["num_zeros_in_grad"] = trainer.optimizer.num_zeros_in_grad()
-    for name in window[-1][0].extras:  # distillation's terms
-        scalars[name] = sum(w[0].extras.get(name, math.nan) for w in window) / n
-    trainer.logger.log_train(scalars=scalars,
-        iteration=iteration, consumed_samples=trainer.train_loader.consumed_samples,
-        loss=sum(w[0].loss for w in window) / n, lr=lr,
-        grad_norm=sum(w[0].grad_norm for w in window) / n,
-        iter_time_s=sum(w[1] for w in window) / n,
-        tokens=sum(w[0].samples for w in window) // n * trainer.cfg.model.seq_length,
-        global_batch_size=window[-1][0].samples if _variable_batch(trainer.cfg) else None,
-        skipped=skipped, compute_time_s=sum(w[2] for w in window) / n,
-        data_wait_s=sum(w[3] for w in window) / n, comm_wait_s=sum(w[4] for w in window) / n)
+    for name in last.scalars:  # distillation's terms
+        scalars[name] = sum(record.scalars.get(name, math.nan) for record in window) / n
+    samples = sum(record.global_batch_size or 0 for record in window) // n
+    return replace(
+        last, loss=mean("loss"), grad_norm=mean("grad_norm"), iter_time_s=mean("iter_time_s"),
+        tokens=samples * trainer.cfg.model.seq_length, compute_time_s=mean("compute_time_s"),
+        global_batch_size=last.global_batch_size if _variable_batch(trainer.cfg) else None,
+        scalars=scalars, data_wait_s=mean("data_wait_s"), comm_wait_s=mean("comm_wait_s"))
 
 
 def _variable_batch(cfg: Config) -> bool:
@@ -634,24 +658,29 @@ def use_triton_kernels(cfg: Config, device: torch.device) -> bool:
     return not cfg.train.fp64 and resolve_use_triton(cfg.model.triton_kernels, device)
 
 
+def layer_context(cfg: Config, pstate: ParallelState) -> LayerContext:
+    """The build context of this rank's layers (every chunk of the model shares it)."""
+    return LayerContext.from_state(
+        pstate, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+        dtype=model_dtype(cfg), use_triton=use_triton_kernels(cfg, pstate.device),
+        recompute_granularity=cfg.train.recompute_granularity,
+        recompute_method=cfg.train.recompute_method or "uniform",
+        recompute_num_layers=cfg.train.recompute_num_layers or 1,
+        split_backward=schedule_in_effect(cfg.parallel).split_backward,
+        moe=cfg.moe if cfg.moe.num_experts else None)
+
+
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:
     """This rank's model chunks: one per virtual stage (one without interleaving, two in
     ZBV's V, where stage 0's head reuses its embedding)."""
-    opts = BuildOptions(seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
-                        dtype=model_dtype(cfg),
-                        use_triton=use_triton_kernels(cfg, pstate.device),
-                        recompute_granularity=cfg.train.recompute_granularity,
-                        recompute_method=cfg.train.recompute_method or "uniform",
-                        recompute_num_layers=cfg.train.recompute_num_layers or 1,
-                        split_backward=schedule_in_effect(cfg.parallel).split_backward,
-                        moe=cfg.moe if cfg.moe.num_experts else None)
+    ctx = layer_context(cfg, pstate)
     part = config_partition(cfg, pstate.pp_size)
     chunks: list[LlamaChunk] = []
     for spec in stage_chunks(part, pstate.pp_rank):
         tied = chunks[0].embedding.weight if part.v_shape and spec.post_process else None
-        chunks.append(LlamaChunk(cfg.model, pstate, spec.layer_ids,
+        chunks.append(LlamaChunk(cfg.model, ctx, spec.layer_ids,
                                  pre_process=spec.pre_process, post_process=spec.post_process,
-                                 opts=opts, head_on_stage=part.v_shape and spec.pre_process,
+                                 head_on_stage=part.v_shape and spec.pre_process,
                                  tied_embedding=tied))
     if cfg.train.compile:
         for chunk in chunks:

@@ -4,17 +4,26 @@
 #   2. preprocess them into Megatron .bin/.idx shards plus a manifest,
 #   3. train a small Llama on the CPU for a few minutes, evaluating on the held-out split,
 #   4. save a checkpoint and generate text from it.
-# Usage: bash scripts/demo.sh [--quick] [--help]   (--quick: a few iterations, for CI)
+# Usage: bash scripts/demo.sh [--quick] [--moe] [--help]   (--quick: a few iterations, for CI;
+# --moe: the same model with 8 experts of half the MLP width, top-2, in every layer: the same
+# active parameters and FLOPs per token, outputs under demo/moe_*)
 # Outputs go to demo/ (gitignored); a rerun reuses the tokenizer and shards found there.
 set -euo pipefail
 if [[ " $* " == *" --help "* ]]; then  # before the set-up, which may create .venv
-    echo "usage: bash scripts/demo.sh [--quick]   (--quick: a few iterations, for CI; outputs in demo/)"
+    echo "usage: bash scripts/demo.sh [--quick] [--moe]   (--quick: a few iterations, for CI;" \
+         "--moe: 8 experts top-2 at the dense model's active size; outputs in demo/)"
     exit 0
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"   # creates .venv on first use; cds to the repo
 PYTHON=${PYTHON:-python}
 QUICK=0
-[[ "${1:-}" == "--quick" ]] && QUICK=1
+[[ " $* " == *" --quick "* ]] && QUICK=1
+RUN=""       # output name prefix
+MODEL=()     # flags beyond the dense demo's
+if [[ " $* " == *" --moe "* ]]; then
+    RUN=moe_
+    MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-2)
+fi
 OUT=demo
 VOCAB=4096
 mkdir -p "$OUT"
@@ -42,15 +51,15 @@ ITERS=600
 EVAL_INTERVAL=200
 LOG_INTERVAL=10
 if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; LOG_INTERVAL=1; fi
-rm -rf "$OUT/ckpt" "$OUT/metrics.jsonl"  # a fresh run each time (a kept checkpoint would be resumed)
+rm -rf "$OUT/${RUN}ckpt" "$OUT/${RUN}metrics.jsonl"  # a fresh run each time (a kept checkpoint would be resumed)
 "$PYTHON" pretrain.py --data-path "$OUT/stdlib" --tokenizer-model "$OUT/tok.model" \
     --split 98,2,0 \
     --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 16 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4 \
     --lr-decay-style cosine --adam-beta2 0.95 --lr-warmup-iters 20 --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval "$LOG_INTERVAL" \
-    --log-jsonl "$OUT/metrics.jsonl" --save "$OUT/ckpt"
+    "${MODEL[@]}" --log-jsonl "$OUT/${RUN}metrics.jsonl" --save "$OUT/${RUN}ckpt"
 
-"$PYTHON" - "$OUT/metrics.jsonl" "$VOCAB" <<'PY'
+"$PYTHON" - "$OUT/${RUN}metrics.jsonl" "$VOCAB" <<'PY'
 import json, math, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 train = [r["loss"] for r in rows if "loss" in r]
@@ -60,5 +69,5 @@ print(f"demo: train loss {train[0]:.3f} -> {train[-1]:.3f} (ln vocab = "
 PY
 
 # 4. sample from the trained model (the checkpoint gathered onto one process)
-"$PYTHON" scripts/generate.py --load "$OUT/ckpt" --tokenizer-model "$OUT/tok.model" \
+"$PYTHON" scripts/generate.py --load "$OUT/${RUN}ckpt" --tokenizer-model "$OUT/tok.model" \
     --prompt "def " --max-new-tokens 48 --top-k 8 --seed 0

@@ -29,7 +29,8 @@ from megatron_lite.distill import (
     combine,
     vocab_parallel_kl,
 )
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.planner import KD_VOCAB_BUFFERS, estimate_memory
 from megatron_lite.training import train
@@ -60,8 +61,8 @@ def teacher(tmp_path_factory) -> Path:
 
 def _chunk(seed: int) -> LlamaChunk:
     cfg = parse_config([*FLAGS, "--num-layers", "1", "--seed", str(seed)])
-    return LlamaChunk(cfg.model, single_process_state(), [0], pre_process=True,
-                      post_process=True, opts=BuildOptions(seed=seed, dtype=torch.float64))
+    ctx = LayerContext.from_state(single_process_state(), seed=seed, dtype=torch.float64)
+    return LlamaChunk(cfg.model, ctx, [0], pre_process=True, post_process=True)
 
 
 @pytest.mark.quick

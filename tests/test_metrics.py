@@ -20,6 +20,7 @@ from megatron_lite.config import Config, ModelConfig
 from megatron_lite.metrics import (
     JSONL_TRAIN_KEYS,
     MetricsLogger,
+    StepRecord,
     StragglerDetector,
     detect_peak_tflops,
     rank_spread,
@@ -226,9 +227,9 @@ def test_planner_and_log_agree_on_flops_and_mfu_for_the_demo() -> None:
     tokens = 16 * cfg.model.seq_length
     with contextlib.redirect_stdout(io.StringIO()):
         logger = MetricsLogger(cfg, _single_state(cfg), peak_tflops=cluster.peak_tflops)
-        record = logger.log_train(iteration=1, consumed_samples=16, loss=1.0, lr=1e-3,
-                                  grad_norm=1.0, iter_time_s=plan.step_s, tokens=tokens,
-                                  skipped=0)
+        record = logger.log_train(StepRecord(iteration=1, consumed_samples=16, loss=1.0,
+                                             lr=1e-3, grad_norm=1.0, iter_time_s=plan.step_s,
+                                             tokens=tokens, skipped=0))
     # N = 4 layers x (QKV 192·576 + out 192·192 + SwiGLU 3·192·512) + output 4096·192
     assert matmul_params(ModelShape.from_config(cfg.model)) == 2_555_904
     # the planner's headline counts attention causal (the log's mfu_causal), its non-causal
@@ -271,8 +272,9 @@ def test_wandb_adapter_with_a_fake_module(monkeypatch, tmp_path) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         logger = MetricsLogger(cfg, _single_state(cfg), peak_tflops=2.0)
-        logger.log_train(iteration=5, consumed_samples=20, loss=3.0, lr=1e-3, grad_norm=0.5,
-                         iter_time_s=0.1, tokens=64, skipped=1, compute_time_s=0.08)
+        logger.log_train(StepRecord(iteration=5, consumed_samples=20, loss=3.0, lr=1e-3,
+                                    grad_norm=0.5, iter_time_s=0.1, tokens=64, skipped=1,
+                                    compute_time_s=0.08))
         logger.log_eval(5, 2.0)
         logger.log_checkpoint(5, seconds=2.0, gbytes=1.0)
         logger.log_event({"event": "nan_skip", "iteration": 6, "time": 1.5e9, "found": "r1"})

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_lite.layers import linear
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
@@ -71,9 +72,9 @@ def test_stage_params_match_the_model(tp, pp, tied):
     counts = stage_layer_counts(cfg.num_layers, pp)
     first = 0
     for stage, n_layers in enumerate(counts):
-        chunk = LlamaChunk(cfg, _pstate(tp, pp, stage), range(first, first + n_layers),
-                           pre_process=stage == 0, post_process=stage == pp - 1,
-                           opts=BuildOptions(seed=0))
+        chunk = LlamaChunk(cfg, LayerContext.from_state(_pstate(tp, pp, stage), seed=0),
+                           range(first, first + n_layers),
+                           pre_process=stage == 0, post_process=stage == pp - 1)
         first += n_layers
         real = sum(p.numel() for p in {id(p): p for p in chunk.parameters()}.values())
         assert stage_params(cfg, tp, pp, stage, n_layers) == real
@@ -105,8 +106,8 @@ def test_activation_formula_matches_saved_tensors(dtype, groups):
     """Reference kernels on CPU: the per-micro-batch estimate equals what autograd saves."""
     model = _tiny(num_query_groups=groups, num_layers=2)
     b = 3
-    chunk = LlamaChunk(model, _pstate(), range(2), pre_process=True, post_process=True,
-                       opts=BuildOptions(seed=0, dtype=dtype))
+    chunk = LlamaChunk(model, LayerContext.from_state(_pstate(), seed=0, dtype=dtype), range(2),
+                       pre_process=True, post_process=True)
     tokens = torch.randint(0, model.vocab_size, (b, model.seq_length))
     measured = _saved_bytes(chunk, lambda: chunk(tokens, tokens).sum())
     cfg = Config(model=model, train=TrainConfig(micro_batch_size=b,
@@ -126,15 +127,14 @@ def _tp2_sp_saved_as(pstate: ParallelState, b: int, dtype: torch.dtype) -> tuple
     """Saved bytes at TP=2 with SP: one layer as built, the same layer with the old
     gather-then-F.linear column linears, and a whole chunk with embedding and head."""
     model = _tiny(num_query_groups=2, num_layers=1)
-    opts = BuildOptions(seed=0, dtype=dtype, sequence_parallel=True)
-    layer = LlamaChunk(model, pstate, range(1), pre_process=False, post_process=False,
-                       opts=opts)
+    ctx = LayerContext.from_state(pstate, seed=0, dtype=dtype, sequence_parallel=True)
+    layer = LlamaChunk(model, ctx, range(1), pre_process=False, post_process=False)
     x = torch.randn(model.seq_length // pstate.tp_size, b, model.hidden_size, dtype=dtype,
                     requires_grad=True)
     shard = _saved_bytes(layer, lambda: layer(x))
     with mock.patch.object(linear, "column_parallel_linear", _gather_then_linear):
         gathered = _saved_bytes(layer, lambda: layer(x))
-    chunk = LlamaChunk(model, pstate, range(1), pre_process=True, post_process=True, opts=opts)
+    chunk = LlamaChunk(model, ctx, range(1), pre_process=True, post_process=True)
     tokens = torch.randint(0, model.vocab_size, (b, model.seq_length),
                            generator=torch.Generator().manual_seed(0))
     return shard, gathered, _saved_bytes(chunk, lambda: chunk(tokens, tokens).sum())

@@ -210,6 +210,17 @@ def test_torchrun_tp2_sp_equals_single_process(tmp_path) -> None:
     assert {"data_wait_ms", "comm_wait_ms", "tokens_seen", "epoch"} <= set(record)
 
 
+def test_torchrun_moe_ep2_tp2_equals_single_process(tmp_path) -> None:
+    """The MoE issue's acceptance command: 4 ranks, 8 experts top-2, EP2 x TP2 (DP 2 folded
+    into EP 2), 10 iterations: the JSONL losses and grad norms equal one process's (EXACT)."""
+    flags = [*FLAGS, "--num-experts", "8", "--moe-router-topk", "2",
+             "--moe-aux-loss-coeff", "1e-2"]
+    log = tmp_path / "moe.jsonl"
+    _torchrun(4, [*flags, "--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
+                  "2", "--log-jsonl", str(log)])
+    assert_same_run(_logged(log), single_process_run(tuple(flags)), steps=10, evals=0)
+
+
 def test_torchrun_pp4_interleaved_trains(tmp_path) -> None:
     """The pipeline issue's acceptance command: PP=4, one layer per virtual stage (v=2); its
     12 losses fall and equal one process's."""

@@ -15,7 +15,8 @@ from megatron_lite import structure
 from megatron_lite.config import ModelConfig, MoEConfig
 from megatron_lite.export import canonical_tags, tp_split
 from megatron_lite.layers import tags
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.planner import (
     ModelShape,
@@ -40,8 +41,8 @@ VARIANTS = {
 def _meta_build(model: ModelConfig, tp: int = 1, moe: MoEConfig | None = None
                 ) -> dict[str, torch.nn.Parameter]:
     pstate = replace(single_process_state(torch.device("meta")), tp_size=tp)
-    chunk = LlamaChunk(model, pstate, range(model.num_layers), pre_process=True,
-                       post_process=True, opts=BuildOptions(seed=0, moe=moe))
+    chunk = LlamaChunk(model, LayerContext.from_state(pstate, seed=0, moe=moe),
+                       range(model.num_layers), pre_process=True, post_process=True)
     return dict(chunk.named_parameters())
 
 

@@ -81,7 +81,8 @@ from megatron_lite.parallel.audit import batch_identity, identity
 
 @dataclass(frozen=True)
 class Ring:
-    """The context-parallel ring of this rank: built from ParallelState's CP group."""
+    """The context-parallel ring of this rank (its `LayerContext` builds it from the CP
+    group)."""
 
     group: dist.ProcessGroup | None
     ranks: tuple[int, ...]

@@ -7,10 +7,11 @@ slice and hands per-rank logits to a cross-entropy that never gathers the full v
 
 Padded rows start at zero and their logits are masked inside the loss, so they never win and
 never receive gradient: a padded vocab is numerically invisible, whatever the TP size.
-Both take `sequence_parallel` as the flag in effect, already False at TP=1.
-Given a `WeightGradQueue` (zero-bubble schedules, see layers/linear.py) both defer their
-weight gradient to the W step, so a tied weight used by two chunks of one stage (ZBV puts
-the embedding and the head on the first stage) receives its gradient in W only, summed.
+Both read the sequence-parallel flag in effect (already False at TP=1) from their
+`LayerContext`. Given a `WeightGradQueue` there (zero-bubble schedules, layers/linear.py)
+both defer their weight gradient to the W step, so a tied weight used by two chunks of one
+stage (ZBV puts the embedding and the head on the first stage) receives its gradient in W
+only, summed.
 """
 
 from __future__ import annotations
@@ -21,19 +22,19 @@ from torch import Tensor, nn
 
 from megatron_lite.kernels.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.layers import tags
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import init_shard
-from megatron_lite.layers.linear import DeferredWeight, WeightGradQueue, column_parallel_linear
+from megatron_lite.layers.linear import DeferredWeight, column_parallel_linear
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState
 
 
-def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
-                      *, std: float, seed: int, name: str, dtype: torch.dtype) -> nn.Parameter:
+def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, ctx: LayerContext, *,
+                      std: float, name: str) -> nn.Parameter:
     """This rank's [padded/t, h] slice of a weight whose real rows are N(0, std), pad rows 0."""
     split = tags.vocab_split(padded_size)
     return tags.mark_tp_split(nn.Parameter(init_shard(
-        (padded_size, hidden), split, std=std, seed=seed, name=name, tp_size=pstate.tp_size,
-        tp_rank=pstate.tp_rank, device=pstate.device, dtype=dtype, real_rows=vocab_size)), split)
+        (padded_size, hidden), split, std=std, seed=ctx.seed, name=name, tp_size=ctx.tp_size,
+        tp_rank=ctx.tp_rank, device=ctx.device, dtype=ctx.dtype, real_rows=vocab_size)), split)
 
 
 class _EmbeddingWeightGrad(torch.autograd.Function):
@@ -59,21 +60,19 @@ class _EmbeddingWeightGrad(torch.autograd.Function):
 class VocabParallelEmbedding(nn.Module):
     """tokens [b, s] -> hidden [s, b, h] (or [s/t, b, h] with sequence parallelism)."""
 
-    def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
-                 *, sequence_parallel: bool, std: float, seed: int,
-                 dtype: torch.dtype = torch.float32,
-                 weight_grads: WeightGradQueue | None = None) -> None:
+    def __init__(self, vocab_size: int, padded_size: int, hidden: int, ctx: LayerContext, *,
+                 std: float) -> None:
         super().__init__()
-        self.tp_group = pstate.tp_group
-        self.tp_size = pstate.tp_size
-        self.sequence_parallel = sequence_parallel
-        self.per_rank = padded_size // pstate.tp_size
-        self.vocab_start = pstate.tp_rank * self.per_rank
-        self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
-                                        seed=seed, name="embedding.weight", dtype=dtype)
-        self.weight_grads = weight_grads
-        if weight_grads is not None:
-            weight_grads.register(self.weight)
+        self.tp_group = ctx.tp_group
+        self.tp_size = ctx.tp_size
+        self.sequence_parallel = ctx.sequence_parallel
+        self.per_rank = padded_size // ctx.tp_size
+        self.vocab_start = ctx.tp_rank * self.per_rank
+        self.weight = init_vocab_weight(vocab_size, padded_size, hidden, ctx, std=std,
+                                        name="embedding.weight")
+        self.weight_grads = ctx.weight_grads
+        if self.weight_grads is not None:
+            self.weight_grads.register(self.weight)
 
     def _lookup(self, ids: Tensor) -> Tensor:
         if self.weight_grads is None:
@@ -104,24 +103,22 @@ class VocabParallelOutput(nn.Module):
     gradient is summed with the embedding's over the embedding group).
     """
 
-    def __init__(self, vocab_size: int, padded_size: int, hidden: int, pstate: ParallelState,
-                 *, sequence_parallel: bool, std: float, seed: int, weight_name: str,
-                 dtype: torch.dtype = torch.float32, use_triton: bool = False,
-                 shared_weight: nn.Parameter | None = None,
-                 weight_grads: WeightGradQueue | None = None) -> None:
+    def __init__(self, vocab_size: int, padded_size: int, hidden: int, ctx: LayerContext, *,
+                 std: float, weight_name: str, shared_weight: nn.Parameter | None = None
+                 ) -> None:
         super().__init__()
-        self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel
+        self.tp_group = ctx.tp_group
+        self.sequence_parallel = ctx.sequence_parallel
         self.vocab_size = vocab_size
-        self.vocab_start = pstate.tp_rank * (padded_size // pstate.tp_size)
-        self.use_triton = use_triton
+        self.vocab_start = ctx.tp_rank * (padded_size // ctx.tp_size)
+        self.use_triton = ctx.use_triton
         self.shared_weight = shared_weight
         if shared_weight is None:
-            self.weight = init_vocab_weight(vocab_size, padded_size, hidden, pstate, std=std,
-                                            seed=seed, name=weight_name, dtype=dtype)
-        self.weight_grads = weight_grads
-        if weight_grads is not None:
-            weight_grads.register(self._weight())
+            self.weight = init_vocab_weight(vocab_size, padded_size, hidden, ctx, std=std,
+                                            name=weight_name)
+        self.weight_grads = ctx.weight_grads
+        if self.weight_grads is not None:
+            self.weight_grads.register(self._weight())
 
     def _weight(self) -> nn.Parameter:
         return self.shared_weight if self.shared_weight is not None else self.weight

@@ -10,8 +10,8 @@ is all-gathered first, and a row layer's output is reduce-scattered back to sequ
 instead of all-reduced: the same bytes on the wire, but activations outside the TP region
 are 1/t the size. The column layer keeps only its input shard for backward and gathers it
 again there (`_SequenceGatherLinear`), so its saved input is 1/t the size too.
-Layers take `sequence_parallel` as the flag in effect, already False at TP=1
-(`model.llama.BuildOptions` resolves it once).
+Layers read the TP group, the sequence-parallel flag in effect (already False at TP=1), the
+seed, dtype and weight-gradient queue from their `LayerContext` (layers/context.py).
 
 Zero-bubble pipeline schedules split each backward into B (the input gradient, which the
 previous stage waits for) and W (the weight gradient). A layer given a `WeightGradQueue`
@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,9 @@ from torch import Tensor, nn
 from megatron_lite.layers import tags
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState
+
+if TYPE_CHECKING:  # context.py imports this module (for WeightGradQueue)
+    from megatron_lite.layers.context import LayerContext
 
 
 class _SequenceGatherLinear(torch.autograd.Function):
@@ -214,28 +217,26 @@ class ColumnParallelLinear(nn.Module):
     plain autograd even when the weight's is deferred to a W step.
     """
 
-    def __init__(self, in_features: int, partitions: Sequence[int], pstate: ParallelState,
-                 *, sequence_parallel: bool, std: float, seed: int, name: str,
-                 dtype: torch.dtype = torch.float32,
-                 weight_grads: WeightGradQueue | None = None, bias: bool = False) -> None:
+    def __init__(self, in_features: int, partitions: Sequence[int], ctx: LayerContext, *,
+                 std: float, name: str, bias: bool = False) -> None:
         super().__init__()
         for rows in partitions:
-            if rows % pstate.tp_size:
+            if rows % ctx.tp_size:
                 raise ValueError(f"{name}: {rows} output features not divisible by TP "
-                                 f"{pstate.tp_size}")
-        self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel
+                                 f"{ctx.tp_size}")
+        self.tp_group = ctx.tp_group
+        self.sequence_parallel = ctx.sequence_parallel
         split = tags.column_split(partitions)
         self.weight = tags.mark_tp_split(nn.Parameter(init_shard(
-            (sum(partitions), in_features), split, std=std, seed=seed, name=name,
-            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
-            dtype=dtype)), split)
+            (sum(partitions), in_features), split, std=std, seed=ctx.seed, name=name,
+            tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, device=ctx.device,
+            dtype=ctx.dtype)), split)
         self.bias = (tags.mark_tp_split(nn.Parameter(torch.zeros(
-            sum(partitions) // pstate.tp_size, device=pstate.device, dtype=dtype)), split)
+            sum(partitions) // ctx.tp_size, device=ctx.device, dtype=ctx.dtype)), split)
             if bias else None)
-        self.weight_grads = weight_grads
-        if weight_grads is not None:
-            weight_grads.register(self.weight)
+        self.weight_grads = ctx.weight_grads
+        if self.weight_grads is not None:
+            self.weight_grads.register(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
@@ -246,24 +247,22 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Weight [out, in/t]; input [s, b, in/t] -> output [s(/t), b, out] summed over TP."""
 
-    def __init__(self, in_features: int, out_features: int, pstate: ParallelState,
-                 *, sequence_parallel: bool, std: float, seed: int, name: str,
-                 dtype: torch.dtype = torch.float32,
-                 weight_grads: WeightGradQueue | None = None) -> None:
+    def __init__(self, in_features: int, out_features: int, ctx: LayerContext, *,
+                 std: float, name: str) -> None:
         super().__init__()
-        if in_features % pstate.tp_size:
+        if in_features % ctx.tp_size:
             raise ValueError(f"{name}: {in_features} input features not divisible by TP "
-                             f"{pstate.tp_size}")
-        self.tp_group = pstate.tp_group
-        self.sequence_parallel = sequence_parallel
+                             f"{ctx.tp_size}")
+        self.tp_group = ctx.tp_group
+        self.sequence_parallel = ctx.sequence_parallel
         split = tags.row_split()
         self.weight = tags.mark_tp_split(nn.Parameter(init_shard(
-            (out_features, in_features), split, std=std, seed=seed, name=name,
-            tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
-            dtype=dtype)), split)
-        self.weight_grads = weight_grads
-        if weight_grads is not None:
-            weight_grads.register(self.weight)
+            (out_features, in_features), split, std=std, seed=ctx.seed, name=name,
+            tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, device=ctx.device,
+            dtype=ctx.dtype)), split)
+        self.weight_grads = ctx.weight_grads
+        if self.weight_grads is not None:
+            self.weight_grads.register(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.weight_grads is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import init_shard
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.layers.router import Router
@@ -97,15 +99,14 @@ def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tens
 class SharedExpert(nn.Module):
     """A SwiGLU MLP every token passes through, TP-split like the dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, width: int, pstate: ParallelState, layer: int,
-                 common: dict) -> None:
+    def __init__(self, cfg: ModelConfig, width: int, ctx: LayerContext, layer: int) -> None:
         super().__init__()
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [width, width], pstate,
+        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [width, width], ctx,
                                             std=cfg.init_method_std,
-                                            name=f"layers.{layer}.mlp.shared.gate_up", **common)
-        self.down = RowParallelLinear(width, cfg.hidden_size, pstate,
+                                            name=f"layers.{layer}.mlp.shared.gate_up")
+        self.down = RowParallelLinear(width, cfg.hidden_size, ctx,
                                       std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      name=f"layers.{layer}.mlp.shared.down", **common)
+                                      name=f"layers.{layer}.mlp.shared.down")
 
     def forward(self, x: Tensor, use_triton: bool) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -115,34 +116,31 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """Router + E routed SwiGLU experts (+ a shared expert), in place of the dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, pstate: ParallelState, layer: int, *,
-                 sequence_parallel: bool, seed: int, dtype: torch.dtype,
-                 use_triton: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, ctx: LayerContext, layer: int) -> None:
         super().__init__()
-        experts, hidden, t = moe.num_experts, cfg.hidden_size, pstate.tp_size
+        ctx = replace(ctx, weight_grads=None)  # expert weights get plain-autograd gradients
+        experts, hidden, t = moe.num_experts, cfg.hidden_size, ctx.tp_size
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
-        self.tp_group, self.sequence_parallel = pstate.tp_group, sequence_parallel
-        self.use_triton = use_triton
-        self.router = Router(hidden, moe, pstate, sequence_parallel=sequence_parallel,
-                             std=cfg.init_method_std, seed=seed,
-                             name=f"layers.{layer}.mlp.router", dtype=dtype)
-        ep = pstate.ep_size
-        self.local_experts, self.first_expert = experts // ep, pstate.ep_rank * (experts // ep)
-        self.ep_group, self.dispatcher = pstate.ep_group, moe.moe_token_dispatcher_type
-        self.gate_up, self.down = self._expert_weights(cfg, ffn, pstate, seed, dtype)
+        self.tp_group, self.sequence_parallel = ctx.tp_group, ctx.sequence_parallel
+        self.use_triton = ctx.use_triton
+        self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
+                             name=f"layers.{layer}.mlp.router")
+        ep = ctx.ep_size
+        self.local_experts, self.first_expert = experts // ep, ctx.ep_rank * (experts // ep)
+        self.ep_group, self.dispatcher = ctx.ep_group, moe.moe_token_dispatcher_type
+        self.gate_up, self.down = self._expert_weights(cfg, ffn, ctx)
         width = moe.moe_shared_expert_intermediate_size
-        self.shared = (SharedExpert(cfg, width, pstate, layer, dict(
-            sequence_parallel=sequence_parallel, seed=seed, dtype=dtype)) if width else None)
+        self.shared = SharedExpert(cfg, width, ctx, layer) if width else None
 
-    def _expert_weights(self, cfg: ModelConfig, ffn: int, pstate: ParallelState, seed: int,
-                        dtype: torch.dtype) -> tuple[nn.Parameter, nn.Parameter]:
+    def _expert_weights(self, cfg: ModelConfig, ffn: int, ctx: LayerContext
+                        ) -> tuple[nn.Parameter, nn.Parameter]:
         """This rank's experts, stacked: gate/up [E_local x 2f/t, h] (each expert's gate and
         up column-split over TP) and down [E_local x h, f/t] (row-split). Each expert is drawn
         on its own name, so every EP and TP size starts from the same experts."""
         hidden, layer = cfg.hidden_size, self.layer
-        shard = dict(tp_size=pstate.tp_size, tp_rank=pstate.tp_rank, device=pstate.device,
-                     dtype=dtype, seed=seed)
+        shard = dict(tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, device=ctx.device,
+                     dtype=ctx.dtype, seed=ctx.seed)
         down_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
         ids = range(self.first_expert, self.first_expert + self.local_experts)
         gate_up = torch.cat([init_shard((2 * ffn, hidden), tags.column_split([ffn, ffn]),
@@ -260,7 +258,8 @@ class MoEStep:
                                                                       num_layers)) if on]
         self.routers = {m.layer: m.router for chunk in chunks for m in chunk.modules()
                         if isinstance(m, MoE)}
-        self.counted = any(r.sp_size > 1 for r in self.routers.values()) or pstate.tp_rank == 0
+        self.counted = (any(r.splits_over_tp for r in self.routers.values())
+                        or pstate.tp_rank == 0)
         self.table_rows, self.microbatches = num_layers, 1
         self.bias = None
         if moe.moe_router_enable_expert_bias:

@@ -7,26 +7,28 @@ from torch import Tensor, nn
 
 from megatron_lite.kernels.rmsnorm import rms_norm
 from megatron_lite.layers import tags
+from megatron_lite.layers.context import LayerContext
 
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w over the last dim.
 
-    Its weight is replicated over TP. Under sequence parallelism (`sequence_parallel`: the
-    flag in effect, False at TP=1) each TP rank sees a different slice of the sequence, so the
+    Its weight is replicated over TP. Under sequence parallelism (the context's flag in
+    effect, False at TP=1) each TP rank sees a different slice of the sequence, so the
     weight's gradient is partial and must be summed over TP after backward: its tag says so.
-    The q/k norms of --qk-layernorm pass True at any TP > 1: each rank sees its own heads.
+    A `per_head` norm (--qk-layernorm's q/k norms) is partial at any TP > 1: each rank sees
+    its own heads.
     """
 
-    def __init__(self, hidden: int, eps: float, *, sequence_parallel: bool,
-                 device: torch.device, dtype: torch.dtype = torch.float32,
-                 use_triton: bool = False) -> None:
+    def __init__(self, hidden: int, eps: float, ctx: LayerContext, *, per_head: bool = False
+                 ) -> None:
         super().__init__()
         self.eps = eps
-        self.use_triton = use_triton
+        self.use_triton = ctx.use_triton
         self.weight = tags.mark_replicated(
-            nn.Parameter(torch.ones(hidden, device=device, dtype=dtype)))
-        if sequence_parallel:
+            nn.Parameter(torch.ones(hidden, device=ctx.device, dtype=ctx.dtype)))
+        partial_grad = ctx.tp_size > 1 if per_head else ctx.sequence_parallel
+        if partial_grad:
             tags.mark_sequence_parallel_grad(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -17,10 +17,11 @@ moe_utils.py), written here from the formulas:
   tokens of the micro-batch; seq_aux_loss the same per sequence, averaged over sequences.
 - z-loss: mean over tokens of logsumexp(logits)^2.
 
-Under sequence parallelism each TP rank routes its own slice of the sequence: token counts
-are summed over TP (so T and the counts are the whole micro-batch's and each rank's loss is
-its tokens' share of the global one), the z-loss coefficient is divided by the TP size, and
-the router weight's gradient is summed over TP (its SP tag). Losses reach the gradients
+Under sequence parallelism each TP rank routes its own slice of the sequence, and under
+context parallelism each CP rank its two chunks: token counts are summed over those ranks
+(so T and the counts are the whole micro-batch's and each rank's loss is its tokens' share of
+the global one), the z-loss is divided by their number, and the router weight's gradient is
+summed over TP (its SP tag) and over CP (CP ranks are gradient replicas). Losses reach the gradients
 through `attach_loss` (added in backward, scaled like the language-model loss).
 """
 
@@ -35,9 +36,9 @@ from torch import Tensor, nn
 
 from megatron_lite.config import MoEConfig
 from megatron_lite.layers import tags
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.state import ParallelState
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -172,21 +173,24 @@ class RouterStats:
 class Router(nn.Module):
     """Linear gate [E, h] (replicated over TP) + `route`, with the losses attached."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, pstate: ParallelState, *,
-                 sequence_parallel: bool, std: float, seed: int, name: str,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, moe: MoEConfig, ctx: LayerContext, *, std: float,
+                 name: str) -> None:
         super().__init__()
         self.moe = moe
         self.experts = moe.num_experts
-        self.tp_group = pstate.tp_group
-        self.sp_size = pstate.tp_size if sequence_parallel else 1
+        self.splits_over_tp = ctx.sequence_parallel
+        """Each TP rank routes its own slice of the sequence (SP), not a copy of all tokens."""
+        self.token_groups = [g for g, on in ((ctx.tp_group, self.splits_over_tp),
+                                             (ctx.cp_group, ctx.cp_size > 1)) if on]
+        """The groups the micro-batch's tokens are split over: TP under SP, and CP."""
+        self.sp_size = (ctx.tp_size if self.splits_over_tp else 1) * ctx.cp_size
         self.weight = tags.mark_replicated(nn.Parameter(init_shard(
-            (moe.num_experts, hidden), None, std=std, seed=seed, name=name, tp_size=1,
-            tp_rank=0, device=pstate.device, dtype=dtype)))
-        if sequence_parallel:
+            (moe.num_experts, hidden), None, std=std, seed=ctx.seed, name=name, tp_size=1,
+            tp_rank=0, device=ctx.device, dtype=ctx.dtype)))
+        if ctx.sequence_parallel:
             tags.mark_sequence_parallel_grad(self.weight)
         self.router_dtype = ROUTER_DTYPES.get(moe.moe_router_dtype or "")
-        bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=pstate.device)
+        bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=ctx.device)
         self.register_buffer("expert_bias", bias if moe.moe_router_enable_expert_bias
                              else None)
         self.loss_scale = 1.0
@@ -230,15 +234,18 @@ class Router(nn.Module):
             return probs
         scores, top = aux_scores(logits, moe)
         if balancing == "aux_loss":
-            counts = comms.all_reduce_(top.sum(0).to(scores.dtype), self._count_group())
+            counts = self._summed(top.sum(0).to(scores.dtype))
             loss = switch_loss(scores, counts, top.size(0) * self.sp_size, k, experts)
         else:  # seq_aux_loss: sequences as extra "experts" columns, then averaged
             batch = logits.size(0) // seq
             scores, top = scores.reshape(seq, batch * experts), top.reshape(seq, batch * experts)
-            counts = comms.all_reduce_(top.sum(0).to(scores.dtype), self._count_group())
+            counts = self._summed(top.sum(0).to(scores.dtype))
             loss = switch_loss(scores, counts, seq * self.sp_size, k, experts) / batch
         self.stats.aux_loss = self.stats.aux_loss + loss.detach().to(torch.float64)
         return attach_loss(probs, loss * moe.moe_aux_loss_coeff, self.loss_scale)
 
-    def _count_group(self) -> comms.Group:
-        return self.tp_group if self.sp_size > 1 else None
+    def _summed(self, counts: Tensor) -> Tensor:
+        """Token counts of the whole micro-batch (summed over the ranks splitting it)."""
+        for group in self.token_groups:
+            counts = comms.all_reduce_(counts, group)
+        return counts

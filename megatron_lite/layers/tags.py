@@ -29,7 +29,7 @@ Adding a parallelism-aware layer:
    the same model (and the meta device allocates the slice without drawing).
 3. Tag it: `mark_tp_split(weight, split)` or `mark_replicated(weight)`; add
    `mark_sequence_parallel_grad` to a replicated weight that sees sequence slices under SP
-   (take the flag from `BuildOptions.sequence_parallel`, already resolved for the TP size),
+   (take the flag from `LayerContext.sequence_parallel`, already resolved for the TP size),
    and `mark_shared_embedding` to a weight that a second pipeline stage holds a copy of.
 4. Nothing else to wire: the optimizer sums SP gradients over TP and gives shared-embedding
    copies their own buckets (optim/param_buffers.py); the global norm counts a replicated

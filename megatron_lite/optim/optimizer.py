@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,11 @@ def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
     cfg = opt.cfg
     bufs = ParamBuffers.build(chunks, select, opt.pstate, cfg.parallel, opt.strategy,
                               opt.math_dtype, replicas, norm_once)
-    ctx = SyncContext(replicas, cfg.parallel, opt.reduce_tied, opt.traffic, opt.wait_clock)
+    # a partial, not a bound method: the optimizer must not be reachable from its own hooks'
+    # state, or it (and the process groups it holds) outlives `close` until a cyclic
+    # collection, possibly at interpreter shutdown (see `Optimizer.close`)
+    reduce_tied = partial(comms.all_reduce_, group=opt.pstate.embedding_group)
+    ctx = SyncContext(replicas, cfg.parallel, reduce_tied, opt.traffic, opt.wait_clock)
     check = (UpdateCheck(bufs.shards, cfg.optim, opt.math_dtype, opt.pstate.device)
              if cfg.reliability.check_for_nan_in_loss_and_grad else None)
     return SyncGroup(name, bufs, STRATEGIES[opt.strategy.name](chunks, bufs, ctx), ctx,
@@ -235,10 +240,6 @@ class Optimizer:
                 for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(reduced)
         self._finalized = True
-
-    def reduce_tied(self, grad: Tensor) -> None:
-        """Sum a tied-embedding gradient over the first and last stage (in place)."""
-        comms.all_reduce_(grad, self.pstate.embedding_group)
 
     # ---- update ----------------------------------------------------------------------------
 

@@ -256,6 +256,13 @@ def host_scalar(x: Tensor) -> float:
     return x.item()
 
 
+def host_value(x: Tensor, dry_run: Any) -> Any:
+    """`x` read on the host (`tolist()`: a number or nested lists; a device sync), or the
+    caller's `dry_run` stand-in on the meta device, whose tensors have shapes but no values.
+    The one place a read-back tells a dry run apart (host_scalar also counts the read)."""
+    return dry_run if x.is_meta else x.tolist()
+
+
 def barrier(group: Group, device: torch.device, *, status: int = 0,
             timeout_s: float | None = None) -> int:
     """Wait until every member of `group` gets here, with a one-element all-reduce on `device`;
@@ -273,7 +280,7 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
     value = torch.full((1,), status, dtype=torch.int64, device=device)
     if timeout_s is None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        return status if value.is_meta else int(host_scalar(value))
+        return int(host_value(value[0], status))
     work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():  # polled: Work.wait(timeout) is not honoured by every backend
@@ -285,7 +292,7 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
         work.wait()
     except RuntimeError as e:  # gloo's own timeout, or a peer that closed its connection
         raise TimeoutError(f"the barrier over {group_size(group)} ranks failed ({e})") from e
-    return status if value.is_meta else int(host_scalar(value))
+    return int(host_value(value[0], status))
 
 
 def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:

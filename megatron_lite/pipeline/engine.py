@@ -3,9 +3,10 @@
 The training loop calls `forward_backward` once per optimizer step on every rank, with the
 rank's own action list from `schedule.build_schedule` and its model chunks, then finalizes
 gradients (SP norms over TP, tied embeddings over the embedding group, DP) and steps. Model
-chunks are anything callable as `chunk(x, labels)` with `pre_process`/`post_process` flags
-(`model.llama.LlamaChunk`): the first chunk of the model takes token ids [b, s], the others a
-hidden state [s(/t), b, h]; the last returns per-token losses [b, s].
+chunks are anything callable as `chunk(x, labels, batch)` (a `BatchContext`) with
+`pre_process`/`post_process` flags (`model.llama.LlamaChunk`): the first chunk of the model
+takes token ids [b, s], the others a hidden state [s(/t), b, h]; the last returns per-token
+losses [b, s].
 
 Memory: once a chunk's output has been sent, its storage is released (Megatron's
 "deallocate output" trick); the tensor object stays as the handle for backward, whose first
@@ -32,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from megatron_lite.layers.context import BatchContext
 from megatron_lite.layers.linear import WeightGradQueue
 from megatron_lite.pipeline.p2p import PostedBatch, StageComm
 from megatron_lite.pipeline.schedule import (
@@ -55,20 +57,15 @@ class ModelChunk(Protocol):
     weight_grads: WeightGradQueue | None
     """Read only by zero-bubble schedules (B and W steps); None otherwise."""
 
-    def __call__(self, x: Tensor, labels: Tensor | None = None, **sequence: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, labels: Tensor | None = None,
+                 batch: BatchContext | None = None) -> Tensor:
         ...
 
 
 Batch = Mapping[str, Tensor]
 """One micro-batch on the stage's device: "tokens" [b, s] (read by the first chunk of the
-model), "labels" [b, s] (read by the last), the `SEQUENCE_KEYS` present (read by every
-chunk), plus whatever `loss_fn` needs (e.g. "loss_mask")."""
-
-SEQUENCE_KEYS = ("token_index", "positions", "documents", "attention_plan")
-"""Batch entries every chunk of every stage takes as keywords: where this rank's tokens sit
-in the sequence (context parallelism), their RoPE positions and document ids, and the host
-plan of the attention kernel calls (`layers.attention.AttentionPlan`, not a tensor). They come
-from the batch, not the previous stage: each stage reads its own copy of the micro-batch."""
+model), "labels" [b, s] (read by the last), the entries of its `BatchContext` (read by every
+chunk: `BatchContext.of`), plus whatever `loss_fn` needs (e.g. "loss_mask")."""
 
 LossFn = Callable[[Tensor, Batch], Tensor]
 """(per-token losses [b, s], batch) -> this micro-batch's contribution to the step loss."""
@@ -141,7 +138,7 @@ def forward_backward(
 def _queue(chunk: ModelChunk) -> WeightGradQueue:
     if chunk.weight_grads is None:
         raise RuntimeError("a zero-bubble schedule (B/W steps) needs model chunks built with "
-                           "BuildOptions(split_backward=True)")
+                           "LayerContext(split_backward=True)")
     return chunk.weight_grads
 
 
@@ -163,14 +160,14 @@ def _forward(op: Forward, chunks: Sequence[ModelChunk], microbatches: Sequence[B
         if not forward_only:
             x.requires_grad_()
             state.inputs[key] = x
-    sequence = {k: mb[k] for k in SEQUENCE_KEYS if k in mb}
+    batch = BatchContext.of(mb)
     if chunk.post_process:
-        loss = loss_fn(chunk(x, mb["labels"], **sequence), mb)
+        loss = loss_fn(chunk(x, mb["labels"], batch), mb)
         state.losses[op.microbatch] = loss.detach()
         if not forward_only:
             state.outputs[key] = loss
     else:
-        state.outputs[key] = chunk(x, **sequence)
+        state.outputs[key] = chunk(x, batch=batch)
 
 
 def _backward(op: Backward | BackwardInput, chunk: ModelChunk, state: _RunState) -> None:

@@ -32,7 +32,7 @@ def boundary_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_
                    sequence_parallel: bool) -> tuple[int, int, int]:
     """Shape of the hidden state passed between stages (sequence-first).
 
-    `sequence_parallel` is the flag in effect (`BuildOptions.sequence_parallel`); the
+    `sequence_parallel` is the flag in effect (`LayerContext.sequence_parallel`); the
     --sequence-parallel flag as given gives the same shape, since at TP=1 s/t is s.
     """
     seq = seq_length // tp_size if sequence_parallel else seq_length

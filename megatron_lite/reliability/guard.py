@@ -323,8 +323,8 @@ class Guard:
             self._local_loss = local.detach()
         if self.rel.check_for_nan_in_loss_and_grad:
             finite = torch.isfinite(local).all()
-            # meta (a dry run): no value to check; the flag still travels in `decide`
-            self._loss_bad = not finite.is_meta and not bool(finite)
+            # a dry run has no value to check; the flag still travels in `decide`
+            self._loss_bad = not comms.host_value(finite, True)
         return local
 
     def check_grads(self, grad: Tensor) -> None:
@@ -341,8 +341,8 @@ class Guard:
         """Agree with every rank on exits and NaN/Inf, then apply the spike rule."""
         iteration = self._iteration
         self.phase("reliability all-reduce")
-        grad_bad = (self._grad_bad is not None and not self._grad_bad.is_meta
-                    and bool(self._grad_bad))
+        grad_bad = (self._grad_bad is not None
+                    and bool(comms.host_value(self._grad_bad, False)))
         flags = torch.tensor([float(self.exits.received is not None),
                               float(self.pstate.rank == 0 and self.exits.out_of_time()),
                               float(self._loss_bad), float(grad_bad)],
@@ -354,8 +354,8 @@ class Guard:
                 shares[self.pstate.rank] = self._local_loss.to(torch.float32)
             flags = torch.cat([flags, shares])
         comms.all_reduce_(flags, self.pstate.world_group)
-        # meta (a dry run): the reduction ran, its flags have no value: nothing was raised
-        values = [0.0] * 4 if flags.is_meta else flags.tolist()
+        # a dry run: the reduction ran, its flags have no value: nothing was raised
+        values = comms.host_value(flags, [0.0] * 4)
         signals, timed_out, loss_bad, grads_bad = values[:4]
         decision = Decision()
         if signals:
@@ -478,7 +478,7 @@ class Guard:
             got = torch.tensor([float(self.exits.received is not None)],
                                device=self.pstate.device)
             comms.all_reduce_(got, self.pstate.world_group)
-            count = 0 if got.is_meta else int(got.item())
+            count = int(comms.host_value(got[0], 0))
             reason = f"{_SIGNAL_EXIT} by {count} of {self.pstate.world_size} ranks"
         saved = (f"checkpoint of iteration {iteration} in {self.cfg.checkpoint.save}"
                  if self.cfg.checkpoint.save else "nothing saved (no --save)")

@@ -19,7 +19,8 @@ from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.config import ConfigError, ModelConfig, validate
 from megatron_lite.export import check_exportable, model_config_from_hf
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from tests.numerics import EXACT
 
@@ -69,8 +70,8 @@ def test_full_percent_is_the_model_without_the_flag() -> None:
     for percent in (None, "1.0", "0.5"):
         cfg = parse_config([*flags, *(["--rotary-percent", percent] if percent else [])]).model
         torch.manual_seed(0)
-        chunk = LlamaChunk(cfg, pstate, list(range(cfg.num_layers)), pre_process=True,
-                           post_process=True, opts=BuildOptions(seed=0, dtype=torch.float64))
+        chunk = LlamaChunk(cfg, LayerContext.from_state(pstate, seed=0, dtype=torch.float64),
+                           list(range(cfg.num_layers)), pre_process=True, post_process=True)
         losses[percent] = chunk(tokens, tokens.roll(-1, 1)).detach()
     assert torch.equal(losses[None], losses["1.0"])
     assert not torch.allclose(losses[None], losses["0.5"])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from tests.numerics import assert_close
 
@@ -18,8 +19,8 @@ CFG = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query
 
 
 def _run(device: torch.device, use_triton: bool) -> tuple[torch.Tensor, dict]:
-    model = LlamaChunk(CFG, single_process_state(device), range(1), pre_process=True,
-                       post_process=True, opts=BuildOptions(seed=1, use_triton=use_triton))
+    ctx = LayerContext.from_state(single_process_state(device), seed=1, use_triton=use_triton)
+    model = LlamaChunk(CFG, ctx, range(1), pre_process=True, post_process=True)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # biases and norm gains away from their 0 / 1 init
         for name, p in model.named_parameters():

@@ -1,5 +1,6 @@
 """Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch),
-EP2 x TP2 + SP, EP2 with ZeRO-1 and ZeRO-3 over expert-DP 2, per iteration of loss,
+and over 10 steps EP4, EP2 x TP2 + SP, EP2 x CP2, EP2 x PP2 (interleaved), EP2 with ZeRO-1
+and ZeRO-3 over expert-DP 2, with the weights' norm, per iteration of loss,
 gradient norm, router losses and load imbalance."""
 
 from __future__ import annotations
@@ -15,23 +16,32 @@ from tests.layers.test_moe_training import FLAGS, TERMS, _run
 from tests.numerics import EXACT, assert_close
 
 EP2 = ["--expert-model-parallel-size", "2"]
+LONG = ["--micro-batch-size", "1", "--train-iters", "10", "--log-params-norm"]
+"""The 4-rank runs: 10 steps, and the weights' norm (every element once) logged each step."""
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
-# 4 ranks: (name, tp, extra flags); EP2 folds over DP x CP = 4 / tp replicas
-LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, ["--tensor-model-parallel-size", "2",
-                                        "--sequence-parallel", *ALLTOALL]),
-            "ep2-zero1": (1, ["--use-distributed-optimizer"]),
-            "ep2-zero3-alltoall": (1, ["--data-parallel-sharding-strategy",
-                                       "optim_grads_params", *ALLTOALL])}
+# 4 ranks: (name, tp, cp, pp, extra flags); EP2 folds over the DP x CP = 4 / (tp pp) replicas
+LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, 1, 1, ["--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel", *ALLTOALL]),
+            "ep2-cp2-alltoall": (1, 2, 1, ["--context-parallel-size", "2", *ALLTOALL]),
+            "ep2-pp2-interleaved": (1, 1, 2, ["--pipeline-model-parallel-size", "2",
+                                              "--num-layers-per-virtual-pipeline-stage", "1"]),
+            "ep2-zero1": (1, 1, 1, ["--use-distributed-optimizer"]),
+            "ep2-zero3-alltoall": (1, 1, 1, ["--data-parallel-sharding-strategy",
+                                             "optim_grads_params", *ALLTOALL]),
+            "ep4-alltoall": (1, 1, 1, ["--expert-model-parallel-size", "4", *ALLTOALL])}
 
 
 def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:
     runs = {}
-    for name, (tp, flags) in LAYOUTS4.items():
-        cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp),
-                     moe=MoEConfig(num_experts=4, expert_model_parallel_size=2))
+    for name, (tp, cp, pp, flags) in LAYOUTS4.items():
+        ep = 4 if name.startswith("ep4") else 2
+        cfg = Config(parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp,
+                                             pipeline_model_parallel_size=pp),
+                     moe=MoEConfig(num_experts=4, expert_model_parallel_size=ep))
         pstate = relayout(world, cfg)
-        runs[name] = _run(pstate, [*FLAGS, *EP2, "--micro-batch-size", "1", *flags],
-                          Path(tmp) / f"{name}-{world.rank}.jsonl")
+        runs[name] = _run(pstate, [*FLAGS, *EP2, *LONG, *flags],
+                          Path(tmp) / f"{name}-{world.rank}.jsonl", (*TERMS, "params_norm"))
     return runs
 
 
@@ -44,7 +54,7 @@ def _two_ranks(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float
 
 def _check(got: dict[str, dict[str, list[float]]], ref: dict[str, list[float]]) -> None:
     for layout, run in got.items():
-        for term in TERMS:
+        for term in ref:
             for i, (a, b) in enumerate(zip(run[term], ref[term], strict=True)):
                 assert_close(a, b, EXACT, f"{layout} {term} at {i + 1}")
 
@@ -55,9 +65,9 @@ def test_ep2_equals_one_process(tmp_path: Path) -> None:
     _check(run_ranks(_two_ranks, 2, tmp_path, tmp=str(tmp_path))[0], ref)
 
 
-def test_ep2_with_tp_sp_and_sharding_equals_one_process(tmp_path: Path) -> None:
+def test_ep4_and_ep2_compositions_equal_one_process_for_10_steps(tmp_path: Path) -> None:
     # the same micro-batches as the 4-rank runs: the aux loss is per micro-batch (a product
     # of two means over its tokens), so it depends on how the batch is cut
-    ref = _run(single_process_state(), [*FLAGS, "--micro-batch-size", "1"],
-               tmp_path / "ref.jsonl")
+    ref = _run(single_process_state(), [*FLAGS, *LONG], tmp_path / "ref.jsonl",
+               (*TERMS, "params_norm"))
     _check(run_ranks(_layouts, 4, tmp_path, tmp=str(tmp_path))[0], ref)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig, MoEConfig
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.moe import MoE, grouped_matmul, grouped_mm_fits, padded_bmm
 from megatron_lite.layers.router import Router
 from megatron_lite.parallel.state import single_process_state
@@ -110,8 +111,8 @@ def _reference(layer: MoE, x: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_layer_equals_per_token_loop_float64(variant: str) -> None:
     moe = MoEConfig(num_experts=E, **VARIANTS[variant])
-    layer = MoE(MODEL, moe, single_process_state(), 0, sequence_parallel=False, seed=3,
-                dtype=torch.float64)
+    layer = MoE(MODEL, moe, LayerContext.from_state(single_process_state(), seed=3,
+                                                    dtype=torch.float64), 0)
     if layer.router.expert_bias is not None:  # a bias that changes the choice of some tokens
         layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E))
     x = torch.randn(6, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -157,8 +158,8 @@ def test_router_losses_and_their_gradient_scale(kind: str) -> None:
     moe = MoEConfig(num_experts=E, moe_router_topk=k, moe_router_load_balancing_type=kind,
                     moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                     moe_router_score_function="sigmoid")
-    router = Router(H, moe, single_process_state(), sequence_parallel=False, std=0.5, seed=2,
-                    name="r", dtype=torch.float64)
+    router = Router(H, moe, LayerContext.from_state(single_process_state(), seed=2,
+                                                    dtype=torch.float64), std=0.5, name="r")
     router.loss_scale = 0.25
     x = torch.randn(seq * batch, H, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(4))

@@ -36,14 +36,15 @@ FLAGS = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-atten
 TERMS = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "moe_load_imbalance")
 
 
-def _run(pstate: ParallelState, flags: list[str], log: Path) -> dict[str, list[float]]:
+def _run(pstate: ParallelState, flags: list[str], log: Path,
+         terms: tuple[str, ...] = TERMS) -> dict[str, list[float]]:
     cfg = parse_config([*flags, "--log-jsonl", str(log)])
     apply_checkpoint_args(cfg, pstate.world_size)  # as training.run does
     train(cfg, pstate)
     if pstate.rank:
         return {}
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    return {k: [r[k] for r in records if "grad_norm" in r] for k in TERMS}
+    return {k: [r[k] for r in records if "grad_norm" in r] for k in terms}
 
 
 def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]]:

@@ -18,7 +18,8 @@ from megatron_lite.arguments import parse_config
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from megatron_lite.dry_run import run_rank
 from megatron_lite.kernels.rope import llama3_scaled_frequencies, rope_tables
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.audit import match
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
@@ -91,8 +92,8 @@ def test_planner_counts_the_built_parameters(tp: int) -> None:
     """Biases ((4 + 2·2)·12 = 96 per layer, split over TP), q/k norms (2·12, whole on every
     rank) and the 12-wide heads, against the parameters the model really builds."""
     cfg = _model()
-    chunk = LlamaChunk(cfg, _pstate(tp), range(2), pre_process=True, post_process=True,
-                       opts=BuildOptions(seed=0))
+    chunk = LlamaChunk(cfg, LayerContext.from_state(_pstate(tp), seed=0), range(2),
+                       pre_process=True, post_process=True)
     built = sum(p.numel() for p in {id(p): p for p in chunk.parameters()}.values())
     assert stage_params(cfg, tp, 1, 0, 2) == built
     per_layer = 32 * (48 + 2 * 24) + 48 * 32 + 3 * 32 * 48  # qkv, proj, gate/up/down

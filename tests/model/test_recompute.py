@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.memory import measure_saved_bytes
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from tests.numerics import assert_all_close, assert_close
 
@@ -28,9 +29,8 @@ OPTIONS = {
 def _model(option: str, num_layers: int = 4, dtype: torch.dtype = torch.float32
            ) -> LlamaChunk:
     cfg = ModelConfig(**{**SHAPE, "num_layers": num_layers})
-    return LlamaChunk(cfg, single_process_state(), range(num_layers), pre_process=True,
-                      post_process=True,
-                      opts=BuildOptions(seed=3, dtype=dtype, **OPTIONS[option]))
+    ctx = LayerContext.from_state(single_process_state(), seed=3, dtype=dtype, **OPTIONS[option])
+    return LlamaChunk(cfg, ctx, range(num_layers), pre_process=True, post_process=True)
 
 
 def _loss_and_grads(option: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

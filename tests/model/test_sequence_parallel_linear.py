@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.linear import column_parallel_linear
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 from tests.conftest import ROOT
@@ -83,10 +84,10 @@ def _recompute_grads(pstate: ParallelState) -> dict:
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     out = {}
     for option, kw in RECOMPUTE.items():
-        model = LlamaChunk(ModelConfig(**SHAPE), pstate, range(2), pre_process=True,
-                           post_process=True,
-                           opts=BuildOptions(seed=3, sequence_parallel=True,
-                                             dtype=torch.float64, **kw))
+        ctx = LayerContext.from_state(pstate, seed=3, sequence_parallel=True,
+                                      dtype=torch.float64, **kw)
+        model = LlamaChunk(ModelConfig(**SHAPE), ctx, range(2), pre_process=True,
+                           post_process=True)
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
         loss.backward()
         out[option] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})

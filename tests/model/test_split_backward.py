@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import single_process_state
 from tests.numerics import assert_all_close, assert_close
 
@@ -18,9 +19,9 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
 
 def _chunks(pre: bool, post: bool, **opts) -> tuple[LlamaChunk, LlamaChunk]:
     cfg, pstate = ModelConfig(**MODEL), single_process_state()
-    return tuple(LlamaChunk(cfg, pstate, range(2), pre_process=pre, post_process=post,
-                            opts=BuildOptions(seed=3, split_backward=split,
-                                              dtype=torch.float64, **opts))
+    return tuple(LlamaChunk(cfg, LayerContext.from_state(pstate, seed=3, split_backward=split,
+                                                         dtype=torch.float64, **opts),
+                            range(2), pre_process=pre, post_process=post)
                  for split in (False, True))
 
 

@@ -14,7 +14,8 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.export import canonical_tags
 from megatron_lite.layers import tags
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.parallel.state import ParallelState, single_process_state
 
@@ -33,8 +34,8 @@ def _chunk(pstate: ParallelState, *, sp: bool = False, untie: bool = False) -> L
     cfg = replace(MODEL, untie_embeddings_and_output_weights=untie)
     first, last = pstate.is_first_stage, pstate.is_last_stage
     layers = range(MODEL.num_layers) if pstate.pp_size == 1 else [pstate.pp_rank]
-    return LlamaChunk(cfg, pstate, layers, pre_process=first, post_process=last,
-                      opts=BuildOptions(seed=0, sequence_parallel=sp))
+    return LlamaChunk(cfg, LayerContext.from_state(pstate, seed=0, sequence_parallel=sp), layers,
+                      pre_process=first, post_process=last)
 
 
 @pytest.mark.parametrize("tp_size,sp,untie", [(1, False, False), (2, False, True),
@@ -55,7 +56,8 @@ def test_each_weight_has_its_layers_split(tp_size: int, sp: bool, untie: bool) -
 def test_sequence_parallel_is_resolved_once_for_the_tp_size(tp_size: int, sp: bool) -> None:
     """SP does nothing at TP=1: no layer runs it and no norm gradient is marked for a TP sum."""
     on = sp and tp_size > 1
-    assert BuildOptions(seed=0, sequence_parallel=sp).for_tp_size(tp_size).sequence_parallel == on
+    assert LayerContext.from_state(_rank(tp_size), seed=0, sequence_parallel=sp
+                                   ).sequence_parallel == on
     chunk = _chunk(_rank(tp_size), sp=sp)
     for name, param in chunk.named_parameters():
         assert tags.is_sequence_parallel_grad(param) == (on and name.endswith("norm.weight")), name

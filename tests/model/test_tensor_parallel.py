@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from megatron_lite.config import Config, ModelConfig, ParallelConfig
 from megatron_lite.layers import linear, tags
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import shard_full
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close, rel_err
@@ -51,9 +52,8 @@ def _graph_nodes(root: torch.autograd.graph.Node) -> list[str]:
 def _forward_backward(pstate: ParallelState, sp: bool, untie: bool) -> dict:
     cfg = ModelConfig(**{**MODEL, "untie_embeddings_and_output_weights": untie})
     torch.manual_seed(123)  # must not matter: init is keyed by (seed, name)
-    model = LlamaChunk(cfg, pstate, range(cfg.num_layers), pre_process=True,
-                       post_process=True, opts=BuildOptions(seed=7, sequence_parallel=sp,
-                                                            dtype=torch.float64))
+    ctx = LayerContext.from_state(pstate, seed=7, sequence_parallel=sp, dtype=torch.float64)
+    model = LlamaChunk(cfg, ctx, range(cfg.num_layers), pre_process=True, post_process=True)
     tokens, labels = _batch()
     losses = model(tokens, labels)
     nodes = _graph_nodes(losses.grad_fn)

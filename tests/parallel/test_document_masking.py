@@ -17,7 +17,8 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.loader import SequenceLayout, to_batch
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import BatchContext, LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close
@@ -43,8 +44,9 @@ def samples() -> list[np.ndarray]:
 
 def model(pstate: ParallelState) -> LlamaChunk:
     torch.manual_seed(0)
-    return LlamaChunk(replace(MODEL), pstate, range(MODEL.num_layers), pre_process=True,
-                      post_process=True, opts=BuildOptions(seed=1, dtype=torch.float64))
+    ctx = LayerContext.from_state(pstate, seed=1, dtype=torch.float64)
+    return LlamaChunk(replace(MODEL), ctx, range(MODEL.num_layers), pre_process=True,
+                      post_process=True)
 
 
 def packed_losses(pstate: ParallelState, documents: bool = True) -> dict:
@@ -55,7 +57,7 @@ def packed_losses(pstate: ParallelState, documents: bool = True) -> dict:
     chunk = model(pstate)
     sequence = {k: batch[k] for k in ("token_index", "positions", "documents") if k in batch}
     with torch.no_grad():
-        losses = chunk(batch["tokens"], batch["labels"], **sequence)
+        losses = chunk(batch["tokens"], batch["labels"], BatchContext.of(sequence))
     index = batch.get("token_index", torch.arange(MODEL.seq_length))
     return {"losses": losses, "index": index, "batch": batch}
 

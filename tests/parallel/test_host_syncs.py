@@ -41,9 +41,9 @@ def test_a_planted_cpu_per_layer_is_counted_or_refused(monkeypatch: pytest.Monke
     clean = sum(_syncs(2, 2).values())
     real = Attention.core
 
-    def planted(self, qkv, cos, sin, token_index=None, documents=None, plan=None):
-        token_index.cpu()  # the bug: a host copy in every layer
-        return real(self, qkv, cos, sin, token_index, documents, plan)
+    def planted(self, qkv, batch):
+        batch.token_index.cpu()  # the bug: a host copy in every layer
+        return real(self, qkv, batch)
 
     # Counted alone, each read of a meta tensor is answered by a stand-in and counted.
     x = torch.zeros(3, device="meta")

@@ -27,8 +27,9 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.layers import tags
+from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import shard_full
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.pipeline import engine
@@ -82,7 +83,7 @@ def _finalize(params: list[nn.Parameter], pstate: ParallelState) -> None:
 
 
 def _build_chunks(cfg: ModelConfig, pstate: ParallelState, v: int, kind: str | None,
-                  opts: BuildOptions) -> tuple[list[LlamaChunk], list]:
+                  ctx: LayerContext) -> tuple[list[LlamaChunk], list]:
     """This stage's chunks for the schedule, the way training.build_model builds them."""
     if kind == "zbv":
         specs = stage_chunks(v_partition(cfg.num_layers, pstate.pp_size), pstate.pp_rank)
@@ -90,13 +91,13 @@ def _build_chunks(cfg: ModelConfig, pstate: ParallelState, v: int, kind: str | N
         lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
         specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv),
                              pstate.pp_rank)
-    opts = replace(opts, split_backward=kind in ("zb-h1", "zbv"))
+    ctx = replace(ctx, split_backward=kind in ("zb-h1", "zbv"))
     chunks: list[LlamaChunk] = []
     v_shape = kind == "zbv"
     for s in specs:
         tied = chunks[0].embedding.weight if v_shape and s.post_process else None
-        chunks.append(LlamaChunk(cfg, pstate, s.layer_ids, pre_process=s.pre_process,
-                                 post_process=s.post_process, opts=opts,
+        chunks.append(LlamaChunk(cfg, ctx, s.layer_ids, pre_process=s.pre_process,
+                                 post_process=s.post_process,
                                  head_on_stage=v_shape and s.pre_process, tied_embedding=tied))
     return chunks, specs
 
@@ -148,8 +149,8 @@ def _planted(breakage: str | None, pstate: ParallelState):
 def _train(pstate: ParallelState, run: Run, steps: int = STEPS) -> dict:
     cfg = ModelConfig(**{**MODEL, "num_layers": run.num_layers})
     v = schedule_chunks(run.kind, run.v) if run.kind else run.v
-    chunks, specs = _build_chunks(cfg, pstate, v, run.kind,
-                                  BuildOptions(seed=SEED, sequence_parallel=run.sp, dtype=DTYPE))
+    chunks, specs = _build_chunks(cfg, pstate, v, run.kind, LayerContext.from_state(
+        pstate, seed=SEED, sequence_parallel=run.sp, dtype=DTYPE))
     actions = stage_schedule(pstate.pp_size, pstate.pp_rank, run.microbatches, v, kind=run.kind)
     shape = boundary_shape(cfg.seq_length, MBS, cfg.hidden_size, pstate.tp_size, run.sp)
     comm = StageComm(pstate, shape, DTYPE) if pstate.pp_size > 1 else None
@@ -196,8 +197,8 @@ def _reference(microbatches: int, num_layers: int = MODEL["num_layers"],
     """The whole model in this process, a plain loop over every micro-batch of each step."""
     pstate = single_process_state()
     cfg = ModelConfig(**{**MODEL, "num_layers": num_layers})
-    model = LlamaChunk(cfg, pstate, range(cfg.num_layers), pre_process=True, post_process=True,
-                       opts=BuildOptions(seed=SEED, dtype=DTYPE))
+    model = LlamaChunk(cfg, LayerContext.from_state(pstate, seed=SEED, dtype=DTYPE),
+                       range(cfg.num_layers), pre_process=True, post_process=True)
     losses, grads = [], {}
     for step in range(steps):
         full = _global_batch(step, microbatches)
@@ -255,8 +256,8 @@ class _Tracked(nn.Module):
         self.inner, self.log = inner, log
         self.pre_process, self.post_process = inner.pre_process, inner.post_process
 
-    def forward(self, x, labels=None):
-        out = self.inner(x, labels)
+    def forward(self, x, labels=None, batch=None):
+        out = self.inner(x, labels, batch)
         alive = [tensor for tensor in (ref() for ref in self.log["refs"]) if tensor is not None]
         self.log["peak"] = max(self.log["peak"], len(alive) + 1)
         self.log["unfreed"] = max(self.log["unfreed"],
@@ -270,9 +271,9 @@ def _stage0_memory(pstate: ParallelState, v: int, microbatches: int) -> dict:
     lpv = cfg.num_layers // (pstate.pp_size * v) if v > 1 else None
     specs = stage_chunks(partition_layers(cfg.num_layers, pstate.pp_size, lpv), pstate.pp_rank)
     log = {"refs": [], "peak": 0, "unfreed": 0}
-    chunks = [_Tracked(LlamaChunk(cfg, pstate, s.layer_ids, pre_process=s.pre_process,
-                                  post_process=s.post_process,
-                                  opts=BuildOptions(seed=SEED, dtype=DTYPE)), log)
+    ctx = LayerContext.from_state(pstate, seed=SEED, dtype=DTYPE)
+    chunks = [_Tracked(LlamaChunk(cfg, ctx, s.layer_ids, pre_process=s.pre_process,
+                                  post_process=s.post_process), log)
               for s in specs]
     comm = StageComm(pstate, boundary_shape(cfg.seq_length, MBS, cfg.hidden_size, 1, False),
                      DTYPE)
