@@ -84,7 +84,7 @@ def check_exportable(model_cfg: ModelConfig, moe: MoEConfig) -> None:
              "layers need Qwen3-MoE's mlp_only_layers, i.e. --qk-layernorm)")]
     for on, flag in refused:
         if on:
-            raise ConfigError(f"{flag}: transformers' {name} has no such routing, so this "
+            raise ConfigError(f"{flag}: transformers' {name} has no such option, so this "
                               "mixture-of-experts model has no Hugging Face equivalent to "
                               "export to")
 
@@ -97,9 +97,9 @@ def check_full_experts(full: dict[str, Tensor], model_cfg: ModelConfig, moe: MoE
         if name.endswith(".mlp.gate_up") and w.shape[0] != moe.num_experts * 2 * ffn:
             raise ConfigError(
                 f"{ckpt}: {name} has {w.shape[0] // (2 * ffn)} of --num-experts "
-                f"{moe.num_experts} experts; export reads checkpoints saved with "
-                f"--expert-model-parallel-size 1 (this one: "
-                f"{moe.expert_model_parallel_size}); resave it at EP=1 first")
+                f"{moe.num_experts} experts; export reads checkpoints of "
+                f"--expert-model-parallel-size 1 runs (this one: "
+                f"{moe.expert_model_parallel_size}), whose files hold every expert")
 
 
 def hf_config(model_cfg: ModelConfig, moe: MoEConfig) -> dict:
