@@ -182,6 +182,6 @@ def test_refused_routings_name_their_flag() -> None:
                                                  moe_layer_freq="2"))
     half = {"layers.0.mlp.gate_up": torch.zeros(2 * 2 * 48, 32)}
     with pytest.raises(ConfigError, match=r"2 of --num-experts 4 experts.*"
-                                          r"--expert-model-parallel-size 1 \(this one: 2\)"):
+                                          r"--expert-model-parallel-size 1 runs \(this one: 2\)"):
         export_moe.check_full_experts(half, BASE, MoEConfig(
             num_experts=4, expert_model_parallel_size=2), "ck")
