@@ -1,4 +1,5 @@
-"""Hugging Face export and import of megatron_lite checkpoints (Llama, Qwen2, Qwen3).
+"""Hugging Face export and import of megatron_lite checkpoints (Llama, Qwen2, Qwen3, and the
+Mixtral and Qwen3-MoE mixtures of experts).
 
     python -m megatron_lite.export --load CKPT_DIR --output HF_DIR [--tokenizer-model TOK.model]
         [--dtype bf16|fp32] [--ckpt-step N] [--max-shard-size 5GB]
@@ -21,7 +22,9 @@ under --use-rope-scaling), `Qwen2ForCausalLM` for --add-qkv-bias, `Qwen3ForCausa
 written as zeros and must be zero on import). `head_dim` is --kv-channels. With
 --padded-vocab-size the vocabulary tensors keep all their rows (the padding ones zero) and
 `vocab_size` is that row count, as Qwen2.5's configs have it; an import takes every row as
-vocabulary (Hugging Face has no padding count).
+vocabulary (Hugging Face has no padding count). A --num-experts model is
+`MixtralForCausalLM` or, with --qk-layernorm, `Qwen3MoeForCausalLM` (export_moe.py says which
+router flags each one computes and refuses the rest).
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from megatron_lite import structure
+from megatron_lite import export_moe, structure
 from megatron_lite.checkpoint import files as ckpt_files
 from megatron_lite.checkpoint.reshard import CheckpointReader, local_slice
-from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.config import Config, ConfigError, ModelConfig, MoEConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.kernels import rope as rope_kernels
 from megatron_lite.layers import tags
@@ -77,14 +80,18 @@ def tp_split(param: structure.Param) -> tags.TpSplit | None:
     return tags.column_split(param.partitions) if param.split_dim == 0 else tags.row_split()
 
 
-def canonical_tags(model_cfg: ModelConfig) -> dict[str, tags.TpSplit | None]:
-    """Global weight name -> TP split of an unpadded, TP=1 model (megatron_lite/structure.py)."""
+def canonical_tags(model_cfg: ModelConfig, moe: MoEConfig | None = None
+                   ) -> dict[str, tags.TpSplit | None]:
+    """Global weight name -> TP split of an unpadded, TP=1, EP=1 model
+    (megatron_lite/structure.py)."""
     return {p.name: tp_split(p)
-            for p in structure.model_parameters(model_cfg, model_cfg.vocab_size)}
+            for p in structure.model_parameters(model_cfg, model_cfg.vocab_size, moe)}
 
 
-def hf_architecture(model_cfg: ModelConfig) -> tuple[str, str]:
+def hf_architecture(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple[str, str]:
     """(architecture, model_type) of the Hugging Face class that computes our variant."""
+    if moe is not None:
+        return export_moe.architecture(model_cfg)
     if model_cfg.qk_layernorm:
         return "Qwen3ForCausalLM", "qwen3"
     if model_cfg.add_qkv_bias:
@@ -97,7 +104,8 @@ def _o_proj_bias(model_cfg: ModelConfig) -> bool:
     return model_cfg.add_qkv_bias and hf_architecture(model_cfg)[1] != "qwen2"
 
 
-def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
+def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig, moe: MoEConfig | None = None
+          ) -> dict[str, Tensor]:
     """Our full (unsharded, unpadded) weights -> Hugging Face state dict (`hf_architecture`);
     vocabulary tensors padded to --padded-vocab-size rows when it is set."""
     out: dict[str, Tensor] = {}
@@ -119,6 +127,8 @@ def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
                 out[prefix + "self_attn.o_proj.bias"] = w.new_zeros(model_cfg.hidden_size)
         elif rest in _QK_NORM_NAMES:
             out[prefix + _QK_NORM_NAMES[rest]] = w
+        elif moe is not None and rest in export_moe.MOE_WEIGHTS:
+            out |= export_moe.to_hf(prefix, rest, w, model_cfg, moe)
         elif rest == "mlp.gate_up.weight":
             gate, up = w.chunk(2)
             out |= {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
@@ -127,8 +137,9 @@ def to_hf(full: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
-    """Inverse of `to_hf`: fuse q/k/v and gate/up back, rename."""
+def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig, moe: MoEConfig | None = None
+            ) -> dict[str, Tensor]:
+    """Inverse of `to_hf`: fuse q/k/v and gate/up (and stack the experts) back, rename."""
     out: dict[str, Tensor] = {}
     untied = model_cfg.untie_embeddings_and_output_weights
     for ours, theirs in _TOP_NAMES.items():
@@ -137,7 +148,8 @@ def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
     inverse = {v: k for k, v in _LAYER_NAMES.items()}
     if model_cfg.qk_layernorm:
         inverse |= {v: k for k, v in _QK_NORM_NAMES.items()}
-    for i in range(model_cfg.num_layers):
+    model_type = hf_architecture(model_cfg, moe)[1]
+    for i, sparse in enumerate(export_moe.moe_layers(model_cfg, moe)):
         prefix = f"model.layers.{i}."
         out[f"layers.{i}.attention.qkv.weight"] = torch.cat(
             [hf[prefix + f"self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -149,11 +161,15 @@ def from_hf(hf: dict[str, Tensor], model_cfg: ModelConfig) -> dict[str, Tensor]:
             raise ckpt_files.CheckpointError(
                 f"{prefix}self_attn.o_proj.bias is not zero: megatron_lite's attention output "
                 "projection has no bias (--add-qkv-bias covers q, k and v only)")
-        out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
-            [hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]])
+        if sparse:
+            out |= export_moe.from_hf(hf, prefix, f"layers.{i}.", model_type, moe.num_experts)
+        else:
+            out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+                [hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"]])
         for theirs, ours in inverse.items():
-            out[f"layers.{i}.{ours}"] = hf[prefix + theirs]
-    missing = set(canonical_tags(model_cfg)) - set(out)
+            if not (sparse and ours == "mlp.down.weight"):
+                out[f"layers.{i}.{ours}"] = hf[prefix + theirs]
+    missing = set(canonical_tags(model_cfg, moe)) - set(out)
     if missing:
         raise ckpt_files.CheckpointError(f"the Hugging Face weights lack {sorted(missing)[:5]}")
     return out
@@ -168,9 +184,9 @@ def hf_rope_parameters(model_cfg: ModelConfig) -> dict:
     return rope
 
 
-def check_exportable(model_cfg: ModelConfig) -> None:
+def check_exportable(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> None:
     """Refuses, before anything is written, a model no Hugging Face class computes."""
-    architecture = hf_architecture(model_cfg)[0]
+    architecture = hf_architecture(model_cfg, moe)[0]
     if model_cfg.rotary_percent < 1:
         # transformers reads `partial_rotary_factor` for the frequencies, but its Llama, Qwen2
         # and Qwen3 attention rotates every channel of the head with them (checked in 5.24)
@@ -178,30 +194,33 @@ def check_exportable(model_cfg: ModelConfig) -> None:
                           f"{architecture} rotates the whole head, so a partial-RoPE model has "
                           "no Hugging Face equivalent to export to; export needs "
                           "--rotary-percent 1.0")
+    if moe is not None:
+        export_moe.check_exportable(model_cfg, moe)
 
 
-def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None
-              ) -> dict:
-    architecture, model_type = hf_architecture(model_cfg)
+def hf_config(model_cfg: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None,
+              moe: MoEConfig | None = None) -> dict:
+    architecture, model_type = hf_architecture(model_cfg, moe)
     rope = hf_rope_parameters(model_cfg)
     legacy_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"}
                       if model_cfg.use_rope_scaling else None)  # what transformers 4 reads
-    return {"architectures": [architecture], "model_type": model_type,
-            "vocab_size": model_cfg.padded_vocab or model_cfg.vocab_size,
-            "hidden_size": model_cfg.hidden_size,
-            "intermediate_size": model_cfg.ffn_hidden_size,
-            "num_hidden_layers": model_cfg.num_layers,
-            "num_attention_heads": model_cfg.num_attention_heads,
-            "num_key_value_heads": model_cfg.num_query_groups, "head_dim": model_cfg.head_dim,
-            "max_position_embeddings": model_cfg.max_position_embeddings,
-            "rms_norm_eps": model_cfg.norm_epsilon, "rope_theta": model_cfg.rotary_base,
-            "rope_parameters": rope, "rope_scaling": legacy_scaling,
-            "tie_word_embeddings": not model_cfg.untie_embeddings_and_output_weights,
-            "hidden_act": "silu", "attention_bias": _o_proj_bias(model_cfg), "mlp_bias": False,
-            "use_sliding_window": False,
-            "initializer_range": model_cfg.init_method_std, "bos_token_id": bos,
-            "eos_token_id": eos,
-            "torch_dtype": str(dtype).removeprefix("torch.")}
+    config = {"architectures": [architecture], "model_type": model_type,
+              "vocab_size": model_cfg.padded_vocab or model_cfg.vocab_size,
+              "hidden_size": model_cfg.hidden_size,
+              "intermediate_size": model_cfg.ffn_hidden_size,
+              "num_hidden_layers": model_cfg.num_layers,
+              "num_attention_heads": model_cfg.num_attention_heads,
+              "num_key_value_heads": model_cfg.num_query_groups, "head_dim": model_cfg.head_dim,
+              "max_position_embeddings": model_cfg.max_position_embeddings,
+              "rms_norm_eps": model_cfg.norm_epsilon, "rope_theta": model_cfg.rotary_base,
+              "rope_parameters": rope, "rope_scaling": legacy_scaling,
+              "tie_word_embeddings": not model_cfg.untie_embeddings_and_output_weights,
+              "hidden_act": "silu", "attention_bias": _o_proj_bias(model_cfg), "mlp_bias": False,
+              "use_sliding_window": False,
+              "initializer_range": model_cfg.init_method_std, "bos_token_id": bos,
+              "eos_token_id": eos,
+              "torch_dtype": str(dtype).removeprefix("torch.")}
+    return config | (export_moe.hf_config(model_cfg, moe) if moe is not None else {})
 
 
 def _rope_scaling_from_hf(config: dict, unsupported: list[str]) -> float | None:
@@ -219,13 +238,19 @@ def _rope_scaling_from_hf(config: dict, unsupported: list[str]) -> float | None:
     return float(rope["factor"])
 
 
-def model_config_from_hf(config: dict) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face Llama, Qwen2 or Qwen3 config.json; refuses what we
-    cannot run."""
+_IMPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+
+
+def model_config_from_hf(config: dict) -> tuple[ModelConfig, MoEConfig | None]:
+    """Our ModelConfig (and MoEConfig for Mixtral and Qwen3-MoE) for a Hugging Face
+    config.json; refuses what we cannot run."""
     model_type = config.get("model_type")
-    if model_type not in ("llama", "qwen2", "qwen3"):
+    if model_type not in _IMPORTED:
         raise ckpt_files.CheckpointError(
-            f"model_type {model_type!r}: only 'llama', 'qwen2' and 'qwen3' import")
+            f"model_type {model_type!r}: only {', '.join(map(repr, _IMPORTED))} import")
+    moe_fields, moe = ({}, None)
+    if model_type in ("mixtral", "qwen3_moe"):
+        moe_fields, moe = export_moe.model_fields_from_hf(config)
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     unsupported = ["mlp_bias"] if config.get("mlp_bias") else []
@@ -242,7 +267,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         raise ckpt_files.CheckpointError(f"this {model_type} config uses {unsupported}, which "
                                          "megatron_lite's model does not implement")
     heads = config["num_attention_heads"]
-    return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+    model = ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
                        kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
                        add_qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
                        qk_layernorm=model_type == "qwen3",
@@ -256,6 +281,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
                        untie_embeddings_and_output_weights=not config.get(
                            "tie_word_embeddings", False),
                        norm_epsilon=config.get("rms_norm_eps", 1e-6), rotary_base=theta)
+    return dataclasses.replace(model, **moe_fields), moe
 
 
 def parse_size(text: str) -> int:
@@ -329,16 +355,16 @@ def export(ckpt_root: Path, output: Path, *, step: int | None = None,
     """Write the Hugging Face directory for a checkpoint; returns the checkpoint dir used."""
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
-    if reader.meta["config"].get("moe", {}).get("num_experts"):
-        raise ConfigError(f"{ckpt_root}: a mixture-of-experts checkpoint (--num-experts); "
-                          "Hugging Face export of MoE models is not implemented yet")
-    check_exportable(model_cfg)
+    moe = export_moe.moe_config(reader.meta["config"])
+    check_exportable(model_cfg, moe)
     full = {name: reader.full_weight(name).to(DTYPES[dtype]) for name in reader.where}
+    if moe is not None:
+        export_moe.check_full_experts(full, model_cfg, moe, reader.dir)
     output.mkdir(parents=True, exist_ok=True)
-    write_safetensors_dir(output, to_hf(full, model_cfg), parse_size(max_shard_size))
+    write_safetensors_dir(output, to_hf(full, model_cfg, moe), parse_size(max_shard_size))
     bos, eos = _write_tokenizer(output, reader.meta["config"]["data"], model_cfg.vocab_size,
                                 tokenizer_model)
-    config = hf_config(model_cfg, DTYPES[dtype], bos, eos)
+    config = hf_config(model_cfg, DTYPES[dtype], bos, eos, moe)
     (output / "config.json").write_text(json.dumps(config, indent=1))
     return reader.dir
 
@@ -371,10 +397,10 @@ def import_hf(hf_dir: Path, save_dir: Path) -> Path:
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ckpt_files.CheckpointError(f"--from-hf {hf_dir}: no config.json there")
-    model_cfg = model_config_from_hf(json.loads(config_path.read_text()))
-    weights = from_hf(read_safetensors_dir(hf_dir), model_cfg)
-    splits = canonical_tags(model_cfg)
-    cfg = Config(model=model_cfg)
+    model_cfg, moe = model_config_from_hf(json.loads(config_path.read_text()))
+    weights = from_hf(read_safetensors_dir(hf_dir), model_cfg, moe)
+    splits = canonical_tags(model_cfg, moe)
+    cfg = Config(model=model_cfg, moe=moe or MoEConfig())
     tok = hf_dir / "tokenizer.model"
     hf_tok = [hf_dir / n for n in _HF_TOKENIZER_FILES if (hf_dir / n).is_file()]
     if tok.is_file():
@@ -413,8 +439,10 @@ def load_model(ckpt_root: Path, step: int | None = None, device: torch.device | 
     reader = verified_reader(ckpt_root, step)
     model_cfg = ModelConfig(**reader.model_cfg)
     pstate = single_process_state(device)
-    chunk = LlamaChunk(model_cfg, LayerContext.from_state(pstate, seed=0),
-                       range(model_cfg.num_layers), pre_process=True, post_process=True)
+    ctx = LayerContext.from_state(pstate, seed=0,
+                                  moe=export_moe.moe_config(reader.meta["config"]))
+    chunk = LlamaChunk(model_cfg, ctx, range(model_cfg.num_layers), pre_process=True,
+                       post_process=True)
     for name, param in chunk.named_parameters():
         param.copy_(local_slice(reader.full_weight(name).float(), param, pstate))
     return model_cfg, chunk.eval()
@@ -438,8 +466,8 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="split model.safetensors above this size (default: 5GB)")
-    parser.add_argument("--from-hf", help="import this Hugging Face Llama, Qwen2 or Qwen3 "
-                        "directory instead")
+    parser.add_argument("--from-hf", help="import this Hugging Face Llama, Qwen2, Qwen3, "
+                        "Mixtral or Qwen3-MoE directory instead")
     parser.add_argument("--save", help="with --from-hf: checkpoint directory to write")
     add_debug_flag(parser)
     args = parser.parse_args(argv)

@@ -5,7 +5,8 @@ names and TP splits from here (`canonical_tags`), the planner its parameter coun
 weights (the N of 6N) and the order ZeRO-3 cuts gradient buckets in. model/llama.py's modules
 create exactly these parameters, in this order (tests/test_structure.py compares the list with
 a meta-device build's `named_parameters`: names, shapes and splits, for the GQA, untied,
---add-qkv-bias, --qk-layernorm, --kv-channels and --padded-vocab-size variants).
+--add-qkv-bias, --qk-layernorm, --kv-channels and --padded-vocab-size variants, and a
+mixture-of-experts model, whose --moe-layer-freq layers list the MoE MLP's parameters).
 
 Pure arithmetic on a `ModelConfig` (no torch), so the planner stays importable without it.
 Shapes are global (all TP ranks together); a split weight's rank holds 1/t of it along
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Param:
     matmul: bool = False
     """Takes part in a matmul, so in the N of 6N: not norms, biases, or an input embedding
     that is only looked up (a tied one is the output layer's weight, so it is)."""
+    expert: bool = False
+    """A routed expert's stacked weight: a token passes through only top-k / E of it."""
 
     @property
     def numel(self) -> int:
@@ -55,10 +58,12 @@ def qkv_rows(model: ModelConfig) -> tuple[int, int, int]:
             model.num_query_groups * d)
 
 
-def layer_parameters(model: ModelConfig, layer: int) -> list[Param]:
+def layer_parameters(model: ModelConfig, layer: int, moe: MoEConfig | None = None
+                     ) -> list[Param]:
     """Layer `layer`'s parameters in the order its modules create them: the attention norm,
     fused QKV (and its --add-qkv-bias bias), the output projection, the --qk-layernorm
-    per-head norms, the MLP norm, fused gate|up and down."""
+    per-head norms, the MLP norm, fused gate|up and down (or `moe_parameters` on a layer
+    --moe-layer-freq makes MoE)."""
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
     rows = qkv_rows(model)
     p = f"layers.{layer}."
@@ -70,15 +75,39 @@ def layer_parameters(model: ModelConfig, layer: int) -> list[Param]:
     if model.qk_layernorm:
         out += [Param(p + "attention.q_norm.weight", (d,)),
                 Param(p + "attention.k_norm.weight", (d,))]
-    return [*out, Param(p + "mlp_norm.weight", (h,)),
-            Param(p + "mlp.gate_up.weight", (2 * f, h), 0, (f, f), matmul=True),
+    out.append(Param(p + "mlp_norm.weight", (h,)))
+    if moe is not None and moe_layer_pattern(moe.moe_layer_freq, model.num_layers)[layer]:
+        return out + moe_parameters(model, moe, layer)
+    return [*out, Param(p + "mlp.gate_up.weight", (2 * f, h), 0, (f, f), matmul=True),
             Param(p + "mlp.down.weight", (h, f), 1, matmul=True)]
 
 
-def model_parameters(model: ModelConfig, vocab_rows: int) -> list[Param]:
+def moe_parameters(model: ModelConfig, moe: MoEConfig, layer: int) -> list[Param]:
+    """A MoE layer's MLP parameters (layers/moe.py), in `named_parameters` order: the E experts
+    stacked, gate/up [E x 2f, h] (expert e's gate rows then its up rows, each cut over TP on its
+    own) and down [E x h, f] (input columns split), the router [E, h] (replicated), then the
+    shared expert's fused gate|up and down when --moe-shared-expert-intermediate-size is set.
+    Shapes are those of EP=1: an EP rank holds E/ep of the experts' rows."""
+    h, experts = model.hidden_size, moe.num_experts or 0
+    f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
+    p = f"layers.{layer}.mlp."
+    out = [Param(p + "gate_up", (experts * 2 * f, h), 0, (f,) * (2 * experts), matmul=True,
+                 expert=True),
+           Param(p + "down", (experts * h, f), 1, matmul=True, expert=True),
+           Param(p + "router.weight", (experts, h), matmul=True)]
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared:
+        out += [Param(p + "shared.gate_up.weight", (2 * shared, h), 0, (shared, shared),
+                      matmul=True),
+                Param(p + "shared.down.weight", (h, shared), 1, matmul=True)]
+    return out
+
+
+def model_parameters(model: ModelConfig, vocab_rows: int, moe: MoEConfig | None = None
+                     ) -> list[Param]:
     """The whole model's unique parameters (one chunk holding every layer, as
-    `named_parameters` lists them): the embedding, the layers, the final norm, and the output
-    layer when untied (tied, it reads the embedding's weight)."""
+    `named_parameters` lists them): the embedding, the layers (MoE ones under `moe`), the
+    final norm, and the output layer when untied (tied, it reads the embedding's weight)."""
     untied = model.untie_embeddings_and_output_weights
     h = model.hidden_size
 
@@ -87,7 +116,7 @@ def model_parameters(model: ModelConfig, vocab_rows: int) -> list[Param]:
 
     out = [vocab_table("embedding.weight", matmul=not untied)]
     for i in range(model.num_layers):
-        out += layer_parameters(model, i)
+        out += layer_parameters(model, i, moe)
     out.append(Param("final_norm.weight", (h,)))
     return out + ([vocab_table("output.weight", matmul=True)] if untied else [])
 

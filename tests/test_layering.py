@@ -40,7 +40,9 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors",
-               "structure"},
+               "structure", "export_moe"},
+    # export's Mixtral / Qwen3-MoE naming, config and refusals
+    "export_moe": {"config", "checkpoint"},
     "reliability": {"config", "parallel", "errors"},
     "profiling": {"config"},
     "startup_paths": {"config", "errors"},

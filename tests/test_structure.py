@@ -1,6 +1,6 @@
 """megatron_lite/structure.py is the model's parameter list: a meta-device build of the modules
-has exactly its names, order, shapes and TP splits (for each dense variant), and the planner's
-and export's counts read it.
+has exactly its names, order, shapes and TP splits (for each dense variant and a MoE model),
+and the planner's and export's counts read it.
 
 Built on the meta device only (no weights drawn, no process group for TP=2)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_lite import structure
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, MoEConfig
 from megatron_lite.export import canonical_tags, tp_split
 from megatron_lite.layers import tags
 from megatron_lite.layers.context import LayerContext
@@ -38,10 +38,11 @@ VARIANTS = {
 }
 
 
-def _meta_build(model: ModelConfig, tp: int = 1) -> dict[str, torch.nn.Parameter]:
+def _meta_build(model: ModelConfig, tp: int = 1, moe: MoEConfig | None = None
+                ) -> dict[str, torch.nn.Parameter]:
     pstate = replace(single_process_state(torch.device("meta")), tp_size=tp)
-    chunk = LlamaChunk(model, LayerContext.from_state(pstate, seed=0), range(model.num_layers),
-                       pre_process=True, post_process=True)
+    chunk = LlamaChunk(model, LayerContext.from_state(pstate, seed=0, moe=moe),
+                       range(model.num_layers), pre_process=True, post_process=True)
     return dict(chunk.named_parameters())
 
 
@@ -81,3 +82,25 @@ def test_planner_counts_are_the_structures(name: str) -> None:
     weights = [w for n, w in built.items() if w.dim() == 2
                and not (untied_embedding and n == "embedding.weight")]
     assert matmul_params(shape) == sum(w.numel() for w in weights)
+
+
+# layer 0 MoE (4 experts of width 16, a shared expert of 8), layer 1 dense
+MOE = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=8,
+                moe_layer_freq="[1,0]")
+
+
+def test_moe_structure_is_what_the_modules_build() -> None:
+    """A MoE layer lists its stacked experts, router and shared expert as built (names, shapes,
+    TP splits at TP=1, a TP=2 rank's sizes), and export's splits follow."""
+    model = VARIANTS["qwen3"]
+    built = _meta_build(model, moe=MOE)
+    listed = structure.model_parameters(model, model.padded_vocab_size(1), MOE)
+    assert [(p.name, p.shape) for p in listed] == [(n, tuple(w.shape)) for n, w in built.items()]
+    assert "layers.0.mlp.router.weight" in built and "layers.1.mlp.gate_up.weight" in built
+    for p in listed:
+        assert tp_split(p) == tags.tp_split(built[p.name]), p.name
+    assert [p.name for p in listed if p.expert] == ["layers.0.mlp.gate_up", "layers.0.mlp.down"]
+    rank = _meta_build(model, tp=2, moe=MOE)
+    assert [p.local_numel(2) for p in listed if p.name in rank and not p.vocab] == [
+        w.numel() for n, w in rank.items() if n not in ("embedding.weight", "output.weight")]
+    assert list(canonical_tags(model, MOE)) == list(built)
