@@ -47,21 +47,6 @@ def test_a_long_function_is_found(tmp_path: Path) -> None:
         f"probe.py:1 outer ({LIMIT + 3} lines)", f"probe.py:2 inner ({LIMIT + 1} lines)"]
 
 
-PENDING = ("megatron_lite/training.py train_loop", "megatron_lite/metrics.py log_train")
-"""Long functions split on other branches of this session, not merged yet (`path name`)."""
-
-
-def _pending(entry: str) -> bool:
-    path, rest = entry.split(":", 1)
-    return f"{path} {rest.split()[1]}" in PENDING
-
-
 @pytest.mark.quick
-@pytest.mark.xfail(strict=False, reason="until the other branches land: " + ", ".join(PENDING))
 def test_no_function_over_60_lines() -> None:
     assert long_functions(_sources()) == []
-
-
-def test_no_function_over_60_lines_beyond_the_pending_ones() -> None:
-    """Meanwhile no other function may grow past the limit."""
-    assert [f for f in long_functions(_sources()) if not _pending(f)] == []
