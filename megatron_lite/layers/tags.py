@@ -30,14 +30,18 @@ Adding a parallelism-aware layer:
 3. Tag it: `mark_tp_split(weight, split)` or `mark_replicated(weight)`; add
    `mark_sequence_parallel_grad` to a replicated weight that sees sequence slices under SP
    (take the flag from `LayerContext.sequence_parallel`, already resolved for the TP size),
-   and `mark_shared_embedding` to a weight that a second pipeline stage holds a copy of.
-4. Nothing else to wire: the optimizer sums SP gradients over TP and gives shared-embedding
+   `mark_shared_embedding` to a weight that a second pipeline stage holds a copy of, and
+   `mark_expert` to a routed expert's weight.
+4. List it in megatron_lite/structure.py (name, global shape, split): export, the planner's
+   parameter counts and ZeRO-3's bucket order read the model's parameters from there, and
+   tests/test_structure.py checks the list against a meta-device build.
+5. Nothing else to wire: the optimizer sums SP gradients over TP and gives shared-embedding
    copies their own buckets (optim/param_buffers.py); the global norm counts a replicated
    weight on TP rank 0 and a shared embedding on the first stage only (optim/clip.py);
    checkpoints save the split and re-slice it into any layout (checkpoint/reshard.py);
    export gathers full tensors from it (export.py: a new weight needs its Hugging Face name
-   in `to_hf`/`from_hf` and its split in `canonical_tags`).
-5. Extend tests/model/test_tags.py (each weight's tags per layout),
+   in `to_hf`/`from_hf`).
+6. Extend tests/model/test_tags.py (each weight's tags per layout),
    tests/model/test_tensor_parallel.py (TP=2/4 gradients vs one process, shard by shard),
    tests/optim/test_data_parallel.py (norm and step under TP x DP and PP x DP) and
    tests/checkpoint/test_layouts.py (resume and reshard across layouts).
