@@ -56,8 +56,10 @@ from megatron_lite import sharding as sharding_table
 from megatron_lite.config import (
     Config,
     ModelConfig,
+    MoEConfig,
     ParallelConfig,
     ddp_bucket_size,
+    moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
     schedule_in_effect,
@@ -148,11 +150,15 @@ class RunOptions:
     dtype_bytes: int = 2
     """Activation element size the time model moves: 2 (bf16), 4 (fp32, the CPU runs). The
     memory model keeps bf16."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (--num-experts ...): expert states split over EP (`Layout.ep`) and
+    sharded over expert-DP, the active experts' GEMMs and the token dispatch in the step."""
 
 
-def model_shape(model: ModelConfig, tp: int, block: str = "llama") -> ModelShape:
-    """The shape FLOPs and time are counted on, for `block`."""
-    return gpt_shape(model, tp) if block == "gpt" else ModelShape.from_config(model, tp)
+def model_shape(model: ModelConfig, tp: int, block: str = "llama",
+                moe: MoEConfig | None = None) -> ModelShape:
+    """The shape FLOPs and time are counted on, for `block` (with `moe`'s active experts)."""
+    return gpt_shape(model, tp) if block == "gpt" else ModelShape.from_config(model, tp, moe)
 
 
 def matmul_params_per_layer(shape: ModelShape) -> int:
@@ -228,6 +234,45 @@ def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_lay
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
     return sum(p.numel for p in structure.model_parameters(model, model.vocab_size))
+
+
+def stage_layer_ids(counts: list[int], chunks: int, stage: int) -> list[int]:
+    """Global layer ids of `stage` when each stage's `counts` layers are cut into `chunks`
+    equal pieces dealt round-robin (pipeline/partition.py's interleaving rule)."""
+    ids, start = [], 0
+    for _ in range(chunks):
+        for s, count in enumerate(counts):
+            if s == stage:
+                ids += range(start, start + count // chunks)
+            start += count // chunks
+    return ids
+
+
+def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
+                     layer_ids: list[int]) -> tuple[int, int]:
+    """(change to the dense parameters, routed-expert parameters) on one rank of a stage
+    holding `layer_ids`: each MoE layer trades the dense MLP for the router and the shared
+    expert (TP-split like the dense MLP, the router whole), and holds E/ep experts, each
+    TP-split (structure.moe_mlp_parameters)."""
+    pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+    on = sum(pattern[i] for i in layer_ids)
+    if not on:
+        return 0, 0
+    first = pattern.index(True)
+    dense = sum(p.local_numel(tp) for p in structure.layer_parameters(model, first))
+    mixed = structure.layer_parameters(model, first, moe)
+    routed = sum(p.local_numel(tp, ep) for p in mixed if p.expert)
+    rest = sum(p.local_numel(tp) for p in mixed if not p.expert)
+    return on * (rest - dense), on * routed
+
+
+def moe_total_params(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
+    """(all parameters, active parameters per token) of a MoE model (tied weights once,
+    unpadded vocab): active = the others + top-k of each MoE layer's E experts."""
+    params = structure.model_parameters(model, model.vocab_size, moe)
+    experts = sum(p.numel for p in params if p.expert)
+    total = sum(p.numel for p in params)
+    return total, total - experts + experts * moe.moe_router_topk // (moe.num_experts or 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,15 +684,25 @@ class StageSpec:
     """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
     bucket_size: int = ddp_bucket_size(ParallelConfig(), 1)
     """--ddp-bucket-size (ZeRO-3's gradient buckets in flight)."""
+    moe_params: tuple[tuple[int, int], ...] = ()
+    """Per stage, `moe_stage_params` (); empty: a dense model."""
+    ep: int = 1
+    """--expert-model-parallel-size: the experts' states are sharded over DP x CP / ep."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
     sched = schedules.get(spec.schedule, spec.chunks)
     n = stage_params(model, spec.tp, spec.pp, stage, layers, sched.v_shape)
+    dense_change, routed = spec.moe_params[stage] if spec.moe_params else (0, 0)
+    n += dense_change
+    accumulator = spec.full_grad_accumulator and spec.microbatches > 1
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
-                             spec.full_grad_accumulator and spec.microbatches > 1,
-                             spec.grad_bf16)
+                             accumulator, spec.grad_bf16)
+    if routed:  # the experts' own sync group: their replicas over expert-DP
+        epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
+                                    spec.act.bf16, accumulator, spec.grad_bf16)
+        n, pb, gb, ob = n + routed, pb + epb, gb + egb, ob + eob
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
     holds_head = stage == sched.head_stage(spec.pp)
@@ -734,12 +789,15 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
                           cp=cp)
+    ep = cfg.moe.expert_model_parallel_size
+    moe_params = tuple(moe_stage_params(model, cfg.moe, tp, ep, stage_layer_ids(
+        counts, chunks, i)) for i in range(pp)) if cfg.moe.num_experts else ()
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
                      parallel.sharded_grad_accumulation == "full-buffer",
                      parallel.grad_reduce_in_bf16,
-                     ddp_bucket_size(parallel, world_size // (tp * cp * pp)))
+                     ddp_bucket_size(parallel, world_size // (tp * cp * pp)), moe_params, ep)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if teacher is not None:
         last = len(estimates) - 1
