@@ -1282,8 +1282,11 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     plans = []
     for base in (dataclasses.replace(lay, ep=ep) for lay in layouts(model, c, global_batch)
                  for ep in expert_parallel_sizes(opts.moe, lay)):
+        # a MoE run refuses full recompute for now (config.moe_errors)
+        options = [rc for rc in recompute_options(model, base)
+                   if opts.moe is None or rc.granularity != "full"]
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
-                          train_tokens, opts) for rc in recompute_options(model, base)]
+                          train_tokens, opts) for rc in options]
         tried = [p for p in tried if keep(p.layout)]
         if not tried:
             continue

@@ -27,16 +27,17 @@
 #   --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336
 #   --seq-length 4096 --vocab-size 32000 --untie-embeddings-and-output-weights
 #   --global-batch-size 512 --gpus 64 --num-experts 8 --moe-router-topk 2
-#   --moe-token-dispatcher-type alltoall --tp 1 --sharding optim --expert-model-parallel-size 8):
-#   TP=1, PP=1, DP=64 with EP=8 carved out of it (each node's 8 GPUs hold one expert each, so
-#   the all-to-all dispatch stays on NVLink), expert-DP=8, ZeRO-1 over DP (dense) and over
-#   expert-DP (experts). Per GPU: 1.6 B dense + 5.6 B expert parameters x (2 B bf16 + 4 B fp32
-#   grad), Adam + master 12 B/param over 64 (dense) and 8 (experts): 48.6 GiB of states,
-#   18.8 GiB of activations (the planner models an MoE layer's activations as the dense MLP's;
-#   the meta dry run measures about 15% more), 70.5 GiB of 80 with the allowance: no recompute.
-#   Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 8 micro-batches
-#   per DP rank; 123,021 steps; the planner predicts 6.1 s per step (43% MFU on active
-#   parameters), 8.7 days, 3% of it the token dispatch.
+#   --moe-token-dispatcher-type alltoall --pp 1 --sharding optim --micro-batch-size 1):
+#   TP=2 with sequence parallelism, PP=1, DP=32 with EP=4 carved out of it (TP x EP = 8 GPUs:
+#   the all-to-all dispatch stays inside a node, on NVLink), expert-DP=8, ZeRO-1 over DP
+#   (dense) and over expert-DP (experts). Per GPU: 0.8 B dense + 5.6 B expert parameters x
+#   (2 B bf16 + 4 B fp32 grad), master + Adam 12 B/param over 32 (dense) and 8 (experts):
+#   44.1 GiB of states, 20.7 GiB of activations (the routed rows: top-2 x (3h + 3f/t) per
+#   token per layer), 67.8 GiB of 80 with the allowance: no recompute (MoE runs refuse full
+#   recompute for now; TP=1, EP=8 would need 85.7 GiB even with selective recompute).
+#   Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 16 micro-
+#   batches per DP rank; 123,021 steps; the planner predicts 6.7 s per step (39% MFU on the
+#   active parameters), 9.6 days.
 # Signals: USR1 arrives 120 s before the time limit so training saves a checkpoint and exits;
 #   --requeue puts the job back in the queue after a node failure or preemption.
 # Not yet: checkpoints of expert-parallel runs (config refuses --save with EP > 1), so this
@@ -46,7 +47,7 @@ RUN_NAME=mixtral-8x7b
 REPO_DIR=${MEGATRON_LITE_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 source "$REPO_DIR/scripts/common.sh"
 
-TP=${TP:-1} PP=${PP:-1} EP=${EP:-8} MBS=${MBS:-1} GBS=${GBS:-512} TRAIN_ITERS=${TRAIN_ITERS:-123021}
+TP=${TP:-2} PP=${PP:-1} EP=${EP:-4} MBS=${MBS:-1} GBS=${GBS:-512} TRAIN_ITERS=${TRAIN_ITERS:-123021}
 
 MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32
             --group-query-attention --num-query-groups 8
@@ -56,7 +57,7 @@ MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32
             --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01
             --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-               --expert-model-parallel-size "$EP"
+               --expert-model-parallel-size "$EP" --sequence-parallel
                --use-distributed-optimizer --overlap-grad-reduce
                --overlap-param-gather --distributed-timeout-minutes 10)
 DATA_ARGS=(--data-path "$(ml_staged_data_path)"
