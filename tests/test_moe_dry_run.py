@@ -21,7 +21,14 @@ from megatron_lite.dry_run import run_rank
 from megatron_lite.model.llama import BuildOptions, LlamaChunk
 from megatron_lite.parallel.audit import match
 from megatron_lite.parallel.state import single_process_state
-from megatron_lite.planner import moe_stage_params, stage_params
+from megatron_lite.planner import (
+    Cluster,
+    Layout,
+    Recompute,
+    moe_dispatch_s,
+    moe_stage_params,
+    stage_params,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -102,3 +109,18 @@ def test_mixtral_script_dry_runs_beside_the_planner(tmp_path, capsys) -> None:
         for kind in ("params", "grads", "optimizer"):
             assert abs(r[f"{kind}_bytes"] / r[f"planner_{kind}_bytes"] - 1) < 0.01, (kind, r)
         assert abs(r["activation_bytes"] / r["planner_activation_bytes"] - 1) < 0.10, r
+
+
+def test_dispatch_time_is_the_all_to_all_bytes_over_nvlink_or_the_network() -> None:
+    """alltoall: 4 exchanges (dispatch, combine; forward, backward) of tokens x top-k x h x 2
+    bytes per MoE layer, (ep-1)/ep of them leaving the rank; NVLink while TP x EP fits in a
+    node, the network beyond."""
+    model = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=8,
+                        ffn_hidden_size=2048, seq_length=2048, vocab_size=1000)
+    moe = MoEConfig(num_experts=16, moe_router_topk=4, moe_token_dispatcher_type="alltoall")
+    c = Cluster(gpus=64)
+    for tp, ep, gbps in ((2, 4, c.intra_node_gbps), (2, 8, c.inter_node_gbps)):
+        lay = Layout(tp, 1, 64 // tp, 1, 2, "optim", Recompute(), True, ep=ep)
+        one = 2 * 2048 * 4 * 1024 * 2 * (ep - 1) / ep / (gbps * 1e9) + 2 * c.latency_us * 1e-6
+        assert moe_dispatch_s(model, moe, lay, c, 3) == pytest.approx(3 * 4 * one)
+    assert moe_dispatch_s(model, moe, replace(lay, ep=1), c, 3) == 0.0
