@@ -23,21 +23,22 @@
 #   experts of width 14336 with top-2 routing (softmax, aux loss 0.01), seq 4096, untied
 #   embeddings, RoPE base 1e6, vocab 32000 assumed below (the tokenizer sets it). 46.7 B
 #   parameters, 12.9 B active per token (planner.moe_total_params).
-# Tokens: 258 B (20 per active parameter). Layout from scripts/plan.py (--num-layers 32
+# Tokens: 258 B (20 per active parameter). Layout: scripts/plan.py's #1 (--num-layers 32
 #   --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336
 #   --seq-length 4096 --vocab-size 32000 --untie-embeddings-and-output-weights
 #   --global-batch-size 512 --gpus 64 --num-experts 8 --moe-router-topk 2
-#   --moe-token-dispatcher-type alltoall --pp 1 --sharding optim --micro-batch-size 1):
-#   TP=2 with sequence parallelism, PP=1, DP=32 with EP=4 carved out of it (TP x EP = 8 GPUs:
-#   the all-to-all dispatch stays inside a node, on NVLink), expert-DP=8, ZeRO-1 over DP
-#   (dense) and over expert-DP (experts). Per GPU: 0.8 B dense + 5.6 B expert parameters x
-#   (2 B bf16 + 4 B fp32 grad), master + Adam 12 B/param over 32 (dense) and 8 (experts):
-#   44.1 GiB of states, 20.7 GiB of activations (the routed rows: top-2 x (3h + 3f/t) per
-#   token per layer), 67.8 GiB of 80 with the allowance: no recompute (MoE runs refuse full
-#   recompute for now; TP=1, EP=8 would need 85.7 GiB even with selective recompute).
-#   Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 16 micro-
-#   batches per DP rank; 123,021 steps; the planner predicts 6.7 s per step (39% MFU on the
-#   active parameters), 9.6 days.
+#   --moe-token-dispatcher-type alltoall): TP=1, PP=2 across nodes with the interleaved
+#   schedule (v=4 chunks of 4 layers per stage), DP=32 with EP=8 carved out of it (one node's
+#   8 GPUs hold one expert each, so the all-to-all dispatch stays on NVLink), expert-DP=4,
+#   ZeRO-1 over DP (dense) and over expert-DP (experts). Per GPU: 16 layers of 0.05 B dense +
+#   0.18 B expert parameters (+ embedding or head) x (2 B bf16 + 4 B fp32 grad), master + Adam
+#   12 B/param over 32 (dense) and 4 (experts): 28.4 GiB of states, 39.4 GiB of activations
+#   (the routed rows: top-2 x (3h + 3f) per token per layer), 70.8 GiB of 80 with the
+#   allowance: no recompute (MoE runs refuse full recompute and the zero-bubble schedules for
+#   now). Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 16
+#   micro-batches per pipeline; 123,021 steps; the planner predicts 6.1 s per step (1.5%
+#   bubble, 43% MFU on the active parameters), 8.7 days. Next best: TP=2 + SP, EP=4, PP=1 at
+#   6.7 s (67.8 GiB).
 # Signals: USR1 arrives 120 s before the time limit so training saves a checkpoint and exits;
 #   --requeue puts the job back in the queue after a node failure or preemption.
 # Not yet: checkpoints of expert-parallel runs (config refuses --save with EP > 1), so this
@@ -47,7 +48,7 @@ RUN_NAME=mixtral-8x7b
 REPO_DIR=${MEGATRON_LITE_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 source "$REPO_DIR/scripts/common.sh"
 
-TP=${TP:-2} PP=${PP:-1} EP=${EP:-4} MBS=${MBS:-1} GBS=${GBS:-512} TRAIN_ITERS=${TRAIN_ITERS:-123021}
+TP=${TP:-1} PP=${PP:-2} VPP=${VPP:-4} EP=${EP:-8} MBS=${MBS:-1} GBS=${GBS:-512} TRAIN_ITERS=${TRAIN_ITERS:-123021}
 
 MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32
             --group-query-attention --num-query-groups 8
@@ -57,7 +58,7 @@ MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32
             --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01
             --moe-router-dtype fp32 --moe-token-dispatcher-type alltoall)
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-               --expert-model-parallel-size "$EP" --sequence-parallel
+               --num-layers-per-virtual-pipeline-stage "$VPP" --expert-model-parallel-size "$EP"
                --use-distributed-optimizer --overlap-grad-reduce
                --overlap-param-gather --distributed-timeout-minutes 10)
 DATA_ARGS=(--data-path "$(ml_staged_data_path)"

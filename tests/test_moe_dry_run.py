@@ -86,7 +86,8 @@ def test_planner_moe_parameters_are_a_meta_builds(tp: int, ep: int, shared: int 
 
 def test_mixtral_script_dry_runs_beside_the_planner(tmp_path, capsys) -> None:
     """scripts/pretrain_mixtral_8x7b.sh's own command line (bash execs a stub that records it),
-    run here with 2 of its 32 layers and one micro-batch: ranks 0 and 63 of its 64."""
+    run here with 8 of its 32 layers and 2 micro-batches: ranks 0 (first stage) and 63 (last)
+    of its 64."""
     argv_file, stub, out = tmp_path / "argv", tmp_path / "python", tmp_path / "dry.jsonl"
     stub.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {argv_file}\n')
     stub.chmod(0o755)
@@ -97,12 +98,13 @@ def test_mixtral_script_dry_runs_beside_the_planner(tmp_path, capsys) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     program, *argv = argv_file.read_text().splitlines()
     assert program == "pretrain.py"
-    argv[argv.index("--num-layers") + 1] = "2"
+    argv[argv.index("--num-layers") + 1] = "8"  # 2 stages x 2 chunks of 2 layers
+    argv[argv.index("--num-layers-per-virtual-pipeline-stage") + 1] = "2"
     assert "--expert-model-parallel-size" in argv and "--world-size" in argv
     capsys.readouterr()
     assert pretrain.main(argv) == 0
     stdout = capsys.readouterr().out
-    assert "world size 64" in stdout
+    assert "world size 64 = pp 2 x dp 32 x tp 1" in stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["rank"] for r in records] == [0, 63]
     for r in records:
