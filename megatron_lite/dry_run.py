@@ -76,6 +76,7 @@ from megatron_lite.planner import (
     GIB,
     Cluster,
     Layout,
+    RunOptions,
     _recompute_from,
     estimate_memory,
     evaluate,
@@ -551,9 +552,10 @@ def planner_step_s(cfg: Config, world_size: int) -> float | None:
         schedule = p.pipeline_schedule if schedule_in_effect(p).split_backward else None
         layout = Layout(tp, pp, dp, chunks, t.micro_batch_size,
                         p.data_parallel_sharding_strategy, _recompute_from(cfg),
-                        p.sequence_parallel, schedule, cp)
+                        p.sequence_parallel, schedule, cp, cfg.moe.expert_model_parallel_size)
         gbs = t.global_batch_size or t.micro_batch_size * dp
-        return evaluate(cfg.model, layout, Cluster(gpus=world_size), gbs, 1.0).step_s
+        moe = RunOptions(moe=cfg.moe) if cfg.moe.num_experts else RunOptions()
+        return evaluate(cfg.model, layout, Cluster(gpus=world_size), gbs, 1.0, moe).step_s
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return None
 

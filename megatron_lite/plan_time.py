@@ -240,11 +240,13 @@ def gemm_s(m: float, n: float, k: float, hw: Hardware, e: int = 2, batch: float 
 
 def collective_s(nbytes: float, ranks: int, gbps: float, latency_us: float, kind: str) -> float:
     """One collective over `ranks` (`nbytes` = the full tensor): all-reduce moves 2(n-1)/n
-    of it, all-gather and reduce-scatter (n-1)/n, a p2p send all of it once."""
+    of it, all-gather and reduce-scatter (n-1)/n, a p2p send all of it once, an all-to-all
+    the (n-1)/n of a rank's send buffer (`nbytes`) bound for the others."""
     if ranks == 1 and kind != "p2p":
         return 0.0
     factor = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
-              "reduce_scatter": (ranks - 1) / ranks, "p2p": 1.0}[kind]
+              "reduce_scatter": (ranks - 1) / ranks, "p2p": 1.0,
+              "all_to_all": (ranks - 1) / ranks}[kind]
     return factor * nbytes / (gbps * 1e9) + latency_us * 1e-6
 
 

@@ -56,8 +56,10 @@ from megatron_lite import sharding as sharding_table
 from megatron_lite.config import (
     Config,
     ModelConfig,
+    MoEConfig,
     ParallelConfig,
     ddp_bucket_size,
+    moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
     schedule_in_effect,
@@ -148,11 +150,15 @@ class RunOptions:
     dtype_bytes: int = 2
     """Activation element size the time model moves: 2 (bf16), 4 (fp32, the CPU runs). The
     memory model keeps bf16."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (--num-experts ...): expert states split over EP (`Layout.ep`) and
+    sharded over expert-DP, the active experts' GEMMs and the token dispatch in the step."""
 
 
-def model_shape(model: ModelConfig, tp: int, block: str = "llama") -> ModelShape:
-    """The shape FLOPs and time are counted on, for `block`."""
-    return gpt_shape(model, tp) if block == "gpt" else ModelShape.from_config(model, tp)
+def model_shape(model: ModelConfig, tp: int, block: str = "llama",
+                moe: MoEConfig | None = None) -> ModelShape:
+    """The shape FLOPs and time are counted on, for `block` (with `moe`'s active experts)."""
+    return gpt_shape(model, tp) if block == "gpt" else ModelShape.from_config(model, tp, moe)
 
 
 def matmul_params_per_layer(shape: ModelShape) -> int:
@@ -228,6 +234,61 @@ def stage_params(model: ModelConfig, tp: int, pp: int, stage: int, num_stage_lay
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (unpadded vocab, tied weights counted once)."""
     return sum(p.numel for p in structure.model_parameters(model, model.vocab_size))
+
+
+def stage_layer_ids(counts: list[int], chunks: int, stage: int) -> list[int]:
+    """Global layer ids of `stage` when each stage's `counts` layers are cut into `chunks`
+    equal pieces dealt round-robin (pipeline/partition.py's interleaving rule)."""
+    ids, start = [], 0
+    for _ in range(chunks):
+        for s, count in enumerate(counts):
+            if s == stage:
+                ids += range(start, start + count // chunks)
+            start += count // chunks
+    return ids
+
+
+def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
+                     layer_ids: list[int]) -> tuple[int, int]:
+    """(change to the dense parameters, routed-expert parameters) on one rank of a stage
+    holding `layer_ids`: each MoE layer trades the dense MLP for the router and the shared
+    expert (TP-split like the dense MLP, the router whole), and holds E/ep experts, each
+    TP-split (structure.moe_parameters)."""
+    pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+    on = sum(pattern[i] for i in layer_ids)
+    if not on:
+        return 0, 0
+    first = pattern.index(True)
+    dense = sum(p.local_numel(tp) for p in structure.layer_parameters(model, first))
+    mixed = structure.layer_parameters(model, first, moe)
+    routed = sum(p.local_numel(tp, ep) for p in mixed if p.expert)
+    rest = sum(p.local_numel(tp) for p in mixed if not p.expert)
+    return on * (rest - dense), on * routed
+
+
+def moe_saved_bytes(model: ModelConfig, moe: MoEConfig, a: ActivationSetup,
+                    moe_layers: int) -> float:
+    """Saved-for-backward bytes that `moe_layers` MoE layers add to one micro-batch beyond
+    dense MLPs. Every TP rank routes all T = b·s/cp tokens (under SP gathered over TP), so
+    with an even load its experts see T·k rows and keep: the rows entering the grouped GEMM,
+    the weighted outputs and the combine's input (3 x h), the SwiGLU's gate|up and the down
+    projection's input (3 x f/t); the shared expert keeps its own 3 x f_s/t per token; the
+    dense MLP's 3 x f/t per token is not there. Router logits (E per token) are neglected."""
+    e = 2 if a.bf16 else 4
+    tokens = local_seq(model, a) * a.micro_batch
+    h, f = model.hidden_size, (moe.moe_ffn_hidden_size or model.ffn_hidden_size) // a.tp
+    shared = 3 * (moe.moe_shared_expert_intermediate_size or 0) // a.tp
+    routed = moe.moe_router_topk * (3 * h + 3 * f)
+    return moe_layers * e * tokens * (routed + shared - 3 * model.ffn_hidden_size // a.tp)
+
+
+def moe_total_params(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
+    """(all parameters, active parameters per token) of a MoE model (tied weights once,
+    unpadded vocab): active = the others + top-k of each MoE layer's E experts."""
+    params = structure.model_parameters(model, model.vocab_size, moe)
+    experts = sum(p.numel for p in params if p.expert)
+    total = sum(p.numel for p in params)
+    return total, total - experts + experts * moe.moe_router_topk // (moe.num_experts or 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,17 +700,31 @@ class StageSpec:
     """--grad-reduce-in-bf16: gradients stored and reduced in bf16."""
     bucket_size: int = ddp_bucket_size(ParallelConfig(), 1)
     """--ddp-bucket-size (ZeRO-3's gradient buckets in flight)."""
+    moe_params: tuple[tuple[int, int], ...] = ()
+    """Per stage, `moe_stage_params` (); empty: a dense model."""
+    ep: int = 1
+    """--expert-model-parallel-size: the experts' states are sharded over DP x CP / ep."""
+    moe_saved: tuple[float, ...] = ()
+    """Per stage, `moe_saved_bytes` of one micro-batch (); empty: a dense model."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
     """Memory of one rank of `stage`, which holds `layers` layers split over spec.chunks."""
     sched = schedules.get(spec.schedule, spec.chunks)
     n = stage_params(model, spec.tp, spec.pp, stage, layers, sched.v_shape)
+    dense_change, routed = spec.moe_params[stage] if spec.moe_params else (0, 0)
+    n += dense_change
+    accumulator = spec.full_grad_accumulator and spec.microbatches > 1
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
-                             spec.full_grad_accumulator and spec.microbatches > 1,
-                             spec.grad_bf16)
+                             accumulator, spec.grad_bf16)
+    if routed:  # the experts' own sync group: their replicas over expert-DP
+        epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
+                                    spec.act.bf16, accumulator, spec.grad_bf16)
+        n, pb, gb, ob = n + routed, pb + epb, gb + egb, ob + eob
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,
                                                        spec.recompute)
+    if spec.moe_saved and spec.recompute.granularity != "full":
+        per_chunk += spec.moe_saved[stage] / spec.chunks
     holds_head = stage == sched.head_stage(spec.pp)
     # Zero-bubble: each micro-batch between its F and its W keeps the head's saved input and
     # logits gradient (the output layer's W needs them).
@@ -712,6 +787,18 @@ def teacher_bytes(teacher: ModelConfig, a: ActivationSetup) -> float:
             + (e + 4 * KD_VOCAB_BUFFERS) * tokens * vocab)
 
 
+def _moe_stages(model: ModelConfig, moe: MoEConfig | None, act: ActivationSetup, ep: int,
+                counts: list[int], chunks: int
+                ) -> tuple[tuple[tuple[int, int], ...], tuple[float, ...]]:
+    """Per stage: `moe_stage_params` and `moe_saved_bytes` (both empty for a dense model)."""
+    if moe is None:
+        return (), ()
+    pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+    ids = [stage_layer_ids(counts, chunks, i) for i in range(len(counts))]
+    return (tuple(moe_stage_params(model, moe, act.tp, ep, i) for i in ids),
+            tuple(moe_saved_bytes(model, moe, act, sum(pattern[j] for j in i)) for i in ids))
+
+
 def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                     fused_kernels: bool | None = None, device_type: str = "cuda",
                     teacher: ModelConfig | None = None) -> MemoryEstimate:
@@ -734,12 +821,16 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
                           cp=cp)
+    ep = cfg.moe.expert_model_parallel_size
+    moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
+                                        ep, counts, chunks)
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
                      parallel.sharded_grad_accumulation == "full-buffer",
                      parallel.grad_reduce_in_bf16,
-                     ddp_bucket_size(parallel, world_size // (tp * cp * pp)))
+                     ddp_bucket_size(parallel, world_size // (tp * cp * pp)), moe_params, ep,
+                     moe_saved)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if teacher is not None:
         last = len(estimates) - 1
@@ -825,6 +916,8 @@ class Layout:
     """zb-h1 (chunks 1) or zbv (chunks 2); None: 1F1B, or interleaved when chunks > 1."""
     cp: int = 1
     """Context-parallel size (ranks between TP and DP in the grid)."""
+    ep: int = 1
+    """Expert-parallel size, carved out of the DP x CP replicas (MoE only)."""
 
     @property
     def schedule_name(self) -> str:
@@ -876,6 +969,8 @@ class Plan:
     hfu: float = 0.0
     """MFU plus the forward FLOPs that recomputation reruns (hardware FLOPs), causal."""
     hfu_noncausal: float = 0.0
+    ep_comm_s: float = 0.0
+    """MoE token dispatch over EP (`moe_dispatch_s`) of the slowest stage's micro-batches."""
 
 
 def _recompute_layers(lay: Layout, layers: int) -> tuple[int, bool]:
@@ -936,6 +1031,47 @@ def _stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage:
         ring = (lay.cp - 1) * ((kv + kv + 2 * kv) / (cp_bw * 1e9) + 3 * c.latency_us * 1e-6)
         p2p += layers * max(0.0, ring - plan_time.attention_s(shape, w, hw))
     return costs.total, tp_comm, p2p, costs
+
+
+def moe_dispatch_s(model: ModelConfig, moe: MoEConfig, lay: Layout, c: Cluster,
+                   moe_layers: int, e: int = 2) -> float:
+    """Seconds of one micro-batch's token dispatch over EP through `moe_layers` MoE layers.
+
+    Every TP rank dispatches all b·s/cp tokens of its replica (under SP gathered over TP
+    first). alltoall: the tokens x top-k x h x e bytes go to their experts' ranks and the
+    outputs come back, forward and backward (4 all-to-alls); allgather: the EP group's
+    tokens are all-gathered and the outputs reduce-scattered, forward and backward (4
+    collectives of ep x tokens x h x e). Over NVLink when TP x EP ranks fit in a node (the EP
+    group's ranks are TP apart), else over the network; the per-expert counts and router
+    outputs are small and only their latency is counted."""
+    if lay.ep == 1 or not moe_layers:
+        return 0.0
+    tokens = model.seq_length // lay.cp * lay.micro_batch
+    bw = c.intra_node_gbps if lay.tp * lay.ep <= c.gpus_per_node else c.inter_node_gbps
+    row = e * tokens * model.hidden_size
+    if moe.moe_token_dispatcher_type == "alltoall":
+        one = plan_time.collective_s(row * moe.moe_router_topk, lay.ep, bw, c.latency_us,
+                                     "all_to_all") + c.latency_us * 1e-6  # the counts
+        per_layer = 4 * one
+    else:
+        volume = row * lay.ep
+        per_layer = 2 * (plan_time.collective_s(volume, lay.ep, bw, c.latency_us, "all_gather")
+                         + plan_time.collective_s(volume, lay.ep, bw, c.latency_us,
+                                                  "reduce_scatter"))
+    return moe_layers * per_layer
+
+
+def moe_compute_delta(shape: ModelShape, w: plan_time.Work, hw: plan_time.Hardware,
+                      moe_layers: int) -> plan_time.Costs:
+    """What `moe_layers` MoE layers cost beyond dense ones: each token's MLP is its top-k
+    experts' (and the shared expert's) SwiGLU width instead of the dense one (a grouped GEMM
+    timed as one GEMM of that width)."""
+    if not moe_layers:
+        return plan_time.Costs()
+    mixed = dataclasses.replace(shape, ffn_hidden=shape.moe_active_ffn)
+    one = [plan_time.microbatch_costs(s, w, hw, 1, 0, False, False, False)
+           for s in (mixed, shape)]
+    return (one[0] + one[1].scale(-1)).scale(moe_layers)
 
 
 def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatches: int,
@@ -1008,21 +1144,24 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     mem_model = gpt_memory_stand_in(model) if opts.block == "gpt" else model
     mbs = global_batch // (lay.dp * lay.micro_batch)
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp)
-    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
-                     lay.schedule)
     per_stage = model.num_layers // lay.pp
+    moe = opts.moe if opts.moe is not None and opts.moe.num_experts else None
+    moe_params, moe_saved = _moe_stages(model, moe, act, lay.ep, [per_stage] * lay.pp,
+                                        lay.chunks)
+    spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
+                     lay.schedule, moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved)
     mems = [stage_memory(mem_model, spec, i, per_stage) for i in range(lay.pp)]
     worst = max(mems, key=lambda est: est.total_bytes)
-    times = [_stage_time(model, lay, c, per_stage, i, opts) for i in range(lay.pp)]
-    compute, tp_comm, p2p, costs = max(times, key=lambda t: sum(t[:3]))
-    stage_s = compute + tp_comm + p2p
+    times = [_moe_stage_time(model, lay, c, per_stage, i, opts) for i in range(lay.pp)]
+    compute, tp_comm, p2p, costs, ep_comm = max(times, key=lambda t: sum(t[:3]) + t[4])
+    stage_s = compute + tp_comm + p2p + ep_comm
     bubble = bubble_time(lay.pp, stage_s, lay.chunks, lay.schedule_name,
                          pipeline_op_costs(mem_model, lay.tp))
     dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s, mbs,
                            opts.grad_reduce_bytes)
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
-    shape = model_shape(model, lay.tp, opts.block)
+    shape = model_shape(model, lay.tp, opts.block, moe)
     causal = training_flops_per_token(shape, model.seq_length, causal=True)
     full = training_flops_per_token(shape, model.seq_length)
     per_gpu = tokens_s / c.gpus / 1e12 / c.peak_tflops
@@ -1038,7 +1177,23 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
                 dp_s, opt_s, tokens_s, causal, per_gpu * causal, train_tokens / tokens_s / 86400,
                 fits, reason, memory_s=mbs * costs.memory, overhead_s=mbs * costs.overhead,
                 mfu_noncausal=per_gpu * full, hfu=per_gpu * (causal + rerun[True]),
-                hfu_noncausal=per_gpu * (full + rerun[False]))
+                hfu_noncausal=per_gpu * (full + rerun[False]), ep_comm_s=mbs * ep_comm)
+
+
+def _moe_stage_time(model: ModelConfig, lay: Layout, c: Cluster, layers: int, stage: int,
+                    opts: RunOptions) -> tuple[float, float, float, plan_time.Costs, float]:
+    """`_stage_time` plus, with `opts.moe`, the MoE layers' extra expert compute
+    (`moe_compute_delta`) and their token dispatch over EP (`moe_dispatch_s`, last)."""
+    compute, tp_comm, p2p, costs = _stage_time(model, lay, c, layers, stage, opts)
+    moe = opts.moe
+    if moe is None or not moe.num_experts:
+        return compute, tp_comm, p2p, costs, 0.0
+    pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
+    on = sum(pattern[i] for i in stage_layer_ids([layers] * lay.pp, lay.chunks, stage))
+    extra = moe_compute_delta(model_shape(model, lay.tp, opts.block, moe),
+                              _work(model, lay, opts), c.hardware, on)
+    dispatch = moe_dispatch_s(model, moe, lay, c, on, opts.dtype_bytes)
+    return compute + extra.total, tp_comm, p2p, costs + extra, dispatch
 
 
 def efficiency_bound(c: Cluster) -> float:
@@ -1095,6 +1250,19 @@ def layouts(model: ModelConfig, c: Cluster, global_batch: int) -> list[Layout]:
     return out
 
 
+def expert_parallel_sizes(moe: MoEConfig | None, lay: Layout) -> list[int]:
+    """EP sizes the search tries for a layout: 1 for a dense model; for a MoE model the
+    powers of two dividing both the experts and the DP x CP replicas, or only
+    --expert-model-parallel-size when it is given (> 1)."""
+    if moe is None or not moe.num_experts:
+        return [1]
+    if moe.expert_model_parallel_size > 1:
+        fixed = moe.expert_model_parallel_size
+        return [fixed] if (lay.dp * lay.cp) % fixed == 0 else []
+    return [ep for ep in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+            if moe.num_experts % ep == 0 and (lay.dp * lay.cp) % ep == 0]
+
+
 def recompute_options(model: ModelConfig, lay: Layout) -> list[Recompute]:
     """none, selective, full uniform N=1, and full block N for N < layers per chunk."""
     per_chunk = model.num_layers // (lay.pp * lay.chunks)
@@ -1112,9 +1280,18 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     reason). Fitting plans come first, by tokens/s.
     """
     plans = []
-    for base in layouts(model, c, global_batch):
+    # MoE plans skip the zero-bubble schedules (refused with experts, config.moe_errors) and
+    # ZeRO-3, whose gathered units and buckets are modelled on dense layers (`zero3_units`),
+    # missing a MoE layer's by up to a third (the dry run shows it)
+    for base in (dataclasses.replace(lay, ep=ep) for lay in layouts(model, c, global_batch)
+                 for ep in expert_parallel_sizes(opts.moe, lay)
+                 if opts.moe is None or not (lay.zero_stage == 3 or schedules.get(
+                     lay.schedule, lay.chunks).split_backward)):
+        # a MoE run refuses full recompute for now (config.moe_errors)
+        options = [rc for rc in recompute_options(model, base)
+                   if opts.moe is None or rc.granularity != "full"]
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
-                          train_tokens, opts) for rc in recompute_options(model, base)]
+                          train_tokens, opts) for rc in options]
         tried = [p for p in tried if keep(p.layout)]
         if not tried:
             continue

@@ -40,15 +40,18 @@ class Param:
     """Takes part in a matmul, so in the N of 6N: not norms, biases, or an input embedding
     that is only looked up (a tied one is the output layer's weight, so it is)."""
     expert: bool = False
-    """A routed expert's stacked weight: a token passes through only top-k / E of it."""
+    """The routed experts' weight, all E stacked by rows: an EP rank holds E/ep of them (not
+    `matmul`: a token passes through top-k of them, which the FLOP count takes from
+    plan_time.ModelShape's active width)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def local_numel(self, tp: int) -> int:
-        """Elements on one rank of a TP group of `tp`."""
-        return self.numel if self.split_dim is None else self.numel // tp
+    def local_numel(self, tp: int, ep: int = 1) -> int:
+        """Elements on one rank of a TP group of `tp` (and an EP group of `ep`)."""
+        n = self.numel if self.split_dim is None else self.numel // tp
+        return n // ep if self.expert else n
 
 
 def qkv_rows(model: ModelConfig) -> tuple[int, int, int]:
@@ -58,12 +61,32 @@ def qkv_rows(model: ModelConfig) -> tuple[int, int, int]:
             model.num_query_groups * d)
 
 
+def moe_parameters(model: ModelConfig, moe: MoEConfig, layer: int) -> list[Param]:
+    """A MoE layer's MLP parameters (layers/moe.py), in `named_parameters` order: the E experts
+    stacked, gate|up [E·2f, h] (expert e's gate rows then its up rows, each cut over TP on its
+    own) and down [E·h, f] (input columns split), the router [E, h] (replicated), then the
+    shared expert's fused gate|up and down when --moe-shared-expert-intermediate-size is set.
+    Shapes are those of EP=1: an EP rank holds E/ep of the experts' rows."""
+    h, e = model.hidden_size, moe.num_experts or 0
+    f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
+    p = f"layers.{layer}.mlp."
+    out = [Param(p + "gate_up", (e * 2 * f, h), 0, (f,) * (2 * e), expert=True),
+           Param(p + "down", (e * h, f), 1, expert=True),
+           Param(p + "router.weight", (e, h), matmul=True)]
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared:
+        out += [Param(p + "shared.gate_up.weight", (2 * shared, h), 0, (shared, shared),
+                      matmul=True),
+                Param(p + "shared.down.weight", (h, shared), 1, matmul=True)]
+    return out
+
+
 def layer_parameters(model: ModelConfig, layer: int, moe: MoEConfig | None = None
                      ) -> list[Param]:
     """Layer `layer`'s parameters in the order its modules create them: the attention norm,
     fused QKV (and its --add-qkv-bias bias), the output projection, the --qk-layernorm
-    per-head norms, the MLP norm, fused gate|up and down (or `moe_parameters` on a layer
-    --moe-layer-freq makes MoE)."""
+    per-head norms, the MLP norm, fused gate|up and down (on the layers --moe-layer-freq
+    picks with `moe`: `moe_parameters`)."""
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
     rows = qkv_rows(model)
     p = f"layers.{layer}."
@@ -76,37 +99,17 @@ def layer_parameters(model: ModelConfig, layer: int, moe: MoEConfig | None = Non
         out += [Param(p + "attention.q_norm.weight", (d,)),
                 Param(p + "attention.k_norm.weight", (d,))]
     out.append(Param(p + "mlp_norm.weight", (h,)))
-    if moe is not None and moe_layer_pattern(moe.moe_layer_freq, model.num_layers)[layer]:
+    if moe is not None and moe.num_experts and moe_layer_pattern(
+            moe.moe_layer_freq, model.num_layers)[layer]:
         return out + moe_parameters(model, moe, layer)
     return [*out, Param(p + "mlp.gate_up.weight", (2 * f, h), 0, (f, f), matmul=True),
             Param(p + "mlp.down.weight", (h, f), 1, matmul=True)]
 
 
-def moe_parameters(model: ModelConfig, moe: MoEConfig, layer: int) -> list[Param]:
-    """A MoE layer's MLP parameters (layers/moe.py), in `named_parameters` order: the E experts
-    stacked, gate/up [E x 2f, h] (expert e's gate rows then its up rows, each cut over TP on its
-    own) and down [E x h, f] (input columns split), the router [E, h] (replicated), then the
-    shared expert's fused gate|up and down when --moe-shared-expert-intermediate-size is set.
-    Shapes are those of EP=1: an EP rank holds E/ep of the experts' rows."""
-    h, experts = model.hidden_size, moe.num_experts or 0
-    f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
-    p = f"layers.{layer}.mlp."
-    out = [Param(p + "gate_up", (experts * 2 * f, h), 0, (f,) * (2 * experts), matmul=True,
-                 expert=True),
-           Param(p + "down", (experts * h, f), 1, matmul=True, expert=True),
-           Param(p + "router.weight", (experts, h), matmul=True)]
-    shared = moe.moe_shared_expert_intermediate_size
-    if shared:
-        out += [Param(p + "shared.gate_up.weight", (2 * shared, h), 0, (shared, shared),
-                      matmul=True),
-                Param(p + "shared.down.weight", (h, shared), 1, matmul=True)]
-    return out
-
-
 def model_parameters(model: ModelConfig, vocab_rows: int, moe: MoEConfig | None = None
                      ) -> list[Param]:
     """The whole model's unique parameters (one chunk holding every layer, as
-    `named_parameters` lists them): the embedding, the layers (MoE ones under `moe`), the
+    `named_parameters` lists them): the embedding, the layers (MoE where `moe` says), the
     final norm, and the output layer when untied (tied, it reads the embedding's weight)."""
     untied = model.untie_embeddings_and_output_weights
     h = model.hidden_size

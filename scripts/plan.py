@@ -9,6 +9,8 @@
         --timeline-microbatches 8                    # draw #1's pipeline schedules
     python scripts/plan.py --preset 8B --gpus 64 --hardware a100-80gb --explain  # #1's step
     python scripts/plan.py --preset 1B --gpus 8 --json                 # ranked plans as JSON
+    python scripts/plan.py --preset 8B --gpus 64 --num-experts 8 --moe-router-topk 2 \
+        --moe-ffn-hidden-size 14336                   # Mixtral-like MoE: EP searched
     python scripts/plan.py --block gpt --attention unfused --num-layers 24 --hidden-size 2304 \
         --num-attention-heads 24 --seq-length 2048 --vocab-size 51200 --global-batch-size 512 \
         --gpus 32 --hardware a100-80gb --tp 1 --recompute full     # a published 2021 GPT run
@@ -35,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite import plan_time, schedules
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import ConfigError, ModelConfig, MoEConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.pipeline.schedule import build_schedule
 from megatron_lite.planner import (
@@ -48,6 +50,7 @@ from megatron_lite.planner import (
     RunOptions,
     efficiency_bound,
     model_shape,
+    moe_total_params,
     pipeline_op_costs,
     pretrain_flags,
     search,
@@ -78,6 +81,17 @@ def _add_run_and_search_flags(ap: argparse.ArgumentParser) -> None:
                      help="reduce gradients over DP in 16 bits (time only)")
     run.add_argument("--fp32", action="store_true",
                      help="time fp32 activations (the CPU runs); memory stays bf16")
+    moe = ap.add_argument_group("mixture of experts (pretrain.py's flags, Megatron's defaults)")
+    moe.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    moe.add_argument("--moe-ffn-hidden-size", type=int,
+                     help="one expert's SwiGLU width (default --ffn-hidden-size)")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int)
+    moe.add_argument("--moe-layer-freq", default="1", help="which layers are MoE")
+    moe.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
+                     default="allgather")
+    moe.add_argument("--expert-model-parallel-size", type=int,
+                     help="EP size (default: searched over the divisors of the experts)")
     flt = ap.add_argument_group("restrict the search")
     for flag in ("tp", "cp", "pp", "dp", "vpp", "micro-batch-size"):
         flt.add_argument("--" + flag, type=int)
@@ -179,9 +193,51 @@ def cluster_from_args(args: argparse.Namespace, model: ModelConfig) -> Cluster:
                                  tp_overlap=args.tp_comm_overlap, **flags)
 
 
-def options_from_args(args: argparse.Namespace) -> RunOptions:
+def moe_from_args(args: argparse.Namespace, model: ModelConfig) -> MoEConfig | None:
+    """The MoE flags as pretrain.py's MoEConfig (None without --num-experts)."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        if ep is not None:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts (a "
+                              "dense model has no experts to split)")
+        return None
+    experts, topk = args.num_experts, args.moe_router_topk
+    if experts < 1 or not 1 <= topk <= experts:
+        raise ConfigError(f"--num-experts {experts} --moe-router-topk {topk}: give "
+                          "1 <= top-k <= experts")
+    if ep is not None and (ep < 1 or experts % ep):
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide --num-experts "
+                          f"{experts}; pick a divisor of the experts")
+    moe = MoEConfig(num_experts=experts, moe_router_topk=topk,
+                    moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                    moe_layer_freq=args.moe_layer_freq,
+                    moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                    expert_model_parallel_size=ep or 1)
+    moe_total_params(model, moe)  # a --moe-layer-freq that does not fit the layers fails here
+    return moe
+
+
+def options_from_args(args: argparse.Namespace, model: ModelConfig) -> RunOptions:
     return RunOptions(args.block, args.attention, 2 if args.grad_reduce_in_bf16 else 4,
-                      dtype_bytes=4 if args.fp32 else 2)
+                      dtype_bytes=4 if args.fp32 else 2, moe=moe_from_args(args, model))
+
+
+def moe_flags(moe: MoEConfig | None, plan: Plan) -> list[str]:
+    """pretrain.py's MoE flags for a plan (with its EP size)."""
+    if moe is None:
+        return []
+    flags = ["--num-experts", moe.num_experts, "--moe-router-topk", moe.moe_router_topk]
+    for flag, value in (("--moe-ffn-hidden-size", moe.moe_ffn_hidden_size),
+                        ("--moe-shared-expert-intermediate-size",
+                         moe.moe_shared_expert_intermediate_size)):
+        if value:
+            flags += [flag, value]
+    if moe.moe_layer_freq != "1":
+        flags += ["--moe-layer-freq", f"'{moe.moe_layer_freq}'"]
+    flags += ["--moe-token-dispatcher-type", moe.moe_token_dispatcher_type,
+              "--expert-model-parallel-size", plan.layout.ep]
+    return [str(f) for f in flags]
 
 
 def _keep(args: argparse.Namespace):
@@ -199,7 +255,8 @@ def _keep(args: argparse.Namespace):
 
 
 HEADER = (f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'schedule':>11} {'v':>3} {'DP':>5} {'mbs':>4} "
-          f"{'m':>5} {'ZeRO':>5} {'recompute':>10} {'states':>7} {'acts':>6} {'total':>6} "
+          f"{'m':>5} {'EP':>3} {'ZeRO':>5} {'recompute':>10} {'states':>7} {'acts':>6} "
+          f"{'total':>6} "
           f"{'step s':>7} {'bubble':>6} {'tok/s/GPU':>10} {'MFU':>5} {'days':>7} {'MFUnc':>5} "
           f"{'HFU':>5}")
 
@@ -208,7 +265,7 @@ def row(i: int, plan: Plan, gpus: int) -> str:
     lay, mem = plan.layout, plan.memory
     return (f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.schedule_name:>11} {lay.chunks:>3} "
             f"{lay.dp:>5} {lay.micro_batch:>4} "
-            f"{plan.microbatches:>5} {lay.zero_stage:>5} "
+            f"{plan.microbatches:>5} {lay.ep:>3} {lay.zero_stage:>5} "
             f"{lay.recompute.label():>10} {mem.state_bytes / GIB:>7.1f} "
             f"{mem.activation_bytes / GIB:>6.1f} {plan.need_gib:>6.1f} {plan.step_s:>7.2f} "
             f"{plan.bubble_s / plan.step_s:>6.1%} {plan.tokens_per_s / gpus:>10,.0f} "
@@ -217,9 +274,12 @@ def row(i: int, plan: Plan, gpus: int) -> str:
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
-           top: int) -> str:
-    n = total_params(model)
-    lines = [f"model: {n / 1e9:.2f}B params, {model.num_layers} layers, h {model.hidden_size}, "
+           top: int, moe: MoEConfig | None = None) -> str:
+    n, active = moe_total_params(model, moe) if moe else (total_params(model), 0)
+    experts = (f" ({active / 1e9:.2f}B active: {moe.num_experts} experts, top-"
+               f"{moe.moe_router_topk}, {moe.moe_token_dispatcher_type} dispatch)" if moe else "")
+    lines = [f"model: {n / 1e9:.2f}B params{experts}, {model.num_layers} layers, "
+             f"h {model.hidden_size}, "
              f"ffn {model.ffn_hidden_size}, heads {model.num_attention_heads}/"
              f"{model.num_query_groups} KV, seq {model.seq_length}, vocab {model.vocab_size}",
              f"cluster: {cluster.gpus} GPUs ({cluster.gpus_per_node}/node), "
@@ -261,7 +321,8 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
                                                   f"{p.reason})")
                   for i, p in enumerate(schedule_ranking(plans, fitting[0]))]
     if fitting:
-        lines += ["", "pretrain.py flags for #1:", " ".join(pretrain_flags(model, fitting[0], gbs))]
+        lines += ["", "pretrain.py flags for #1:", " ".join(
+            pretrain_flags(model, fitting[0], gbs) + moe_flags(moe, fitting[0]))]
     return "\n".join(lines)
 
 
@@ -269,7 +330,8 @@ def plan_record(plan: Plan, gpus: int) -> dict:
     """One plan for --json: the layout, its times (s) and utilisations (fractions)."""
     lay = plan.layout
     return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp,
-            "schedule": lay.schedule_name, "vpp": lay.chunks, "micro_batch_size": lay.micro_batch,
+            "schedule": lay.schedule_name, "vpp": lay.chunks, "ep": lay.ep,
+            "micro_batch_size": lay.micro_batch,
             "microbatches": plan.microbatches, "sharding": lay.sharding,
             "sequence_parallel": lay.sequence_parallel, "recompute": lay.recompute.label(),
             "step_s": plan.step_s, "mfu": plan.mfu, "mfu_noncausal": plan.mfu_noncausal,
@@ -284,7 +346,8 @@ def breakdown(plan: Plan) -> list[tuple[str, float]]:
     return [("GEMM compute", plan.compute_s), ("memory-bound work", plan.memory_s),
             ("kernel overhead", plan.overhead_s), ("exposed TP communication", plan.tp_comm_s),
             ("PP p2p + exposed CP ring", plan.p2p_s), ("pipeline bubble", plan.bubble_s),
-            ("exposed DP communication", plan.dp_exposed_s), ("optimizer step", plan.optimizer_s)]
+            ("exposed DP communication", plan.dp_exposed_s), ("optimizer step", plan.optimizer_s),
+            ("MoE token dispatch over EP", plan.ep_comm_s)]
 
 
 def explain(plan: Plan, index: int, gpus: int) -> str:
@@ -409,12 +472,13 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--timeline-microbatches {args.timeline_microbatches}: give a "
                           "positive number, with --timeline OUT.png")
     model, gbs = model_from_args(args)
-    cluster, opts = cluster_from_args(args, model), options_from_args(args)
+    cluster, opts = cluster_from_args(args, model), options_from_args(args, model)
     if args.tp and args.tp > cluster.gpus_per_node:
         raise ConfigError(f"--tp {args.tp}: TP wider than a node ({cluster.gpus_per_node} GPUs, "
                           "--gpus-per-node): its all-reduces in every layer need NVLink; use "
                           f"--tp {cluster.gpus_per_node} or less and PP/DP across nodes")
-    tokens = args.train_tokens or 20 * total_params(model)
+    tokens = args.train_tokens or 20 * (moe_total_params(model, opts.moe)[1] if opts.moe
+                                        else total_params(model))
     plans = search(model, cluster, gbs, tokens, keep=_keep(args), opts=opts)
     if not plans:
         raise ConfigError("no valid layout (check that --global-batch-size is divisible by "
@@ -422,7 +486,7 @@ def _main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([plan_record(p, cluster.gpus) for p in plans[:args.top]], indent=1))
         return 0
-    print(report(model, cluster, gbs, tokens, plans, args.top))
+    print(report(model, cluster, gbs, tokens, plans, args.top, opts.moe))
     fitting = [p for p in plans if p.fits]
     if args.save_seconds and args.mtbf_hours and fitting:
         best = young_daly_interval_s(args.save_seconds, 3600 * args.mtbf_hours)

@@ -19,6 +19,12 @@ experts' output is a partial sum: under SP the router runs on this rank's sequen
 then tokens, weights and map are all-gathered over TP and the output reduce-scattered back
 (Megatron's allgather dispatcher with expert-TP = TP); without SP every rank routes all
 tokens and the output is all-reduced.
+
+On the meta device (the rank dry run) no routing decision has a value, so which rows go where
+cannot be read: `routed_pairs` and the alltoall splits then take a stand-in, the dropless
+even split (N x top-k pairs, N x top-k / E rows per expert, the same number of rows to and
+from every EP rank), which gives every tensor, collective and allocation of the step its
+balanced-load shape.
 """
 
 from __future__ import annotations
@@ -66,9 +72,14 @@ def padded_bmm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """Rows of `x` [N, k] sorted by group, group g's `counts[g]` rows times w[g] [k, n], as one
     zero-padded batched matmul (each output row depends only on its own input row)."""
     groups = w.size(0)
-    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
-    slot = torch.arange(x.size(0), device=x.device) - (counts.cumsum(0) - counts)[group]
-    width = int(counts.max()) if x.size(0) else 0
+    if x.is_meta:  # no counts to read: the even split of the rows (see the module docstring)
+        width = -(-x.size(0) // groups)
+        row = torch.arange(x.size(0), device=x.device)
+        group, slot = row // max(width, 1), row % max(width, 1)
+    else:
+        group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
+        slot = torch.arange(x.size(0), device=x.device) - (counts.cumsum(0) - counts)[group]
+        width = int(counts.max()) if x.size(0) else 0
     batch = x.new_zeros(groups, width, x.size(1)).index_put((group, slot), x)
     return torch.bmm(batch, w)[group, slot]
 
@@ -81,13 +92,24 @@ def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
+def routed_pairs(routing_map: Tensor, pairs_per_token: float) -> tuple[Tensor, Tensor]:
+    """(expert ids, token ids) of the map's (token, expert) pairs, sorted by expert. On meta:
+    the stand-in `pairs_per_token` x N pairs (top-k x the map's share of all experts)."""
+    if not routing_map.is_meta:
+        return routing_map.t().nonzero(as_tuple=True)
+    ids = torch.arange(round(routing_map.size(0) * pairs_per_token), device=routing_map.device)
+    return ids, ids
+
+
 def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tensor,
-                    down: Tensor, use_triton: bool = False) -> Tensor:
+                    down: Tensor, use_triton: bool = False, pairs_per_token: float = 0.0
+                    ) -> Tensor:
     """sum over each token's routed experts e of probs[t, e] x SwiGLU_e(x[t]).
 
     x [N, h]; probs, routing_map [N, E]; gate_up [E, h, 2f] (gate columns first), down
-    [E, f, h]. Returns [N, h] (a partial sum over TP when the weights are TP shards)."""
-    expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # sorted by expert
+    [E, f, h]. Returns [N, h] (a partial sum over TP when the weights are TP shards).
+    `pairs_per_token`: the meta stand-in's pairs per token (`routed_pairs`)."""
+    expert_ids, token_ids = routed_pairs(routing_map, pairs_per_token)  # sorted by expert
     counts = routing_map.sum(0)
     hidden = grouped_matmul(x[token_ids], gate_up, counts)
     gate, up = hidden.chunk(2, dim=-1)
@@ -123,7 +145,7 @@ class MoE(nn.Module):
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
         self.tp_group, self.sequence_parallel = ctx.tp_group, ctx.sequence_parallel
-        self.use_triton = ctx.use_triton
+        self.use_triton, self.topk = ctx.use_triton, moe.moe_router_topk
         self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
                              name=f"layers.{layer}.mlp.router")
         ep = ctx.ep_size
@@ -188,7 +210,7 @@ class MoE(nn.Module):
         this rank's experts run here and the others' on their EP ranks."""
         if comms.group_size(self.ep_group) == 1:
             return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
-                                   use_triton=self.use_triton)
+                                   use_triton=self.use_triton, pairs_per_token=self.topk)
         if self.dispatcher == "alltoall":
             return self._all_to_all(tokens, probs, routing_map)
         return self._all_gather(tokens, probs, routing_map)
@@ -207,7 +229,8 @@ class MoE(nn.Module):
         routing_map = comms.all_gather_dim0(routing_map.to(torch.uint8).contiguous(),
                                             group)[0].bool()
         out = experts_forward(tokens, self._local(probs), self._local(routing_map),
-                              *self.expert_weights(), use_triton=self.use_triton)
+                              *self.expert_weights(), use_triton=self.use_triton,
+                              pairs_per_token=self.topk * self.local_experts / self.experts)
         return comms.reduce_scatter_to_sequence_region(out, group)
 
     def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
@@ -219,14 +242,12 @@ class MoE(nn.Module):
         outputs go back the same way, weighted and summed into their tokens at home.
         """
         group, ep, local = self.ep_group, comms.group_size(self.ep_group), self.local_experts
-        expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)
+        expert_ids, token_ids = routed_pairs(routing_map, self.topk)
         counts = routing_map.sum(0).view(ep, local)
         received = comms.all_to_all_counts(counts, group)  # [source rank, local expert]
-        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
+        send, recv = self._splits(counts, received, token_ids.numel())
         rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group)
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=rows.device).repeat(ep), received.flatten())
-        order = torch.argsort(expert_of_row, stable=True)
+        order = self._by_local_expert(received, rows)
         gate_up, down = self.expert_weights()
         per_expert = received.sum(0)
         hidden = grouped_matmul(rows[order], gate_up, per_expert)
@@ -235,6 +256,26 @@ class MoE(nn.Module):
         back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add(0, token_ids, back)
+
+
+    def _splits(self, counts: Tensor, received: Tensor, pairs: int
+                ) -> tuple[list[int], list[int]]:
+        """Rows sent to and received from each EP rank (a host read); on meta, the even
+        split of this rank's `pairs`."""
+        if counts.is_meta:
+            ep = counts.size(0)
+            return [pairs // ep] * ep, [pairs // ep] * ep
+        return counts.sum(1).tolist(), received.sum(1).tolist()
+
+    def _by_local_expert(self, received: Tensor, rows: Tensor) -> Tensor:
+        """The order that sorts the received rows (grouped by source rank) by local expert;
+        on meta, where the counts have no values, the identity."""
+        if rows.is_meta:
+            return torch.arange(rows.size(0), device=rows.device)
+        ep, local = received.shape
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep), received.flatten())
+        return torch.argsort(expert_of_row, stable=True)
 
 
 class MoEStep:

@@ -16,7 +16,7 @@ from megatron_lite.arguments import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "slurm_stubs"
 SBATCH_SCRIPTS = ["pretrain_llama_125m.sh", "pretrain_llama_1b.sh", "pretrain_llama_8b.sh",
-                  "pretrain_llama_70b.sh"]
+                  "pretrain_llama_70b.sh", "pretrain_mixtral_8x7b.sh"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
