@@ -18,7 +18,8 @@ import pretrain
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import ModelConfig, MoEConfig
 from megatron_lite.dry_run import run_rank
-from megatron_lite.model.llama import BuildOptions, LlamaChunk
+from megatron_lite.layers.context import LayerContext
+from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.parallel.audit import match
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.planner import (
@@ -74,8 +75,8 @@ def test_planner_moe_parameters_are_a_meta_builds(tp: int, ep: int, shared: int 
                     expert_model_parallel_size=ep)
     pstate = replace(single_process_state(torch.device("meta")), tp_size=tp, ep_size=ep,
                      ep_rank=ep - 1)
-    chunk = LlamaChunk(model, pstate, range(3), pre_process=True, post_process=True,
-                       opts=BuildOptions(seed=0, moe=moe))
+    ctx = LayerContext.from_state(pstate, seed=0, moe=moe)
+    chunk = LlamaChunk(model, ctx, range(3), pre_process=True, post_process=True)
     built = sum(p.numel() for p in chunk.parameters())
     dense_change, routed = moe_stage_params(model, moe, tp, ep, [0, 1, 2])
     assert stage_params(model, tp, 1, 0, 3) + dense_change + routed == built
