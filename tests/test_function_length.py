@@ -50,3 +50,27 @@ def test_a_long_function_is_found(tmp_path: Path) -> None:
 @pytest.mark.quick
 def test_no_function_over_60_lines() -> None:
     assert long_functions(_sources()) == []
+
+
+CLASS_LIMIT = 250
+"""optim/'s classes (issue 29): the optimizer grew into one 491-line class before its split."""
+
+
+def long_classes(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """`path:line name (N lines)` of every class spanning more than CLASS_LIMIT lines."""
+    return [f"{path.relative_to(root)}:{node.lineno} {node.name} "
+            f"({node.end_lineno - node.lineno + 1} lines)"
+            for path in paths for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef)
+            and node.end_lineno - node.lineno + 1 > CLASS_LIMIT]
+
+
+def test_a_long_class_is_found(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(CLASS_LIMIT))
+    (tmp_path / "probe.py").write_text("class Big:\n" + body)
+    assert long_classes([tmp_path / "probe.py"], tmp_path) == [
+        f"probe.py:1 Big ({CLASS_LIMIT + 1} lines)"]
+
+
+def test_no_class_over_250_lines_in_optim() -> None:
+    assert long_classes(sorted((ROOT / "megatron_lite" / "optim").glob("*.py"))) == []
