@@ -22,7 +22,7 @@ RUN=""       # output name prefix
 MODEL=()     # flags beyond the dense demo's
 if [[ " $* " == *" --moe "* ]]; then
     RUN=moe_
-    MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-3)
+    MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-2)
 fi
 OUT=demo
 VOCAB=4096
