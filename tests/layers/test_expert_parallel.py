@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lite.checkpoint.files import resolve_checkpoint_dir
 from megatron_lite.config import Config, MoEConfig, ParallelConfig
 from megatron_lite.parallel.state import ParallelState, single_process_state
+from tests.checkpoint.common import full_state
 from tests.distributed import relayout, run_ranks
 from tests.layers.test_moe_training import FLAGS, TERMS, _run
 from tests.numerics import EXACT, assert_close
@@ -40,7 +42,8 @@ def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]
                                              pipeline_model_parallel_size=pp),
                      moe=MoEConfig(num_experts=4, expert_model_parallel_size=ep))
         pstate = relayout(world, cfg)
-        runs[name] = _run(pstate, [*FLAGS, *EP2, *LONG, *flags],
+        save = ["--save", f"{tmp}/{name}-ckpt"] if name.startswith("ep4") else []
+        runs[name] = _run(pstate, [*FLAGS, *EP2, *LONG, *flags, *save],
                           Path(tmp) / f"{name}-{world.rank}.jsonl", (*TERMS, "params_norm"))
     return runs
 
@@ -68,6 +71,15 @@ def test_ep2_equals_one_process(tmp_path: Path) -> None:
 def test_ep4_and_ep2_compositions_equal_one_process_for_10_steps(tmp_path: Path) -> None:
     # the same micro-batches as the 4-rank runs: the aux loss is per micro-batch (a product
     # of two means over its tokens), so it depends on how the batch is cut
-    ref = _run(single_process_state(), [*FLAGS, *LONG], tmp_path / "ref.jsonl",
-               (*TERMS, "params_norm"))
+    ref = _run(single_process_state(), [*FLAGS, *LONG, "--save", str(tmp_path / "ref-ckpt")],
+               tmp_path / "ref.jsonl", (*TERMS, "params_norm"))
     _check(run_ranks(_layouts, 4, tmp_path, tmp=str(tmp_path))[0], ref)
+    # every weight and Adam moment after the 10 steps, element by element: EP4 against one
+    # process (the checkpoint gathers each EP rank's experts into the global tensors)
+    got, want = (full_state(resolve_checkpoint_dir(tmp_path / d, None))
+                 for d in ("ep4-alltoall-ckpt", "ref-ckpt"))
+    assert sorted(got) == sorted(want) and any("experts" in n or n.endswith("mlp.gate_up")
+                                               for n in got)
+    for name in want:
+        for kind in want[name]:
+            assert_close(got[name][kind], want[name][kind], EXACT, f"{name} {kind}")
