@@ -35,7 +35,9 @@ def test_plan_cli_ranks_the_schedules_for_70b_on_1024(capsys) -> None:
                           "--sharding", "optim"]) == 0
     out = capsys.readouterr().out
     section = out.split("pipeline schedules on #1's")[1].split("pretrain.py flags")[0]
-    ranked = [line.split()[4] for line in section.splitlines()[2:] if line.strip()]
+    header = section.splitlines()[1].replace("step s", "step_s").split()
+    rows = [line.split() for line in section.splitlines()[2:] if line.strip()]
+    ranked = [row[header.index("schedule")] for row in rows]
     assert sorted(ranked) == ["1f1b", "interleaved", "zb-h1", "zbv"]
-    steps = [float(line.split()[14]) for line in section.splitlines()[2:] if line.strip()]
+    steps = [float(row[header.index("step_s")]) for row in rows]
     assert steps == sorted(steps) and ranked[-1] == "1f1b"
