@@ -125,3 +125,16 @@ def test_refused_recipes_name_the_flag() -> None:
     cfg.train.fp8_format = "hybrid"  # recipe left at Megatron's default, delayed
     with pytest.raises(ConfigError, match="--fp8-recipe delayed"):
         validate(cfg, 1)
+
+
+def test_first_last_layers_stay_out_of_fp8() -> None:
+    """--first-last-layers-bf16 with 1 at the start and 2 at the end of 4 layers: layers 0, 2
+    and 3 build plain linears, layer 1 FP8 ones; the output layer is never FP8."""
+    cfg = make_config(fp64=False)
+    cfg.model.num_layers = 4
+    cfg.train.fp8_format, cfg.train.fp8_recipe = "e4m3", "tensorwise"
+    cfg.train.first_last_layers_bf16, cfg.train.num_layers_at_end_in_bf16 = True, 2
+    chunk = build_model(cfg, single_process_state())[0]
+    in_fp8 = [layer.attention.qkv.fp8 is not None and layer.mlp.down.fp8 is not None
+              for layer in chunk.layers]
+    assert in_fp8 == [False, True, False, False]
