@@ -412,6 +412,23 @@ class TrainConfig:
     reference kernels): exact math, so a layout can be checked against one process far below
     fp32's rounding noise (the equivalence tests run this way). Slow; for checking, not
     training."""
+    fp8_format: str | None = field(default=None, metadata={"choices": ["e4m3", "hybrid"]})
+    """FP8 GEMMs in the column- and row-parallel linears (layers/fp8.py): e4m3 for every
+    operand, or hybrid: e4m3 activations and weights, e5m2 output gradients. Weights, master
+    weights and the output layer stay in the model's dtype. Needs --fp8-recipe tensorwise."""
+    fp8_recipe: str = field(default="delayed", metadata={
+        "choices": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]})
+    """With --fp8-format: how scales are chosen. Only tensorwise (current scaling: each
+    tensor's own amax, every GEMM) is implemented; Megatron's default, delayed, is refused."""
+    fp8_margin: int = 0
+    """With --fp8-format: scale = fp8_max / amax / 2^margin (headroom against overflow)."""
+    first_last_layers_bf16: bool = False
+    """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and the last
+    --num-layers-at-end-in-bf16 transformer layers out of FP8."""
+    num_layers_at_start_in_bf16: int = 1
+    """With --first-last-layers-bf16: transformer layers at the start kept out of FP8."""
+    num_layers_at_end_in_bf16: int = 1
+    """With --first-last-layers-bf16: transformer layers at the end kept out of FP8."""
     eval_interval: int | None = None
     """Evaluate on the validation split every this many iterations; None = only once, at the
     end of training (Megatron's default)."""
@@ -1326,6 +1343,26 @@ def _fp64_errors(cfg: Config) -> list[str]:
             for flag in clashes]
 
 
+def _fp8_errors(cfg: Config) -> list[str]:
+    """FP8 is built for tensorwise current scaling, in bf16 or fp32 models, outside the
+    zero-bubble schedules' deferred weight gradients."""
+    t = cfg.train
+    if t.fp8_format is None:
+        return []
+    errors = []
+    if t.fp8_recipe != "tensorwise":
+        errors.append(f"--fp8-recipe {t.fp8_recipe} is not implemented (no delayed, mxfp8, "
+                      "blockwise or custom scaling); use --fp8-recipe tensorwise")
+    if t.fp64:
+        errors.append("--fp8-format rounds GEMM operands to 8 bits but --fp64 is exact math; "
+                      "drop one of them")
+    schedule = schedule_in_effect(cfg.parallel)
+    if schedule.split_backward:
+        errors.append(f"--fp8-format is not implemented with --pipeline-schedule "
+                      f"{schedule.name} (deferred weight gradients); use another schedule")
+    return errors
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Cross-field checks, run before anything is allocated. Raises ConfigError with every
     problem found (one per line), so a user fixes a command line in one go."""
@@ -1333,6 +1370,7 @@ def validate(cfg: Config, world_size: int) -> None:
     errors = _grid_errors(cfg, world_size)
     errors += _context_parallel_errors(cfg)
     errors += _fp64_errors(cfg)
+    errors += _fp8_errors(cfg)
     errors += moe_errors(cfg, world_size)
     errors += _head_dim_errors(cfg.model)
     errors += _rotary_errors(cfg.model)
@@ -1619,6 +1657,8 @@ NUMERIC_RANGES: dict[str, dict[str, str]] = {
         "train_samples": ">=1", "seed": ">=0", "eval_interval": ">=1", "eval_iters": ">=0",
         "manual_gc_interval": ">=0", "recompute_num_layers": ">=1",
         "dry_run_device_memory_gb": ">0",
+        "fp8_margin": ">=0", "num_layers_at_start_in_bf16": ">=0",
+        "num_layers_at_end_in_bf16": ">=0",
     },
     "data": {"tiktoken_num_special_tokens": ">=0", "null_tokenizer_eod_id": ">=0",
              "num_workers": ">=0"},

@@ -43,6 +43,7 @@ from megatron_lite.data.loader import MicroBatchLoader
 from megatron_lite.distill import Distiller, build_distiller, check_distillation
 from megatron_lite.errors import UserError, found_on_rank
 from megatron_lite.kernels import KERNEL_NAMES, resolve_use_triton
+from megatron_lite.layers import fp8
 from megatron_lite.layers.attention import attention_plan
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.moe import MoEStep
@@ -667,7 +668,8 @@ def layer_context(cfg: Config, pstate: ParallelState) -> LayerContext:
         recompute_method=cfg.train.recompute_method or "uniform",
         recompute_num_layers=cfg.train.recompute_num_layers or 1,
         split_backward=schedule_in_effect(cfg.parallel).split_backward,
-        moe=cfg.moe if cfg.moe.num_experts else None)
+        moe=cfg.moe if cfg.moe.num_experts else None, fp8=fp8.recipe(cfg.train),
+        fp8_bf16_layers=fp8.bf16_layers(cfg.train, cfg.model.num_layers))
 
 
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:

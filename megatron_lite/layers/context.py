@@ -24,6 +24,7 @@ from torch import Tensor
 
 from megatron_lite.config import MoEConfig
 from megatron_lite.layers.attention import AttentionPlan, Ring
+from megatron_lite.layers.fp8 import Fp8Recipe
 from megatron_lite.layers.linear import WeightGradQueue
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
@@ -64,13 +65,18 @@ class LayerContext:
     weight_grads: WeightGradQueue | None = None
     """The queue of one model chunk's deferred weight gradients (`for_chunk`); None when
     backward is plain autograd."""
+    fp8: Fp8Recipe | None = None
+    """--fp8-format: the parallel linears' GEMMs in FP8 (None: in `dtype`)."""
+    fp8_bf16_layers: frozenset[int] = frozenset()
+    """Transformer layers kept out of FP8 (--first-last-layers-bf16)."""
 
     @classmethod
     def from_state(cls, pstate: ParallelState, *, seed: int, sequence_parallel: bool = False,
                    dtype: torch.dtype = torch.float32, use_triton: bool = False,
                    recompute_granularity: str | None = None, recompute_method: str = "uniform",
                    recompute_num_layers: int = 1, split_backward: bool = False,
-                   moe: MoEConfig | None = None) -> LayerContext:
+                   moe: MoEConfig | None = None, fp8: Fp8Recipe | None = None,
+                   fp8_bf16_layers: frozenset[int] = frozenset()) -> LayerContext:
         """The context of this rank's layers. The one place sequence parallelism is resolved
         for the TP size: at TP=1 there is no group to split the sequence over."""
         ring = (Ring(pstate.cp_group, pstate.cp_ranks, pstate.cp_rank)
@@ -84,12 +90,17 @@ class LayerContext:
                    recompute_granularity=recompute_granularity,
                    recompute_method=recompute_method,
                    recompute_num_layers=recompute_num_layers, split_backward=split_backward,
-                   moe=moe)
+                   moe=moe, fp8=fp8, fp8_bf16_layers=fp8_bf16_layers)
 
     def for_chunk(self) -> LayerContext:
         """This context for one model chunk: its own weight-gradient queue when backward is
         split (a queue belongs to one chunk, whose W steps the engine runs)."""
         return replace(self, weight_grads=WeightGradQueue() if self.split_backward else None)
+
+    def for_layer(self, layer: int) -> LayerContext:
+        """This context for transformer layer `layer`: without FP8 if it is one of the
+        --first-last-layers-bf16 layers."""
+        return replace(self, fp8=None) if layer in self.fp8_bf16_layers else self
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_lite.layers import tags
+from megatron_lite.layers.fp8 import Fp8Groups, Fp8Linear
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
 
@@ -237,8 +238,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight_grads = ctx.weight_grads
         if self.weight_grads is not None:
             self.weight_grads.register(self.weight)
+        self.fp8 = ctx.fp8
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 is not None:
+            # The input is whole on every rank (the SP gather is before the GEMM); the
+            # weight rows and the output gradient's columns are split: their amax spans TP.
+            x = (comms.gather_from_sequence_region(x, self.tp_group) if self.sequence_parallel
+                 else comms.copy_to_region(x, self.tp_group))
+            out = Fp8Linear.apply(x, self.weight, self.fp8,
+                                  Fp8Groups(weight=self.tp_group, grad=self.tp_group))
+            return out if self.bias is None else out + self.bias
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
                                      self.weight_grads)
         return out if self.bias is None else out + self.bias
@@ -263,16 +273,23 @@ class RowParallelLinear(nn.Module):
         self.weight_grads = ctx.weight_grads
         if self.weight_grads is not None:
             self.weight_grads.register(self.weight)
+        self.fp8 = ctx.fp8
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight_grads is not None:
+        if self.fp8 is not None:
+            # The input's and weight's columns are split over TP, their amax spans it; the
+            # output gradient arrives whole on every rank.
+            partial = Fp8Linear.apply(x, self.weight, self.fp8,
+                                      Fp8Groups(x=self.tp_group, weight=self.tp_group))
+        elif self.weight_grads is not None:
             if self.sequence_parallel:
                 return _DeferredWeightGradLinear.apply(x, DeferredWeight(
                     self.weight, self.weight_grads, scatter_group=self.tp_group))
             partial = _DeferredWeightGradLinear.apply(
                 x, DeferredWeight(self.weight, self.weight_grads))
             return comms.reduce_from_region(partial, self.tp_group)
-        partial = F.linear(x, self.weight)
+        else:
+            partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             return comms.reduce_scatter_to_sequence_region(partial, self.tp_group)
         return comms.reduce_from_region(partial, self.tp_group)

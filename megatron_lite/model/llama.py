@@ -173,7 +173,8 @@ class LlamaChunk(nn.Module):
         if pre_process:
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, padded, cfg.hidden_size,
                                                     ctx, std=cfg.init_method_std)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, ctx, i) for i in layer_ids)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, ctx.for_layer(i), i)
+                                    for i in layer_ids)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx)
             shared = self.embedding.weight if (tied and pre_process) else None
