@@ -41,7 +41,7 @@ from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import init_shard
-from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.mlp import SwiGLUMLP
 from megatron_lite.layers.router import Router
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
@@ -118,23 +118,6 @@ def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tens
     return torch.zeros_like(x).index_add(0, token_ids, out)
 
 
-class SharedExpert(nn.Module):
-    """A SwiGLU MLP every token passes through, TP-split like the dense MLP."""
-
-    def __init__(self, cfg: ModelConfig, width: int, ctx: LayerContext, layer: int) -> None:
-        super().__init__()
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [width, width], ctx,
-                                            std=cfg.init_method_std,
-                                            name=f"layers.{layer}.mlp.shared.gate_up")
-        self.down = RowParallelLinear(width, cfg.hidden_size, ctx,
-                                      std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      name=f"layers.{layer}.mlp.shared.down")
-
-    def forward(self, x: Tensor, use_triton: bool) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up, use_triton=use_triton))
-
-
 class MoE(nn.Module):
     """Router + E routed SwiGLU experts (+ a shared expert), in place of the dense MLP."""
 
@@ -153,7 +136,8 @@ class MoE(nn.Module):
         self.ep_group, self.dispatcher = ctx.ep_group, moe.moe_token_dispatcher_type
         self.gate_up, self.down = self._expert_weights(cfg, ffn, ctx)
         width = moe.moe_shared_expert_intermediate_size
-        self.shared = SharedExpert(cfg, width, ctx, layer) if width else None
+        self.shared = (SwiGLUMLP(cfg, ctx, width, f"layers.{layer}.mlp.shared") if width
+                       else None)
 
     def _expert_weights(self, cfg: ModelConfig, ffn: int, ctx: LayerContext
                         ) -> tuple[nn.Parameter, nn.Parameter]:
@@ -201,7 +185,7 @@ class MoE(nn.Module):
         out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
                else comms.reduce_from_region(out, group))
         if self.shared is not None:
-            out = out + self.shared(x, self.use_triton)
+            out = out + self.shared(x)
         return out
 
 

@@ -33,12 +33,12 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config import ModelConfig, moe_layer_pattern
 from megatron_lite.kernels.rope import apply_rotary, rope_tables
-from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.attention import attention
 from megatron_lite.layers.context import BatchContext, LayerContext
 from megatron_lite.layers.embedding import VocabParallelEmbedding, VocabParallelOutput
 from megatron_lite.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.layers.mlp import SwiGLUMLP
 from megatron_lite.layers.moe import MoE
 from megatron_lite.layers.norm import RMSNorm
 
@@ -107,30 +107,11 @@ class Attention(nn.Module):
         return self.proj(out)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up)), gate and up fused in one column layer."""
-
-    def __init__(self, cfg: ModelConfig, ctx: LayerContext, layer: int) -> None:
-        super().__init__()
-        ffn = cfg.ffn_hidden_size
-        self.gate_up = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn], ctx,
-                                            std=cfg.init_method_std,
-                                            name=f"layers.{layer}.mlp.gate_up")
-        self.down = RowParallelLinear(ffn, cfg.hidden_size, ctx,
-                                      std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      name=f"layers.{layer}.mlp.down")
-        self.use_triton = ctx.use_triton
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(swiglu(gate, up, use_triton=self.use_triton))
-
-
 def build_mlp(cfg: ModelConfig, ctx: LayerContext, layer: int) -> nn.Module:
     """The dense SwiGLU MLP, or the MoE layer on the layers --moe-layer-freq selects."""
     moe = ctx.moe
     if moe is None or not moe_layer_pattern(moe.moe_layer_freq, cfg.num_layers)[layer]:
-        return MLP(cfg, ctx, layer)
+        return SwiGLUMLP(cfg, ctx, cfg.ffn_hidden_size, f"layers.{layer}.mlp")
     return MoE(cfg, moe, ctx, layer)
 
 
