@@ -1287,11 +1287,8 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
                  for ep in expert_parallel_sizes(opts.moe, lay)
                  if opts.moe is None or not (lay.zero_stage == 3 or schedules.get(
                      lay.schedule, lay.chunks).split_backward)):
-        # a MoE run refuses full recompute for now (config.moe_errors)
-        options = [rc for rc in recompute_options(model, base)
-                   if opts.moe is None or rc.granularity != "full"]
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
-                          train_tokens, opts) for rc in options]
+                          train_tokens, opts) for rc in recompute_options(model, base)]
         tried = [p for p in tried if keep(p.layout)]
         if not tried:
             continue

@@ -34,7 +34,7 @@
 #   0.18 B expert parameters (+ embedding or head) x (2 B bf16 + 4 B fp32 grad), master + Adam
 #   12 B/param over 32 (dense) and 4 (experts): 28.4 GiB of states, 39.4 GiB of activations
 #   (the routed rows: top-2 x (3h + 3f) per token per layer), 70.8 GiB of 80 with the
-#   allowance: no recompute (MoE runs refuse full recompute and the zero-bubble schedules for
+#   allowance: no recompute (it fits without; MoE runs refuse the zero-bubble schedules for
 #   now). Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 16
 #   micro-batches per pipeline; 123,021 steps; the planner predicts 6.1 s per step (1.5%
 #   bubble, 43% MFU on the active parameters), 8.7 days. Next best: TP=2 + SP, EP=4, PP=1 at

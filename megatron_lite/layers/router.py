@@ -217,18 +217,24 @@ class Router(nn.Module):
         if self.moe.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_capacity(probs, routing_map, self.moe)
         if torch.is_grad_enabled():
-            probs = self._losses(logits, probs, seq)
-            with torch.no_grad():
-                self.stats.tokens_per_expert += routing_map.sum(0).to(torch.float64)
+            # a full-recompute rerun (inside backward) attaches the losses again, as autograd
+            # needs, but its statistics were counted by the forward it repeats
+            record = torch._C._current_graph_task_id() == -1
+            probs = self._losses(logits, probs, seq, record)
+            if record:
+                with torch.no_grad():
+                    self.stats.tokens_per_expert += routing_map.sum(0).to(torch.float64)
         return probs, routing_map
 
-    def _losses(self, logits: Tensor, probs: Tensor, seq: int) -> Tensor:
-        """Attach the configured losses to `probs` (their gradients) and record their values."""
+    def _losses(self, logits: Tensor, probs: Tensor, seq: int, record: bool) -> Tensor:
+        """Attach the configured losses to `probs` (their gradients) and, with `record`,
+        add their values to the step's statistics."""
         moe, k, experts = self.moe, self.moe.moe_router_topk, self.experts
         if moe.moe_z_loss_coeff:
             z = torch.logsumexp(logits, dim=-1).square().mean() / self.sp_size
             probs = attach_loss(probs, z * moe.moe_z_loss_coeff, self.loss_scale)
-            self.stats.z_loss = self.stats.z_loss + z.detach().to(torch.float64)
+            if record:
+                self.stats.z_loss = self.stats.z_loss + z.detach().to(torch.float64)
         balancing = moe.moe_router_load_balancing_type
         if not moe.moe_aux_loss_coeff or balancing == "none":
             return probs
@@ -241,7 +247,8 @@ class Router(nn.Module):
             scores, top = scores.reshape(seq, batch * experts), top.reshape(seq, batch * experts)
             counts = self._summed(top.sum(0).to(scores.dtype))
             loss = switch_loss(scores, counts, seq * self.sp_size, k, experts) / batch
-        self.stats.aux_loss = self.stats.aux_loss + loss.detach().to(torch.float64)
+        if record:
+            self.stats.aux_loss = self.stats.aux_loss + loss.detach().to(torch.float64)
         return attach_loss(probs, loss * moe.moe_aux_loss_coeff, self.loss_scale)
 
     def _summed(self, counts: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch),
+"""Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch,
+and alltoall under full recomputation),
 and over 10 steps EP4, EP2 x TP2 + SP, EP2 x CP2, EP2 x PP2 (interleaved), EP2 with ZeRO-1
 and ZeRO-3 over expert-DP 2, with the weights' norm, per iteration of loss,
 gradient norm, router losses and load imbalance."""
@@ -21,6 +22,10 @@ EP2 = ["--expert-model-parallel-size", "2"]
 LONG = ["--micro-batch-size", "1", "--train-iters", "10", "--log-params-norm"]
 """The 4-rank runs: 10 steps, and the weights' norm (every element once) logged each step."""
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+"""Each layer's forward, all-to-alls and router included, rerun in backward: the router
+losses must reach the gradients once and the statistics be counted once."""
 # 4 ranks: (name, tp, cp, pp, extra flags); EP2 folds over the DP x CP = 4 / (tp pp) replicas
 LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, 1, 1, ["--tensor-model-parallel-size", "2",
                                               "--sequence-parallel", *ALLTOALL]),
@@ -52,7 +57,8 @@ def _two_ranks(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float
     cfg = Config(moe=MoEConfig(num_experts=4, expert_model_parallel_size=2))
     pstate = relayout(world, cfg)
     return {name: _run(pstate, [*FLAGS, *EP2, *flags], Path(tmp) / f"{name}-{world.rank}.jsonl")
-            for name, flags in (("ep2-allgather", []), ("ep2-alltoall", ALLTOALL))}
+            for name, flags in (("ep2-allgather", []), ("ep2-alltoall", ALLTOALL),
+                                ("ep2-alltoall-full-recompute", [*ALLTOALL, *FULL_RECOMPUTE]))}
 
 
 def _check(got: dict[str, dict[str, list[float]]], ref: dict[str, list[float]]) -> None:
