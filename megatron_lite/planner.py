@@ -1074,26 +1074,30 @@ def moe_compute_delta(shape: ModelShape, w: plan_time.Work, hw: plan_time.Hardwa
     return (one[0] + one[1].scale(-1)).scale(moe_layers)
 
 
-def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatches: int,
-             grad_bytes: int = 4) -> tuple[float, float]:
-    """(exposed DP communication, optimizer step) seconds, grads reduced in `grad_bytes`.
+def _dp_time(groups: list[tuple[int, int]], lay: Layout, c: Cluster, stage_s: float,
+             microbatches: int, grad_bytes: int = 4) -> tuple[float, float]:
+    """(exposed DP communication, optimizer step) seconds, grads reduced in `grad_bytes`, for
+    parameter `groups` of (count, replicas): the dense ones over DP x CP, with EP the experts
+    over expert-DP (DP x CP / EP: fewer ranks, the same node span under parallel folding).
 
     ZeRO-2 reduce-scatters every micro-batch (its default accumulation), hidden behind each
     micro-batch's backward; ZeRO-3 also all-gathers the bf16 parameters twice per
-    micro-batch (forward, backward), hidden behind the whole micro-batch.
+    micro-batch (forward, backward), hidden behind the whole micro-batch. Both groups'
+    reductions share one backward to hide behind.
     """
-    replicas = lay.dp * lay.cp  # gradients are reduced (and sharded) over DP x CP
-    bw = c.intra_node_gbps if lay.tp * replicas <= c.gpus_per_node else c.inter_node_gbps
+    span = lay.tp * lay.dp * lay.cp
+    bw = c.intra_node_gbps if span <= c.gpus_per_node else c.inter_node_gbps
     zero, m = lay.zero_stage, microbatches
+    grads = params = 0.0
+    for n_params, replicas in groups:
+        def ring(nbytes: float, kind: str, n: int = replicas) -> float:
+            return plan_time.collective_s(nbytes, n, bw, c.latency_us, kind)
 
-    def ring(nbytes: float, kind: str) -> float:
-        return plan_time.collective_s(nbytes, replicas, bw, c.latency_us, kind)
-
-    if zero == 0:
-        grads, params = ring(grad_bytes * n_params, "all_reduce"), 0.0
-    else:
-        grads = ring(grad_bytes * n_params, "reduce_scatter") * (m if zero >= 2 else 1)
-        params = ring(2 * n_params, "all_gather") * (2 * m if zero == 3 else 1)
+        if zero == 0:
+            grads += ring(grad_bytes * n_params, "all_reduce")
+        else:
+            grads += ring(grad_bytes * n_params, "reduce_scatter") * (m if zero >= 2 else 1)
+            params += ring(2 * n_params, "all_gather") * (2 * m if zero == 3 else 1)
     if c.dp_overlap:
         # a chunk's gradients are final after its last backward; interleaved, stage 0 runs
         # the last p micro-batches of chunk j (1/v of a stage each) j·p/v stage backwards
@@ -1102,7 +1106,7 @@ def _dp_time(n_params: int, lay: Layout, c: Cluster, stage_s: float, microbatche
         hide = m * stage_s if zero >= 2 else stage_s * (1 + (v - 1) * lay.pp / v)
         grads = max(0.0, grads - 2 / 3 * hide)
         params = max(0.0, params - (hide if zero == 3 else 1 / 3 * stage_s))
-    owned = n_params / replicas if zero else n_params
+    owned = sum(n / r if zero else n for n, r in groups)
     # read+write master, m, v (24 B), read grad (4) twice (norm, update), write bf16 param (2)
     optimizer = 34 * owned / (c.hbm_gbps * 1e9)
     return grads + params, optimizer
@@ -1157,8 +1161,12 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     stage_s = compute + tp_comm + p2p + ep_comm
     bubble = bubble_time(lay.pp, stage_s, lay.chunks, lay.schedule_name,
                          pipeline_op_costs(mem_model, lay.tp))
-    dp_s, opt_s = _dp_time(max(est.params for est in mems), lay, c, stage_s, mbs,
-                           opts.grad_reduce_bytes)
+    heaviest = max(range(lay.pp), key=lambda i: mems[i].params)
+    routed = moe_params[heaviest][1] if moe_params else 0
+    replicas = lay.dp * lay.cp
+    groups = [(mems[heaviest].params - routed, replicas)] + (
+        [(routed, replicas // lay.ep)] if routed else [])
+    dp_s, opt_s = _dp_time(groups, lay, c, stage_s, mbs, opts.grad_reduce_bytes)
     step = mbs * stage_s + bubble + dp_s + opt_s
     tokens_s = global_batch * model.seq_length / step
     shape = model_shape(model, lay.tp, opts.block, moe)

@@ -26,6 +26,8 @@ from megatron_lite.planner import (
     Cluster,
     Layout,
     Recompute,
+    RunOptions,
+    evaluate,
     moe_dispatch_s,
     moe_stage_params,
     stage_params,
@@ -127,3 +129,18 @@ def test_dispatch_time_is_the_all_to_all_bytes_over_nvlink_or_the_network() -> N
         one = 2 * 2048 * 4 * 1024 * 2 * (ep - 1) / ep / (gbps * 1e9) + 2 * c.latency_us * 1e-6
         assert moe_dispatch_s(model, moe, lay, c, 3) == pytest.approx(3 * 4 * one)
     assert moe_dispatch_s(model, moe, replace(lay, ep=1), c, 3) == 0.0
+
+
+def test_expert_states_are_timed_over_expert_dp() -> None:
+    """ZeRO-1 with EP: the optimizer step reads each owned element's 34 bytes, the dense
+    parameters' 1/(DP x CP) and the experts' 1/(DP x CP / EP) (their own sync group)."""
+    model = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4,
+                        ffn_hidden_size=512, seq_length=128, vocab_size=1000)
+    moe = MoEConfig(num_experts=8, moe_router_topk=2)
+    c = Cluster(gpus=16)
+    lay = Layout(1, 1, 16, 1, 1, "optim", Recompute(), False, ep=4)
+    plan = evaluate(model, lay, c, 16, 1e9, RunOptions(moe=moe))
+    dense_change, routed = moe_stage_params(model, moe, 1, 4, [0, 1])
+    dense = plan.memory.params - routed
+    assert routed and plan.memory.params == stage_params(model, 1, 1, 0, 2) + dense_change + routed
+    assert plan.optimizer_s == pytest.approx(34 * (dense / 16 + routed / 4) / (c.hbm_gbps * 1e9))
