@@ -70,6 +70,24 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def assert_exports_back(ckpt: Path, hf_in: Path, architecture: str, ours: torch.Tensor,
+                        hf_out: Path) -> None:
+    """Exporting `ckpt` to `hf_out` writes `architecture`, which transformers loads completely
+    with `ours` logits on TOKENS, and writes `hf_in`'s tensors back bit for bit."""
+    assert main(["--load", str(ckpt), "--output", str(hf_out)]) == 0
+    config = json.loads((hf_out / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    model, info = getattr(transformers, architecture).from_pretrained(
+        hf_out, output_loading_info=True, dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        assert _max_diff(model(TOKENS).logits, ours) <= MAX_LOGIT_DIFF
+    original, exported = read_safetensors_dir(hf_in), read_safetensors_dir(hf_out)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.quick) if c == "qwen3"
                                   else c for c in CASES])
 def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
@@ -85,19 +103,7 @@ def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
     print(f"{case}: max |logit difference| ours vs transformers {diff:.1e}")
     assert diff <= MAX_LOGIT_DIFF
 
-    hf_out = tmp_path / "hf_out"
-    assert main(["--load", str(ckpt), "--output", str(hf_out)]) == 0
-    config = json.loads((hf_out / "config.json").read_text())
-    assert config["architectures"] == [CASES[case][0]]
-    model, info = getattr(transformers, CASES[case][0]).from_pretrained(
-        hf_out, output_loading_info=True, dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with torch.no_grad():
-        assert _max_diff(model(TOKENS).logits, ours) <= MAX_LOGIT_DIFF
-    original, exported = read_safetensors_dir(hf_in), read_safetensors_dir(hf_out)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
+    assert_exports_back(ckpt, hf_in, CASES[case][0], ours, tmp_path / "hf_out")
 
 
 def test_padded_vocab_export_keeps_the_rows(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from megatron_lite import export_moe
 from megatron_lite.config import ConfigError, ModelConfig, MoEConfig
 from megatron_lite.export import load_model, main, model_logits, read_safetensors_dir
 from tests.checkpoint.common import HF_FLOOR, run_train
+from tests.checkpoint.test_export_variants import assert_exports_back
 from tests.distributed import run_ranks
 from tests.numerics import assert_close
 
@@ -105,19 +106,7 @@ def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
                                    model_type, 4)
             assert all(torch.equal(a[k], b[k]) for k in a)
 
-    hf_out = tmp_path / "hf_out"
-    assert main(["--load", str(ckpt), "--output", str(hf_out)]) == 0
-    config = json.loads((hf_out / "config.json").read_text())
-    assert config["architectures"] == [CASES[case][0]]
-    model, info = getattr(transformers, CASES[case][0]).from_pretrained(
-        hf_out, output_loading_info=True, dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with torch.no_grad():
-        assert _max_diff(model(TOKENS).logits, ours) <= MAX_LOGIT_DIFF
-    original, exported = read_safetensors_dir(hf_in), read_safetensors_dir(hf_out)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
+    assert_exports_back(ckpt, hf_in, CASES[case][0], ours, tmp_path / "hf_out")
 
 
 TRAIN = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
