@@ -14,6 +14,9 @@
 #   train_1b       Llama-3.2-1B shape, seq 4096, bf16, kernels on, compiled: ours against plain
 #                  PyTorch (tokens/s, TFLOP/s, MFU), planner memory against the measured peak
 #   train_3b       the same at the Llama-3.2-3B shape (bench/gpu_train.py)
+#   fp8            bench/gpu_fp8.py at the 1B and 3B shapes: each projection's GEMM in bf16, in
+#                  torch._scaled_mm and with the FP8 casts (TFLOP/s); then 200 steps of bf16 and
+#                  of --fp8-format hybrid training: tokens/s, MFU, both losses over the same steps
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default: gpu_check/; PYTHON=... to pick python)
 # OUT_DIR/summary.txt ends the run with every number. The parts run in the order above within a
 # time budget (GPU_CHECK_BUDGET_S, default 480 s): each is cut off when the budget runs out, and
@@ -25,14 +28,15 @@ REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(mkdir -p "${1:-gpu_check}" && cd "${1:-gpu_check}" && pwd)
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
-ONLY=" ${GPU_CHECK_ONLY:-kernel_tests kernel_bench calibrate train_kernels multirank train_1b train_3b} "
+ONLY=" ${GPU_CHECK_ONLY:-kernel_tests kernel_bench calibrate train_kernels multirank train_1b train_3b fp8} "
 cd "$REPO_DIR" || exit 1
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 status=0
 : > "$OUT/parts.tsv"
 rm -f "$OUT/summary.txt" "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt" \
-    "$OUT/calibration.txt" "$OUT/calibration.json"
+    "$OUT/calibration.txt" "$OUT/calibration.json" \
+    "$OUT/gpu_fp8_1b.txt" "$OUT/gpu_fp8_3b.txt"
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/parts.tsv"; }
 
 part() {  # part NAME GROUP NEED_S COMMAND...: runs it within the budget, logs to $OUT/NAME.log
@@ -114,6 +118,8 @@ PY
 part multirank multirank 90 "$PYTHON" scripts/gpu_multirank.py --out "$OUT"
 part train_1b train_1b 150 "$PYTHON" bench/gpu_train.py --model 1b --out "$OUT"
 part train_3b train_3b 200 "$PYTHON" bench/gpu_train.py --model 3b --out "$OUT"
+part fp8_1b fp8 150 "$PYTHON" bench/gpu_fp8.py --model 1b --out "$OUT"
+part fp8_3b fp8 200 "$PYTHON" bench/gpu_fp8.py --model 3b --out "$OUT"
 
 {
     echo "gpu_check summary: $(date -u '+%Y-%m-%d %H:%M UTC'), git" \
@@ -140,7 +146,8 @@ part train_3b train_3b 200 "$PYTHON" bench/gpu_train.py --model 3b --out "$OUT"
         echo "Triton kernels on vs off (0.4B, bf16, 20 steps):"
         sed 's/^/  /' "$OUT/train_compare.log"
     fi
-    cat "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt" 2>/dev/null
+    cat "$OUT/multirank.txt" "$OUT/gpu_train_1b.txt" "$OUT/gpu_train_3b.txt" \
+        "$OUT/gpu_fp8_1b.txt" "$OUT/gpu_fp8_3b.txt" 2>/dev/null
 } > "$OUT/summary.txt"
 echo "======== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"

@@ -154,3 +154,23 @@ def test_gpu_train_report_names_what_failed() -> None:
     assert "planner/measured 0.667" in text
     assert "did not finish" in "\n".join(bench.report_lines(bench.summarize(args, flags, [],
                                                                             ours, None)))
+
+
+def test_gpu_fp8_tiny_on_cpu_compares_gemms_and_training(tmp_path) -> None:
+    """bench/gpu_fp8.py end to end at the tiny shape on the CPU: four GEMM rows whose bf16,
+    FP8 and FP8-with-casts rates are measured (positive, distinct per path), both training
+    runs finish every step from the same first loss (same samples and initial weights), and
+    the FP8 run's losses are not the bf16 run's (the FP8 path ran)."""
+    proc = subprocess.run([sys.executable, "bench/gpu_fp8.py", "--model", "tiny", "--device",
+                           "cpu", "--steps", "3", "--warmup", "1", "--gemm-reps", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, env=CPU_ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads((tmp_path / "gpu_fp8_tiny.json").read_text())
+    assert [g["gemm"] for g in row["gemms"]] == ["qkv", "attn_out", "gate_up", "down"]
+    assert all(g[f"{k}_tflops"] > 0 for g in row["gemms"]
+               for k in ("bf16", "fp8", "fp8_with_casts"))
+    bf16, fp8 = row["bf16"]["losses"], row["fp8"]["losses"]
+    assert len(bf16) == len(fp8) == 3 and math.isclose(bf16[0], fp8[0], rel_tol=1e-2)
+    assert bf16 != fp8 and row["compare"]["ok"]
+    assert "fp8" in (tmp_path / "gpu_fp8_tiny.txt").read_text()
