@@ -10,8 +10,10 @@
 # Outputs go to demo/ (gitignored); a rerun reuses the tokenizer and shards found there.
 set -euo pipefail
 if [[ " $* " == *" --help "* ]]; then  # before the set-up, which may create .venv
-    echo "usage: bash scripts/demo.sh [--quick] [--moe]   (--quick: a few iterations, for CI;" \
-         "--moe: 8 experts top-2 at the dense model's active size; outputs in demo/)"
+    echo "usage: bash scripts/demo.sh [--quick] [--moe] [--bf16 | --fp8]   (--quick: a few" \
+         "iterations, for CI; --moe: 8 experts top-2 at the dense model's active size;" \
+         "--bf16: bf16 instead of fp32; --fp8: bf16 with FP8 GEMMs, --fp8-format hybrid;" \
+         "DEMO_ITERS=N: N iterations instead of 600; outputs in demo/)"
     exit 0
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"   # creates .venv on first use; cds to the repo
@@ -23,6 +25,13 @@ MODEL=()     # flags beyond the dense demo's
 if [[ " $* " == *" --moe "* ]]; then
     RUN=moe_
     MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-2)
+fi
+if [[ " $* " == *" --fp8 "* ]]; then
+    RUN=${RUN}fp8_
+    MODEL+=(--bf16 --fp8-format hybrid --fp8-recipe tensorwise)
+elif [[ " $* " == *" --bf16 "* ]]; then
+    RUN=${RUN}bf16_
+    MODEL+=(--bf16)
 fi
 OUT=demo
 VOCAB=4096
@@ -47,7 +56,7 @@ else
     echo "reusing $OUT/stdlib.manifest.json"
 fi
 
-ITERS=600
+ITERS=${DEMO_ITERS:-600}
 EVAL_INTERVAL=200
 LOG_INTERVAL=10
 if [[ $QUICK == 1 ]]; then ITERS=10; EVAL_INTERVAL=5; LOG_INTERVAL=1; fi
