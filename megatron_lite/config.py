@@ -1214,11 +1214,6 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
                           f"{tp}")
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    not_yet = [flag for flag, on in (
-        ("--pipeline-schedule zb-h1/zbv", schedule_in_effect(cfg.parallel).split_backward),
-    ) if on]
-    errors += [f"--num-experts with {flag} is not implemented yet; drop one of them"
-               for flag in not_yet]
     return errors
 
 

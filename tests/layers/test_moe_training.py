@@ -1,6 +1,6 @@
-"""MoE in the training loop: TP2, TP2+SP and PP2 equal one process (float64), the expert-bias
-update against its formula, a checkpoint round trip with the biases, a run whose loss falls,
-the FLOP count."""
+"""MoE in the training loop: TP2, TP2+SP and PP2 (1F1B, zb-h1, zbv) equal one process
+(float64), the expert-bias update against its formula, a checkpoint round trip with the biases,
+a run whose loss falls, the FLOP count."""
 
 from __future__ import annotations
 
@@ -55,8 +55,11 @@ def _layouts(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float]]
             "tp2-sp": _run(pstate, [*FLAGS, *tp, "--sequence-parallel"],
                            Path(tmp) / f"sp-{world.rank}.jsonl")}
     pstate = relayout(world, Config(parallel=ParallelConfig(pipeline_model_parallel_size=2)))
-    runs["pp2"] = _run(pstate, [*FLAGS, "--pipeline-model-parallel-size", "2"],
-                       Path(tmp) / f"pp2-{world.rank}.jsonl")
+    pp = ["--pipeline-model-parallel-size", "2"]
+    runs["pp2"] = _run(pstate, [*FLAGS, *pp], Path(tmp) / f"pp2-{world.rank}.jsonl")
+    for schedule in ("zb-h1", "zbv"):  # the experts' weight gradients are not deferred
+        runs[f"pp2-{schedule}"] = _run(pstate, [*FLAGS, *pp, "--pipeline-schedule", schedule],
+                                       Path(tmp) / f"{schedule}-{world.rank}.jsonl")
     return runs
 
 
