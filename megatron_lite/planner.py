@@ -1288,13 +1288,11 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     reason). Fitting plans come first, by tokens/s.
     """
     plans = []
-    # MoE plans skip the zero-bubble schedules (refused with experts, config.moe_errors) and
-    # ZeRO-3, whose gathered units and buckets are modelled on dense layers (`zero3_units`),
-    # missing a MoE layer's by up to a third (the dry run shows it)
+    # MoE plans skip ZeRO-3, whose gathered units and buckets are modelled on dense layers
+    # (`zero3_units`), missing a MoE layer's by up to a third (the dry run shows it)
     for base in (dataclasses.replace(lay, ep=ep) for lay in layouts(model, c, global_batch)
                  for ep in expert_parallel_sizes(opts.moe, lay)
-                 if opts.moe is None or not (lay.zero_stage == 3 or schedules.get(
-                     lay.schedule, lay.chunks).split_backward)):
+                 if opts.moe is None or lay.zero_stage != 3):
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
                           train_tokens, opts) for rc in recompute_options(model, base)]
         tried = [p for p in tried if keep(p.layout)]
