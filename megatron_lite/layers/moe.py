@@ -11,7 +11,9 @@ capacity the router's map already holds only the kept pairs.
 `torch._grouped_mm` takes bf16/fp32 rows whose widths are multiples of 16 bytes (and only
 bf16 on CUDA); float64 (--fp64) and other shapes use `padded_bmm`, the same math: the rows
 scattered into an [E, max rows, k] zero-padded batch and one `bmm`. tests/layers/test_moe.py
-checks both against a per-token loop.
+checks both against a per-token loop. Under --fp8-format (outside the --first-last-layers-bf16
+layers) each projection is `Fp8GroupedLinear` instead: e4m3 operands, rowwise current scaling
+(layers/fp8.py), whatever the dtype and widths.
 
 Under TP each rank holds gate/up rows [E x 2f/t, h] (each expert's gate and up split like
 the dense column layer) and down [E x h, f/t] (each expert's input columns split), so the

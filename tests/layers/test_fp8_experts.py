@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lite.arguments import parse_config
 from megatron_lite.config import Config, MoEConfig, ParallelConfig
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.fp8 import (
@@ -20,8 +21,10 @@ from megatron_lite.layers.fp8 import (
 )
 from megatron_lite.layers.moe import MoE
 from megatron_lite.parallel.state import ParallelState, single_process_state
+from megatron_lite.training import build_model
 from tests.distributed import relayout, run_ranks
 from tests.layers.test_moe import MODEL
+from tests.layers.test_moe_training import FLAGS
 from tests.numerics import assert_close
 
 COUNTS = torch.tensor([5, 3, 9, 7])
@@ -129,3 +132,12 @@ def test_ep2_and_tp2_fp8_experts_equal_one_process(tmp_path: Path) -> None:
             assert_close(a, b, 1e-5, f"{d} {name}")
     for name, a, b in zip(("out", "dx"), ranks[0]["tp2"], ref[:2], strict=True):
         assert_close(a, b, 1e-5, f"tp2 {name}")
+
+
+def test_first_last_bf16_layers_keep_their_experts_out_of_fp8() -> None:
+    """--first-last-layers-bf16 (1 + 1 of 4 MoE layers): only layers 1 and 2 run FP8 experts."""
+    flags = [a for a in FLAGS if a != "--fp64"]
+    cfg = parse_config([*flags, "--moe-layer-freq", "1", "--fp8-format", "e4m3",
+                        "--fp8-recipe", "tensorwise", "--first-last-layers-bf16"])
+    chunk = build_model(cfg, single_process_state())[0]
+    assert [layer.mlp.fp8 is not None for layer in chunk.layers] == [False, True, True, False]
