@@ -414,8 +414,10 @@ class TrainConfig:
     training."""
     fp8_format: str | None = field(default=None, metadata={"choices": ["e4m3", "hybrid"]})
     """FP8 GEMMs in the column- and row-parallel linears (layers/fp8.py): e4m3 for every
-    operand, or hybrid: e4m3 activations and weights, e5m2 output gradients. Weights, master
-    weights and the output layer stay in the model's dtype. Needs --fp8-recipe tensorwise."""
+    operand, or hybrid: e4m3 activations and weights, e5m2 output gradients; and in the MoE
+    experts' grouped GEMMs, e4m3 in both formats with rowwise current scaling (what
+    torch._scaled_grouped_mm takes). Weights, master weights and the output layer stay in the
+    model's dtype. Needs --fp8-recipe tensorwise."""
     fp8_recipe: str = field(default="delayed", metadata={
         "choices": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]})
     """With --fp8-format: how scales are chosen. Only tensorwise (current scaling: each

@@ -60,9 +60,18 @@ def detect_peak_tflops(device: torch.device, given: float | None) -> tuple[float
         name = torch.cuda.get_device_name(device)
         for fragment, peak in PEAK_TFLOPS:
             if fragment in name:
-                return peak, f"table ({name})"
-        return 989.0, f"unknown GPU {name!r}: assuming 989; pass --peak-tflops"
-    return measure_cpu_peak_tflops(), "measured bf16 matmul on this CPU"
+                return peak, f"bf16 dense, table ({name})"
+        return 989.0, f"bf16 dense, unknown GPU {name!r}: assuming 989; pass --peak-tflops"
+    return measure_cpu_peak_tflops(), "bf16 dense, measured bf16 matmul on this CPU"
+
+
+def peak_line(peak: tuple[float, str], fp8: bool) -> str:
+    """The startup line naming MFU's denominator. Under --fp8-format MFU stays relative to
+    the bf16 dense peak (FP8's is twice that), unless --peak-tflops set another, and says so."""
+    line = f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})"
+    if fp8 and peak[1] != "--peak-tflops":
+        line += "; the FP8 GEMMs are counted against this bf16 peak (--peak-tflops for another)"
+    return line
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

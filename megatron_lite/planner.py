@@ -267,7 +267,7 @@ def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
 
 
 def moe_saved_bytes(model: ModelConfig, moe: MoEConfig, a: ActivationSetup,
-                    moe_layers: int) -> float:
+                    moe_layers: int, ep: int = 1) -> float:
     """Saved-for-backward bytes that `moe_layers` MoE layers add to one micro-batch beyond
     dense MLPs. Every TP rank routes all T = b·s/cp tokens (under SP gathered over TP), so
     with an even load its experts see T·k rows and keep: the rows entering the grouped GEMM,
@@ -279,7 +279,30 @@ def moe_saved_bytes(model: ModelConfig, moe: MoEConfig, a: ActivationSetup,
     h, f = model.hidden_size, (moe.moe_ffn_hidden_size or model.ffn_hidden_size) // a.tp
     shared = 3 * (moe.moe_shared_expert_intermediate_size or 0) // a.tp
     routed = moe.moe_router_topk * (3 * h + 3 * f)
-    return moe_layers * e * tokens * (routed + shared - 3 * model.ffn_hidden_size // a.tp)
+    plain = moe_layers * e * tokens * (routed + shared - 3 * model.ffn_hidden_size // a.tp)
+    return plain + (moe_layers * _moe_fp8_delta(model, moe, a, ep) if a.fp8 else 0.0)
+
+
+def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: int) -> float:
+    """Under --fp8-format, what one MoE layer saves beyond `moe_saved_bytes`' plain count: the
+    dense MLP's FP8 terms (`fp8_saved_delta`) are not there, except that the router keeps the
+    norm's output in any case; the shared expert's FP8 linears add theirs; the routed
+    experts (layers/fp8.py Fp8GroupedLinear) keep their rows entering each grouped GEMM in
+    e4m3 instead of e bytes and no weight copy, plus per GEMM an fp32 scale per local expert
+    and input column and the int32 group ends."""
+    s, b, e, t = local_seq(model, a), a.micro_batch, 2 if a.bf16 else 4, a.tp
+    tokens, h = s * b, model.hidden_size
+    shard = t if (a.sequence_parallel and t > 1) else 1
+    f, fs = model.ffn_hidden_size / t, (moe.moe_shared_expert_intermediate_size or 0) / t
+    dense = (_fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard)
+             + _fp8_linear_bytes(tokens, f, h, e * tokens * f))
+    shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0) + _fp8_linear_bytes(tokens, fs, h,
+                                                                          e * tokens * fs)
+              if fs else 0.0)
+    routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / t
+    routed = (1 - e) * tokens * moe.moe_router_topk * (h + routed_f)
+    scales = 4 * moe.num_experts // ep * (h + routed_f + 2)
+    return shared + routed + scales - dense
 
 
 def moe_total_params(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
@@ -424,6 +447,36 @@ class ActivationSetup:
     cp: int = 1
     """Context-parallel size: a rank holds s/cp tokens of each sequence, and ring attention
     saves what flash attention does for them (its local q, k, v, out, log-sum-exp)."""
+    fp8: bool = False
+    """--fp8-format: the layers' linears save their input and weight in e4m3 (`fp8_saved_delta`;
+    --first-last-layers-bf16 is not told apart: every layer is counted as FP8)."""
+
+
+def _fp8_linear_bytes(rows: float, fan_in: float, fan_out: float, saved_in: float) -> float:
+    """What an FP8 linear saves beyond a plain one: its input as e4m3 [rows, fan_in] in place
+    of the `saved_in` bytes the plain one kept, the e4m3 weight [fan_out, fan_in] (a plain
+    linear saves the parameter itself, no new bytes) and the two fp32 inverse scales. Current
+    scaling keeps no amax history."""
+    return rows * fan_in - saved_in + fan_out * fan_in + 8
+
+
+def fp8_saved_delta(model: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
+    """Bytes an FP8 dense layer saves beyond the same layer in `a`'s dtype (layers/fp8.py
+    Fp8Linear, one TP rank). qkv and gate/up: the input, under SP gathered before the GEMM,
+    is whole [s, b, h] in e4m3 (the plain one keeps the e-byte [s/T, b, h] shard). The
+    projection's input is the attention output: flash attention keeps it anyway (then the e4m3
+    copy is extra) unless selective recompute drops the core or the CPU's fp32 core saved its
+    own fp32 copy (then the e-byte input goes). Down: e4m3 instead of e bytes of [s, b, f/t]."""
+    s, b, e, t = local_seq(model, a), a.micro_batch, 2 if a.bf16 else 4, a.tp
+    tokens, h, f = s * b, model.hidden_size, model.ffn_hidden_size / t
+    q, k = (model.num_attention_heads * model.head_dim / t,
+            model.num_query_groups * model.head_dim / t)
+    shard = t if (a.sequence_parallel and t > 1) else 1
+    proj_own = selective or (a.fp32_attention_core and a.bf16)
+    return (_fp8_linear_bytes(tokens, h, q + 2 * k, e * tokens * h / shard)
+            + _fp8_linear_bytes(tokens, q, h, e * tokens * q if proj_own else 0)
+            + _fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard)
+            + _fp8_linear_bytes(tokens, f, h, e * tokens * f))
 
 
 def local_seq(model: ModelConfig, a: ActivationSetup) -> int:
@@ -498,7 +551,7 @@ def layer_activation_bytes(model: ModelConfig, a: ActivationSetup,
     if not a.fused_kernels and a.bf16 and not selective:
         attn += 8 * s * model.head_dim
     mlp = (3 * e if a.fused_kernels else 12 + e) * s * b * f / t
-    return norms + attn + mlp
+    return norms + attn + mlp + (fp8_saved_delta(model, a, selective) if a.fp8 else 0.0)
 
 
 def layer_input_bytes(model: ModelConfig, a: ActivationSetup) -> float:
@@ -796,7 +849,7 @@ def _moe_stages(model: ModelConfig, moe: MoEConfig | None, act: ActivationSetup,
     pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
     ids = [stage_layer_ids(counts, chunks, i) for i in range(len(counts))]
     return (tuple(moe_stage_params(model, moe, act.tp, ep, i) for i in ids),
-            tuple(moe_saved_bytes(model, moe, act, sum(pattern[j] for j in i)) for i in ids))
+            tuple(moe_saved_bytes(model, moe, act, sum(pattern[j] for j in i), ep) for i in ids))
 
 
 def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
@@ -820,7 +873,7 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     cp = parallel.context_parallel_size
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
-                          cp=cp)
+                          cp=cp, fp8=cfg.train.fp8_format is not None)
     ep = cfg.moe.expert_model_parallel_size
     moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
                                         ep, counts, chunks)

@@ -48,7 +48,13 @@ from megatron_lite.layers.attention import attention_plan
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.moe import MoEStep
 from megatron_lite.memory import memory_report
-from megatron_lite.metrics import ComputeTimer, MetricsLogger, StepRecord, detect_peak_tflops
+from megatron_lite.metrics import (
+    ComputeTimer,
+    MetricsLogger,
+    StepRecord,
+    detect_peak_tflops,
+    peak_line,
+)
 from megatron_lite.model.llama import LlamaChunk
 from megatron_lite.optim.clip import counts_toward_norm
 from megatron_lite.optim.lr import step_lrs, weight_decay_at
@@ -817,7 +823,7 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
           f"kernels: {'triton ' + ', '.join(KERNEL_NAMES) if use_triton else 'torch reference'}"
           f"\nprovenance: git {git_commit()}, torch {torch.__version__}, triton "
           f"{triton_version}, python {platform.python_version()}, device {device}\n"
-          f"MFU peak: {peak[0]:.2f} TFLOP/s ({peak[1]})", flush=True)
+          f"{peak_line(peak, train_cfg.fp8_format is not None)}", flush=True)
     for note in data_notes(cfg):
         print(f"note: {note}", flush=True)
 

@@ -23,6 +23,7 @@ from megatron_lite.metrics import (
     StepRecord,
     StragglerDetector,
     detect_peak_tflops,
+    peak_line,
     rank_spread,
     resolve_wandb_mode,
 )
@@ -119,8 +120,15 @@ def test_matmul_params_match_the_built_model(untie: bool) -> None:
                                        ("NVIDIA H100 PCIe", 756.0)])
 def test_peak_by_gpu_name(monkeypatch, name: str, peak: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert detect_peak_tflops(torch.device("cuda", 0), None) == (peak, f"table ({name})")
+    found = detect_peak_tflops(torch.device("cuda", 0), None)
+    assert found == (peak, f"bf16 dense, table ({name})")
     assert detect_peak_tflops(torch.device("cuda", 0), 500.0)[0] == 500.0
+    # under FP8 the line says MFU is still against the bf16 peak, unless --peak-tflops is given
+    assert peak_line(found, fp8=True) == (f"MFU peak: {peak:.2f} TFLOP/s (bf16 dense, table "
+                                          f"({name})); the FP8 GEMMs are counted against this "
+                                          "bf16 peak (--peak-tflops for another)")
+    assert peak_line((2000.0, "--peak-tflops"), fp8=True) == (
+        "MFU peak: 2000.00 TFLOP/s (--peak-tflops)")
 
 
 ROOT = Path(__file__).resolve().parents[1]

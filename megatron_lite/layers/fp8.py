@@ -1,4 +1,5 @@
-"""FP8 GEMMs for the parallel linears (--fp8-format, --fp8-recipe tensorwise).
+"""FP8 GEMMs for the parallel linears and the MoE experts (--fp8-format, --fp8-recipe
+tensorwise); the experts' grouped GEMMs scale rowwise (see `scaled_grouped_mm`).
 
 Each operand of a GEMM is quantized with current (dynamic) tensorwise scaling: its amax is
 taken now, scale = fp8_max / amax / 2^margin (--fp8-margin, as Transformer Engine applies
@@ -135,3 +136,117 @@ def bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:
     start = range(min(train.num_layers_at_start_in_bf16, num_layers))
     end = range(max(num_layers - train.num_layers_at_end_in_bf16, 0), num_layers)
     return frozenset(start) | frozenset(end)
+
+
+# --- The MoE experts' grouped GEMMs (rowwise current scaling) ----------------------------
+# `torch._scaled_grouped_mm` (CUDA only) takes e4m3 operands with rowwise fp32 inverse
+# scales: for `a` [M, K] @ `b` [G, K, N] one per row of a ([M]) and one per expert and output
+# column of b ([G, N]); for the weight gradient, `a` [K, M] @ `b` [M, N] with the groups along
+# M, one per expert and row of a ([G x K]) and per expert and column of b ([G x N]). So every
+# expert operand is e4m3 (hybrid's e5m2 gradient is not taken: each row's own scale gives the
+# range) and scaled by current amaxes only (no delayed scaling for the experts).
+
+
+def quantize_rowwise(x: Tensor, dim: int, margin: int = 0, group: comms.Group = None
+                     ) -> tuple[Tensor, Tensor]:
+    """(x in e4m3, inverse scales): one scale per slice along every dim but `dim` (the amax is
+    taken over `dim`, reduced over `group` when that dim is sharded over TP)."""
+    amax = x.detach().abs().amax(dim, keepdim=True).float()
+    if group is not None and comms.group_size(group) > 1:
+        comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX)
+    scale = _scale(amax, margin)
+    return _cast(x, scale), scale.reciprocal()
+
+
+def quantize_per_group(x: Tensor, counts: Tensor, margin: int = 0) -> tuple[Tensor, Tensor]:
+    """x [M, K] (rows sorted in groups of `counts`) in e4m3, with one inverse scale per group
+    and column ([G, K]): the weight gradient's operands, whose contraction runs over rows.
+    Every amax is over one expert's rows, all on this rank: no reduction under EP or TP."""
+    groups = counts.numel()
+    group_of_row = torch.repeat_interleave(torch.arange(groups, device=x.device), counts,
+                                           output_size=x.size(0))
+    rows = group_of_row[:, None].expand(-1, x.size(1))
+    amax = x.new_zeros(groups, x.size(1), dtype=torch.float32).scatter_reduce(
+        0, rows, x.detach().abs().float(), "amax")
+    scale = _scale(amax, margin)
+    return _cast(x, scale[group_of_row]), scale.reciprocal()
+
+
+def _scale(amax: Tensor, margin: int) -> Tensor:
+    """fp8_max / amax / 2^margin, 1 where amax is 0 (any scale maps zeros to zeros)."""
+    fp8_max = torch.finfo(FWD_DTYPE).max
+    return torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)) / 2.0 ** margin
+
+
+def _cast(x: Tensor, scale: Tensor) -> Tensor:
+    fp8_max = torch.finfo(FWD_DTYPE).max
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(FWD_DTYPE)
+
+
+def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs: Tensor,
+                      out_dtype: torch.dtype) -> Tensor:
+    """Per group g of rows (`offs`: cumulative ends, int32), the rowwise-scaled GEMM of its
+    block: a8 [M, K] @ b8 [G, K, N] -> [M, N] (a_inv [M], b_inv [G, N]), or, groups along the
+    contraction, a8 [K, M] @ b8 [M, N] -> [G, K, N] (a_inv [G x K], b_inv [G x N]).
+
+    `torch._scaled_grouped_mm` on CUDA; elsewhere each group's block dequantized and multiplied
+    in fp32, which is `scaled_mm` (and `torch._scaled_mm`) per group, bit for bit."""
+    if a8.is_cuda:
+        return torch._scaled_grouped_mm(a8.contiguous(), b8.transpose(-1, -2).contiguous()
+                                        .transpose(-1, -2), a_inv.contiguous(),
+                                        b_inv.contiguous(), offs=offs, out_dtype=out_dtype)
+    groups = offs.numel()
+    if b8.dim() == 3:
+        if a8.is_meta:
+            return a8.new_empty(a8.size(0), b8.size(2), dtype=out_dtype)
+        blocks = zip(a8.split(_sizes(offs)), a_inv.split(_sizes(offs)), b8, b_inv, strict=True)
+        return torch.cat([scaled_mm(a, b, sa[:, None], sb[None], out_dtype)
+                          for a, sa, b, sb in blocks])
+    if a8.is_meta:
+        return a8.new_empty(groups, a8.size(0), b8.size(1), dtype=out_dtype)
+    blocks = zip(a8.split(_sizes(offs), dim=1), a_inv.view(groups, -1),
+                 b8.split(_sizes(offs)), b_inv.view(groups, -1), strict=True)
+    return torch.stack([scaled_mm(a, b, sa[:, None], sb[None], out_dtype)
+                        for a, sa, b, sb in blocks])
+
+
+def _sizes(offs: Tensor) -> list[int]:
+    """Group sizes from cumulative ends (a host read: the emulation's split)."""
+    ends = offs.tolist()
+    return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+class Fp8GroupedLinear(torch.autograd.Function):
+    """x [N, k] (rows sorted by expert, `counts` per expert) @ w [G, k, n] per expert, with
+    the forward, input-gradient and weight-gradient grouped GEMMs in e4m3, rowwise scaled.
+
+    `k_group` / `n_group`: the TP group k / n is sharded over (None: whole here); the amax of
+    a row or column that runs along a sharded dim is reduced over it, so the scales are the
+    one-process ones. Backward quantizes the weight afresh along its other dim; the saved
+    activation is x in e4m3 scaled per expert and column (1 byte per element), the operand
+    the weight gradient needs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts: Tensor, margin: int,
+                k_group: comms.Group, n_group: comms.Group) -> Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        x8, x_inv = quantize_rowwise(x, 1, margin, k_group)
+        w8, w_inv = quantize_rowwise(w, 1, margin, k_group)
+        xg8, xg_inv = quantize_per_group(x, counts, margin)
+        ctx.save_for_backward(xg8, xg_inv, w, counts, offs)
+        ctx.margin, ctx.n_group, ctx.x_dtype = margin, n_group, x.dtype
+        return scaled_grouped_mm(x8, w8, x_inv.view(-1), w_inv.squeeze(1), offs, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        xg8, xg_inv, w, counts, offs = ctx.saved_tensors
+        margin = ctx.margin
+        g8, g_inv = quantize_rowwise(grad, 1, margin, ctx.n_group)
+        wt8, wt_inv = quantize_rowwise(w.transpose(1, 2), 1, margin, ctx.n_group)
+        grad_x = scaled_grouped_mm(g8, wt8, g_inv.view(-1), wt_inv.squeeze(1), offs,
+                                   ctx.x_dtype)
+        gg8, gg_inv = quantize_per_group(grad, counts, margin)
+        grad_w = scaled_grouped_mm(xg8.t(), gg8, xg_inv.view(-1), gg_inv.view(-1), offs,
+                                   w.dtype)
+        return grad_x, grad_w, None, None, None, None

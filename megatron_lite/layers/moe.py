@@ -11,7 +11,9 @@ capacity the router's map already holds only the kept pairs.
 `torch._grouped_mm` takes bf16/fp32 rows whose widths are multiples of 16 bytes (and only
 bf16 on CUDA); float64 (--fp64) and other shapes use `padded_bmm`, the same math: the rows
 scattered into an [E, max rows, k] zero-padded batch and one `bmm`. tests/layers/test_moe.py
-checks both against a per-token loop.
+checks both against a per-token loop. Under --fp8-format (outside the --first-last-layers-bf16
+layers) each projection is `Fp8GroupedLinear` instead: e4m3 operands, rowwise current scaling
+(layers/fp8.py), whatever the dtype and widths.
 
 Under TP each rank holds gate/up rows [E x 2f/t, h] (each expert's gate and up split like
 the dense column layer) and down [E x h, f/t] (each expert's input columns split), so the
@@ -40,6 +42,7 @@ from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
 from megatron_lite.kernels.swiglu import swiglu
 from megatron_lite.layers import tags
 from megatron_lite.layers.context import LayerContext
+from megatron_lite.layers.fp8 import Fp8GroupedLinear, Fp8Recipe
 from megatron_lite.layers.init import init_shard
 from megatron_lite.layers.mlp import SwiGLUMLP
 from megatron_lite.layers.router import Router
@@ -92,6 +95,26 @@ def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
+def expert_matmul(x: Tensor, w: Tensor, counts: Tensor, fp8: Fp8Recipe | None = None,
+                  k_group: comms.Group = None, n_group: comms.Group = None) -> Tensor:
+    """`grouped_matmul`, or under --fp8-format its e4m3 rowwise-scaled form (layers/fp8.py;
+    `k_group` / `n_group`: the TP group the contraction / output dim is sharded over)."""
+    if fp8 is None:
+        return grouped_matmul(x, w, counts)
+    return Fp8GroupedLinear.apply(x, w, counts, fp8.margin, k_group, n_group)
+
+
+def swiglu_experts(rows: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor,
+                   use_triton: bool = False, fp8: Fp8Recipe | None = None,
+                   tp_group: comms.Group = None) -> Tensor:
+    """SwiGLU_e of each row (rows sorted by expert, `counts` per expert): gate/up's output
+    and down's input are the TP-sharded dims."""
+    hidden = expert_matmul(rows, gate_up, counts, fp8, n_group=tp_group)
+    gate, up = hidden.chunk(2, dim=-1)
+    return expert_matmul(swiglu(gate, up, use_triton=use_triton), down, counts, fp8,
+                         k_group=tp_group)
+
+
 def routed_pairs(routing_map: Tensor, pairs_per_token: float) -> tuple[Tensor, Tensor]:
     """(expert ids, token ids) of the map's (token, expert) pairs, sorted by expert. On meta:
     the stand-in `pairs_per_token` x N pairs (top-k x the map's share of all experts)."""
@@ -102,18 +125,17 @@ def routed_pairs(routing_map: Tensor, pairs_per_token: float) -> tuple[Tensor, T
 
 
 def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tensor,
-                    down: Tensor, use_triton: bool = False, pairs_per_token: float = 0.0
-                    ) -> Tensor:
+                    down: Tensor, use_triton: bool = False, pairs_per_token: float = 0.0,
+                    fp8: Fp8Recipe | None = None, tp_group: comms.Group = None) -> Tensor:
     """sum over each token's routed experts e of probs[t, e] x SwiGLU_e(x[t]).
 
     x [N, h]; probs, routing_map [N, E]; gate_up [E, h, 2f] (gate columns first), down
     [E, f, h]. Returns [N, h] (a partial sum over TP when the weights are TP shards).
-    `pairs_per_token`: the meta stand-in's pairs per token (`routed_pairs`)."""
+    `pairs_per_token`: the meta stand-in's pairs per token (`routed_pairs`); `fp8`: the
+    GEMMs in FP8, `tp_group` the group the weights are sharded over."""
     expert_ids, token_ids = routed_pairs(routing_map, pairs_per_token)  # sorted by expert
     counts = routing_map.sum(0)
-    hidden = grouped_matmul(x[token_ids], gate_up, counts)
-    gate, up = hidden.chunk(2, dim=-1)
-    out = grouped_matmul(swiglu(gate, up, use_triton=use_triton), down, counts)
+    out = swiglu_experts(x[token_ids], gate_up, down, counts, use_triton, fp8, tp_group)
     out = out * probs[token_ids, expert_ids].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, token_ids, out)
 
@@ -129,6 +151,7 @@ class MoE(nn.Module):
         self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
         self.tp_group, self.sequence_parallel = ctx.tp_group, ctx.sequence_parallel
         self.use_triton, self.topk = ctx.use_triton, moe.moe_router_topk
+        self.fp8 = ctx.fp8  # None in the --first-last-layers-bf16 layers (ctx.for_layer)
         self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
                              name=f"layers.{layer}.mlp.router")
         ep = ctx.ep_size
@@ -194,7 +217,8 @@ class MoE(nn.Module):
         this rank's experts run here and the others' on their EP ranks."""
         if comms.group_size(self.ep_group) == 1:
             return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
-                                   use_triton=self.use_triton, pairs_per_token=self.topk)
+                                   use_triton=self.use_triton, pairs_per_token=self.topk,
+                                   fp8=self.fp8, tp_group=self.tp_group)
         if self.dispatcher == "alltoall":
             return self._all_to_all(tokens, probs, routing_map)
         return self._all_gather(tokens, probs, routing_map)
@@ -214,7 +238,8 @@ class MoE(nn.Module):
                                             group)[0].bool()
         out = experts_forward(tokens, self._local(probs), self._local(routing_map),
                               *self.expert_weights(), use_triton=self.use_triton,
-                              pairs_per_token=self.topk * self.local_experts / self.experts)
+                              pairs_per_token=self.topk * self.local_experts / self.experts,
+                              fp8=self.fp8, tp_group=self.tp_group)
         return comms.reduce_scatter_to_sequence_region(out, group)
 
     def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
@@ -234,9 +259,8 @@ class MoE(nn.Module):
         order = self._by_local_expert(received, rows)
         gate_up, down = self.expert_weights()
         per_expert = received.sum(0)
-        hidden = grouped_matmul(rows[order], gate_up, per_expert)
-        gate, up = hidden.chunk(2, dim=-1)
-        out = grouped_matmul(swiglu(gate, up, use_triton=self.use_triton), down, per_expert)
+        out = swiglu_experts(rows[order], gate_up, down, per_expert, self.use_triton,
+                             self.fp8, self.tp_group)
         back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add(0, token_ids, back)
