@@ -120,11 +120,19 @@ def test_tp2_sp_fp8_equals_one_process(tmp_path) -> None:
     assert_all_close(full_params(ranks, tp=2), ref["params"], 5e-3)
 
 
-def test_refused_recipes_name_the_flag() -> None:
+@pytest.mark.parametrize("name", ["mxfp8", "blockwise"])
+def test_refused_recipes_name_the_flag(name: str) -> None:
+    cfg = make_config(fp64=False)
+    cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", name
+    with pytest.raises(ConfigError, match=f"--fp8-recipe {name}"):
+        validate(cfg, 1)
+
+
+def test_fp8_format_alone_validates_with_megatrons_delayed_default() -> None:
     cfg = make_config(fp64=False)
     cfg.train.fp8_format = "hybrid"  # recipe left at Megatron's default, delayed
-    with pytest.raises(ConfigError, match="--fp8-recipe delayed"):
-        validate(cfg, 1)
+    validate(cfg, 1)
+    assert cfg.train.fp8_recipe == "delayed"
 
 
 def test_first_last_layers_stay_out_of_fp8() -> None:
