@@ -117,13 +117,14 @@ def test_dp2_equals_one_process_accumulating(tmp_path) -> None:
 
 def test_tp2_sp_delayed_equals_one_process(tmp_path) -> None:
     """TP=2 with SP, 3 steps: histories within 1e-5 relative of one process's (TP's split
-    fp32 sums move the activations' amaxes by rounding) and weights within 5e-3, the bound of
-    tests/layers/test_fp8.py's tensorwise TP test."""
+    fp32 sums move the activations' amaxes by rounding) and weights within 1e-4. Measured:
+    histories 4.7e-7, weights 3.8e-6 (DP=2 above: histories 1.5e-7 after step 1, weights
+    4.1e-6)."""
     ranks = run_ranks(_train, 2, tmp_path, tp=2)
     ref = _train(single_process_state())
     assert torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])
     _assert_close(ranks[0]["history"][-1], ref["history"][-1], 1e-5)
-    assert_all_close(full_params(ranks, tp=2), ref["params"], 5e-3)
+    assert_all_close(full_params(ranks, tp=2), ref["params"], 1e-4)
 
 
 def test_full_recompute_records_each_forward_once(monkeypatch) -> None:
