@@ -225,6 +225,8 @@ class Fp8History:
                                    device=pstate.device)
         self.amax = torch.zeros(rows, 3, dtype=torch.float32, device=pstate.device)
         self.states: list[Fp8State] = []
+        self.started = False
+        """A fold has run (kept here, not per state: rank 0 may hold no FP8 linear)."""
         for chunk in chunks:
             for layer in getattr(chunk, "layers", []):
                 for name, module in layer.named_modules():
@@ -244,12 +246,15 @@ class Fp8History:
             comms.all_reduce_(self.amax, self.pstate.world_group, op=dist.ReduceOp.MAX)
         self.history.copy_(torch.roll(self.history, 1, dims=1))
         self.history[:, 0] = self.amax
+        self._start(True)
+
+    def _start(self, started: bool) -> None:
+        self.started = started
         for state in self.states:
-            state.started = True
+            state.started = started
 
     def state_dict(self) -> dict:
-        return {"amax_history": self.history.tolist(),
-                "started": any(s.started for s in self.states)}
+        return {"amax_history": self.history.tolist(), "started": self.started}
 
     def load_state_dict(self, state: dict) -> None:
         saved = torch.tensor(state["amax_history"], dtype=torch.float32)
@@ -257,8 +262,7 @@ class Fp8History:
             raise ValueError(f"the checkpoint's FP8 amax history is {list(saved.shape)}, this "
                              f"run's {list(self.history.shape)} (--fp8-amax-history-len)")
         self.history.copy_(saved)
-        for s in self.states:
-            s.started = bool(state["started"])
+        self._start(bool(state["started"]))
 
 
 def recipe(train: TrainConfig) -> Fp8Recipe | None:

@@ -49,6 +49,20 @@ def test_history_window_against_hand_computation(algo: str) -> None:
         assert state.history_amax(fp8.GRAD).item() == want
 
 
+def test_started_survives_a_rank_zero_without_fp8_linears() -> None:
+    """Rank 0 may hold no FP8 linear (PP with --first-last-layers-bf16), yet its state_dict is
+    the one saved: after a fold it says the histories started, and loading it makes another
+    rank's linears scale from their histories (not from current amaxes) at once."""
+    recipe = Fp8Recipe("hybrid", delayed=True, history_len=2)
+    rank0 = Fp8History(recipe, 1, [], single_process_state())
+    rank0.fold()
+    other = Fp8History(recipe, 1, [], single_process_state())
+    state = Fp8State(recipe)
+    other.states.append(state)
+    other.load_state_dict(rank0.state_dict())
+    assert state.started
+
+
 def test_forward_scales_from_history_and_saturates() -> None:
     """Once started, the input is scaled by the history's amax (not its own): values past it
     saturate at the fp8 max; before the first fold it uses its current amax."""
