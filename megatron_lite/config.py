@@ -416,14 +416,24 @@ class TrainConfig:
     """FP8 GEMMs in the column- and row-parallel linears (layers/fp8.py): e4m3 for every
     operand, or hybrid: e4m3 activations and weights, e5m2 output gradients; and in the MoE
     experts' grouped GEMMs, e4m3 in both formats with rowwise current scaling (what
-    torch._scaled_grouped_mm takes). Weights, master weights and the output layer stay in the
-    model's dtype. Needs --fp8-recipe tensorwise."""
+    torch._scaled_grouped_mm takes) whatever the recipe. Weights, master weights and the
+    output layer stay in the model's dtype. Needs --fp8-recipe delayed (the default) or
+    tensorwise."""
     fp8_recipe: str = field(default="delayed", metadata={
         "choices": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]})
-    """With --fp8-format: how scales are chosen. Only tensorwise (current scaling: each
-    tensor's own amax, every GEMM) is implemented; Megatron's default, delayed, is refused."""
+    """With --fp8-format: how scales are chosen. tensorwise: current scaling (each tensor's
+    own amax, every GEMM). delayed (Megatron's default): from an amax history that gains one
+    entry per optimizer step, the max over the step's micro-batches and the ranks holding the
+    layer (Transformer Engine adds one per micro-batch), so scales do not depend on the DP or
+    micro-batch split; the first step uses current amaxes. mxfp8, blockwise, custom: refused."""
     fp8_margin: int = 0
     """With --fp8-format: scale = fp8_max / amax / 2^margin (headroom against overflow)."""
+    fp8_amax_history_len: int = 1
+    """With --fp8-recipe delayed: steps of amax history each FP8 linear keeps per operand."""
+    fp8_amax_compute_algo: str = field(default="most_recent",
+                                       metadata={"choices": ["max", "most_recent"]})
+    """With --fp8-recipe delayed: the scale's amax is the history window's max or its newest
+    entry (the last step's)."""
     first_last_layers_bf16: bool = False
     """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and the last
     --num-layers-at-end-in-bf16 transformer layers out of FP8."""
@@ -1341,15 +1351,15 @@ def _fp64_errors(cfg: Config) -> list[str]:
 
 
 def _fp8_errors(cfg: Config) -> list[str]:
-    """FP8 is built for tensorwise current scaling, in bf16 or fp32 models, outside the
-    zero-bubble schedules' deferred weight gradients."""
+    """FP8 is built for tensorwise current and delayed scaling, in bf16 or fp32 models,
+    outside the zero-bubble schedules' deferred weight gradients."""
     t = cfg.train
     if t.fp8_format is None:
         return []
     errors = []
-    if t.fp8_recipe != "tensorwise":
-        errors.append(f"--fp8-recipe {t.fp8_recipe} is not implemented (no delayed, mxfp8, "
-                      "blockwise or custom scaling); use --fp8-recipe tensorwise")
+    if t.fp8_recipe not in ("tensorwise", "delayed"):
+        errors.append(f"--fp8-recipe {t.fp8_recipe} is not implemented (no mxfp8, blockwise "
+                      "or custom scaling); use --fp8-recipe delayed or tensorwise")
     if t.fp64:
         errors.append("--fp8-format rounds GEMM operands to 8 bits but --fp64 is exact math; "
                       "drop one of them")
@@ -1654,7 +1664,8 @@ NUMERIC_RANGES: dict[str, dict[str, str]] = {
         "train_samples": ">=1", "seed": ">=0", "eval_interval": ">=1", "eval_iters": ">=0",
         "manual_gc_interval": ">=0", "recompute_num_layers": ">=1",
         "dry_run_device_memory_gb": ">0",
-        "fp8_margin": ">=0", "num_layers_at_start_in_bf16": ">=0",
+        "fp8_margin": ">=0", "fp8_amax_history_len": ">=1",
+        "num_layers_at_start_in_bf16": ">=0",
         "num_layers_at_end_in_bf16": ">=0",
     },
     "data": {"tiktoken_num_special_tokens": ">=0", "null_tokenizer_eod_id": ">=0",

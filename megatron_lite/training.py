@@ -164,11 +164,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
                   "evaluates nothing", flush=True)
         guard = Guard(cfg, pstate)  # before the load: its spike/LR state is in the checkpoint
         with startup.timed("checkpoint load"):
-            moe = MoEStep(cfg.moe, cfg.model.num_layers, pstate, chunks) if cfg.moe.num_experts \
-                else None
-            checkpointer = Checkpointer(cfg, pstate, chunks, optimizer, train_loader,
-                                        extra_state={"reliability": guard,
-                                                     **({"moe": moe} if moe else {})})
+            checkpointer, moe, amax_history = _checkpointer(cfg, pstate, chunks, optimizer,
+                                                            train_loader, guard)
             if pstate.rank == 0:
                 report_partial_checkpoints(checkpointer.load_dir)
             start_iteration = checkpointer.load()
@@ -186,7 +183,8 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         guard.start()
         cleanup.callback(guard.close)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
-                            distiller=build_distiller(cfg, pstate, chunks), moe=moe)
+                            distiller=build_distiller(cfg, pstate, chunks), moe=moe,
+                            amax_history=amax_history)
         hooks = StepHooks(cfg, pstate.rank, pstate.device)
         cleanup.callback(hooks.close)
         with guard.watch_peers():  # a lost peer is named, not a backend traceback
@@ -200,6 +198,19 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
     if pstate.rank == 0 and result.losses and not math.isfinite(result.losses[-1]):
         print("warning: the final loss is not finite", flush=True)
     return result
+
+
+def _checkpointer(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
+                  optimizer: Optimizer, loader: MicroBatchLoader, guard: Guard
+                  ) -> tuple[Checkpointer, MoEStep | None, fp8.Fp8History | None]:
+    """The run's checkpointer and the run state it keeps besides weights, optimizer and data:
+    the guard's, the MoE expert biases, the FP8 amax histories (the last two when in use)."""
+    moe = MoEStep(cfg.moe, cfg.model.num_layers, pstate, chunks) if cfg.moe.num_experts \
+        else None
+    amax_history = fp8.history(cfg, pstate, chunks)
+    state = {"reliability": guard, "moe": moe, "fp8": amax_history}
+    return Checkpointer(cfg, pstate, chunks, optimizer, loader, extra_state={
+        key: obj for key, obj in state.items() if obj is not None}), moe, amax_history
 
 
 def train_loop(trainer: Trainer, start_iteration: int = 0) -> TrainResult:
@@ -339,14 +350,18 @@ class StepRunner:
 
     Without pipelining the schedule is plain gradient accumulation; with it, 1F1B,
     interleaved 1F1B, or a zero-bubble schedule (--pipeline-schedule zb-h1/zbv, whose W's
-    fill the bubble). Schedules are cached per (micro-batches, forward-only).
+    fill the bubble). Schedules are cached per (micro-batches, forward-only). Under
+    --fp8-recipe delayed each training step starts with cleared amaxes and ends by folding
+    them into the histories (`amax_history`, built from the chunks when not given).
     """
 
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                  on_grads_ready: Callable[[int], None] | None = None,
-                 distiller: Distiller | None = None, moe: MoEStep | None = None) -> None:
+                 distiller: Distiller | None = None, moe: MoEStep | None = None,
+                 amax_history: fp8.Fp8History | None = None) -> None:
         self.pstate, self.chunks = pstate, chunks
         self.moe = moe
+        self.amax_history = amax_history or fp8.history(cfg, pstate, chunks)
         # distillation: the chunks carry the teacher and the loss is the distillation loss
         self.distiller = distiller
         self.model_chunks: list = distiller.chunks if distiller is not None else chunks
@@ -395,11 +410,15 @@ class StepRunner:
             self.timer.start()
             if self.moe is not None:
                 self.moe.begin(len(batches))
+            if self.amax_history is not None:
+                self.amax_history.begin()
         losses = engine.forward_backward(
             self.model_chunks, self._schedules[key], microbatches, self.comm, self.loss_fn,
             on_grads_ready=self.on_grads_ready if backward else None, forward_only=not backward)
         if backward:
             self.timer.stop()
+            if self.amax_history is not None:
+                self.amax_history.fold()
         if self.distiller is not None:
             terms = self.distiller.pop_terms()
             self.extras = {name: self._step_share([t[name] for t in terms], means)

@@ -1,8 +1,8 @@
-"""FP8 GEMMs for the parallel linears and the MoE experts (--fp8-format, --fp8-recipe
-tensorwise); the experts' grouped GEMMs scale rowwise (see `scaled_grouped_mm`).
+"""FP8 GEMMs for the parallel linears (--fp8-format, --fp8-recipe tensorwise or delayed) and
+the MoE experts (current scaling, rowwise: see `scaled_grouped_mm`).
 
-Each operand of a GEMM is quantized with current (dynamic) tensorwise scaling: its amax is
-taken now, scale = fp8_max / amax / 2^margin (--fp8-margin, as Transformer Engine applies
+Under tensorwise each operand of a GEMM is quantized with current (dynamic) scaling: its amax
+is taken now, scale = fp8_max / amax / 2^margin (--fp8-margin, as Transformer Engine applies
 it), and the scaled tensor is cast to float8 (e4m3 for activations and weights; the output
 gradient in e5m2 under `hybrid`, whose wider range holds gradients). On CUDA the GEMM is
 `torch._scaled_mm` with the inverse scales; elsewhere it is an emulation that dequantizes each
@@ -14,18 +14,33 @@ Under tensor parallelism a sharded operand's amax is the max over the TP group, 
 rank scales with the one-process scale: which operands are sharded depends on the layer
 (`Fp8Linear` takes a group per operand). The master weights are untouched: the weight is
 quantized afresh in each forward from the model's weight.
+
+Under delayed (Megatron's default recipe) the scale comes from an amax history instead: each
+FP8 linear owns a [--fp8-amax-history-len, 3] fp32 history (input, weight, output gradient),
+and scale = fp8_max / amax_h / 2^margin with amax_h the window's max (--fp8-amax-compute-algo
+max) or its newest entry (most_recent). The history gains ONE entry per optimizer step: the max
+of the operand's amax over all the step's micro-batches, reduced (MAX) over every rank holding
+the same layers (TP x DP x CP of the stage, the set Megatron's amax reduction group spans), in
+one all-reduce per step for all linears (`Fp8History.fold`). So the scales do not depend on how
+a batch is split over DP ranks and micro-batches (DP=2 equals one process accumulating two
+micro-batches; TP=2 equals TP=1). Transformer Engine instead rolls its history per
+micro-batch. Every micro-batch of a step uses the scale from the history as it stood before
+the step; on the first step (empty history) an operand is scaled by its current amax, as under
+tensorwise, so the first step does not underflow. Values beyond the range saturate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_lite.config import TrainConfig
+from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import comms
+from megatron_lite.parallel.state import ParallelState
 
 FORMATS = ("e4m3", "hybrid")
 FWD_DTYPE = torch.float8_e4m3fn
@@ -34,10 +49,14 @@ FWD_DTYPE = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How a linear quantizes: --fp8-format and --fp8-margin (tensorwise current scaling)."""
+    """How a linear quantizes: --fp8-format, --fp8-margin and, with `delayed`, the amax
+    history's length and how a scale is taken from it."""
 
     format: str
     margin: int = 0
+    delayed: bool = False
+    history_len: int = 1
+    compute_algo: str = "most_recent"
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -50,9 +69,17 @@ def quantize(x: Tensor, dtype: torch.dtype, margin: int = 0,
              group: comms.Group = None) -> tuple[Tensor, Tensor]:
     """(x in fp8, its inverse scale as a 0-dim fp32 tensor). The amax is reduced over `group`
     (the TP group of a sharded operand) so every rank uses the whole tensor's scale."""
-    amax = x.detach().abs().amax().float()
+    return cast(x, dtype, _reduced(x.detach().abs().amax().float(), group), margin)
+
+
+def _reduced(amax: Tensor, group: comms.Group) -> Tensor:
     if group is not None and comms.group_size(group) > 1:
         comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX)
+    return amax
+
+
+def cast(x: Tensor, dtype: torch.dtype, amax: Tensor, margin: int = 0) -> tuple[Tensor, Tensor]:
+    """x scaled by fp8_max / amax / 2^margin and cast (saturating) to `dtype`."""
     fp8_max = torch.finfo(dtype).max
     # An all-zero tensor keeps scale 1 (any scale maps it to zeros).
     scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)) / 2.0 ** margin
@@ -90,42 +117,170 @@ class Fp8Groups:
     grad: comms.Group = None
 
 
+INPUT, WEIGHT, GRAD = 0, 1, 2
+"""The columns of an amax history: the operands of one linear."""
+
+
+class Fp8State:
+    """One linear's delayed-scaling state: its amax history [N, 3] (newest entry first) and
+    this step's running amax per operand [3]. `Fp8History` rebinds both to views of its
+    tables, so one all-reduce covers every linear."""
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | None = None) -> None:
+        self.history = torch.zeros(recipe.history_len, 3, dtype=torch.float32, device=device)
+        self.amax = torch.zeros(3, dtype=torch.float32, device=device)
+        self.use_max = recipe.compute_algo == "max"
+        self.started = False
+        """The history holds at least one step (else operands use their current amax)."""
+
+    def observe(self, operand: int, local_amax: Tensor) -> None:
+        """Fold one micro-batch's local amax into the step's running max."""
+        torch.maximum(self.amax[operand], local_amax, out=self.amax[operand])
+
+    def history_amax(self, operand: int) -> Tensor:
+        column = self.history[:, operand]
+        return column.max() if self.use_max else column[0]
+
+
+def _quantize_operand(x: Tensor, dtype: torch.dtype, recipe: Fp8Recipe, group: comms.Group,
+                      state: Fp8State | None, operand: int, record: bool
+                      ) -> tuple[Tensor, Tensor]:
+    """Tensorwise without `state`; else scaled from the history (from the current TP-reduced
+    amax before the first fold), the local amax recorded for the step when `record`."""
+    if state is None:
+        return quantize(x, dtype, recipe.margin, group)
+    local = x.detach().abs().amax().float()
+    if record:
+        state.observe(operand, local)
+    amax = state.history_amax(operand) if state.started else _reduced(local.clone(), group)
+    return cast(x, dtype, amax, recipe.margin)
+
+
 class Fp8Linear(torch.autograd.Function):
     """x W^T with the forward, input-gradient and weight-gradient GEMMs in fp8.
 
     Saves the fp8 input and weight with their inverse scales (1 byte per element) for
-    backward; the output gradient is quantized once and used by both backward GEMMs.
+    backward; the output gradient is quantized once and used by both backward GEMMs. With a
+    `state` (delayed scaling) the forward records the input and weight amaxes iff `record`
+    and the backward always records the gradient's (a recompute rerun has no backward of its
+    own).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe,
-                groups: Fp8Groups) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
+                state: Fp8State | None = None, record: bool = False) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))
-        x8, x_inv = quantize(x2, FWD_DTYPE, recipe.margin, groups.x)
-        w8, w_inv = quantize(weight, FWD_DTYPE, recipe.margin, groups.weight)
-        ctx.recipe, ctx.groups, ctx.x_shape = recipe, groups, x.shape
+        x8, x_inv = _quantize_operand(x2, FWD_DTYPE, recipe, groups.x, state, INPUT, record)
+        w8, w_inv = _quantize_operand(weight, FWD_DTYPE, recipe, groups.weight, state, WEIGHT,
+                                      record)
+        ctx.recipe, ctx.groups, ctx.state, ctx.x_shape = recipe, groups, state, x.shape
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
         return out.reshape(*x.shape[:-1], weight.size(0))
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         recipe, groups = ctx.recipe, ctx.groups
         x_dtype, w_dtype = ctx.dtypes
         g2 = grad.reshape(-1, grad.size(-1))
-        g8, g_inv = quantize(g2, recipe.grad_dtype, recipe.margin, groups.grad)
+        g8, g_inv = _quantize_operand(g2, recipe.grad_dtype, recipe, groups.grad, ctx.state,
+                                      GRAD, True)
         grad_x = scaled_mm(g8, w8, g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
         grad_w = scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
+               state: Fp8State | None) -> Tensor:
+    """`Fp8Linear`, recording amaxes only in a training forward: not under no_grad
+    (evaluation) and not in a full-recompute rerun inside backward (the forward it repeats
+    recorded them; the check layers/router.py makes for its statistics)."""
+    record = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    return Fp8Linear.apply(x, weight, recipe, groups, state, record)
+
+
+FP8_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate_up", "mlp.down",
+               "mlp.shared.gate_up", "mlp.shared.down")
+"""Where FP8 linears sit in a transformer layer: the history table's rows per layer."""
+
+
+class Fp8History:
+    """Every FP8 linear's delayed-scaling state, in two tables over the whole model:
+    histories [layers x 6, N, 3] and the step's amaxes [layers x 6, 3].
+
+    `begin` (before a step's forwards) clears the step's amaxes: a forward outside training
+    steps (the startup's memory measurement) does not leak into a step. `fold` (once per
+    step, after the backward) all-reduces the amax table (MAX) over the
+    world: a row is non-zero only on the ranks holding its layer, so this equals the MAX over
+    that stage's TP x DP x CP ranks, and every rank then holds every layer's history, so rank
+    0's `state_dict` is the whole model's (the checkpoint keeps it in its metadata, as it
+    keeps MoEStep's expert biases).
+    """
+
+    def __init__(self, recipe: Fp8Recipe, num_layers: int, chunks: Sequence[torch.nn.Module],
+                 pstate: ParallelState) -> None:
+        self.pstate, rows = pstate, num_layers * len(FP8_LINEARS)
+        self.history = torch.zeros(rows, recipe.history_len, 3, dtype=torch.float32,
+                                   device=pstate.device)
+        self.amax = torch.zeros(rows, 3, dtype=torch.float32, device=pstate.device)
+        self.states: list[Fp8State] = []
+        self.started = False
+        """A fold has run (kept here, not per state: rank 0 may hold no FP8 linear)."""
+        for chunk in chunks:
+            for layer in getattr(chunk, "layers", []):
+                for name, module in layer.named_modules():
+                    state = getattr(module, "fp8_state", None)
+                    if state is not None:
+                        row = layer.layer_number * len(FP8_LINEARS) + FP8_LINEARS.index(name)
+                        state.history, state.amax = self.history[row], self.amax[row]
+                        self.states.append(state)
+
+    def begin(self) -> None:
+        self.amax.zero_()
+
+    def fold(self) -> None:
+        """The step's amaxes become each history's newest entry (the oldest drops out)."""
+        if self.pstate.world_group is not None and dist.get_world_size(
+                self.pstate.world_group) > 1:
+            comms.all_reduce_(self.amax, self.pstate.world_group, op=dist.ReduceOp.MAX)
+        self.history.copy_(torch.roll(self.history, 1, dims=1))
+        self.history[:, 0] = self.amax
+        self._start(True)
+
+    def _start(self, started: bool) -> None:
+        self.started = started
+        for state in self.states:
+            state.started = started
+
+    def state_dict(self) -> dict:
+        return {"amax_history": self.history.tolist(), "started": self.started}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = torch.tensor(state["amax_history"], dtype=torch.float32)
+        if saved.shape != self.history.shape:
+            raise ValueError(f"the checkpoint's FP8 amax history is {list(saved.shape)}, this "
+                             f"run's {list(self.history.shape)} (--fp8-amax-history-len)")
+        self.history.copy_(saved)
+        self._start(bool(state["started"]))
 
 
 def recipe(train: TrainConfig) -> Fp8Recipe | None:
     """The run's recipe (None without --fp8-format); config.validate refused the others."""
     if train.fp8_format is None:
         return None
-    return Fp8Recipe(train.fp8_format, train.fp8_margin)
+    return Fp8Recipe(train.fp8_format, train.fp8_margin, train.fp8_recipe == "delayed",
+                     train.fp8_amax_history_len, train.fp8_amax_compute_algo)
+
+
+def history(cfg: Config, pstate: ParallelState, chunks: Sequence[torch.nn.Module]
+            ) -> Fp8History | None:
+    """The run's amax histories under --fp8-recipe delayed (else None)."""
+    run_recipe = recipe(cfg.train)
+    if run_recipe is None or not run_recipe.delayed:
+        return None
+    return Fp8History(run_recipe, cfg.model.num_layers, chunks, pstate)
 
 
 def bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_lite.layers import tags
-from megatron_lite.layers.fp8 import Fp8Groups, Fp8Linear
+from megatron_lite.layers.fp8 import Fp8Groups, Fp8State, fp8_linear
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
 
@@ -239,6 +239,8 @@ class ColumnParallelLinear(nn.Module):
         if self.weight_grads is not None:
             self.weight_grads.register(self.weight)
         self.fp8 = ctx.fp8
+        self.fp8_state = (Fp8State(ctx.fp8, ctx.device)
+                          if ctx.fp8 is not None and ctx.fp8.delayed else None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
@@ -246,8 +248,8 @@ class ColumnParallelLinear(nn.Module):
             # weight rows and the output gradient's columns are split: their amax spans TP.
             x = (comms.gather_from_sequence_region(x, self.tp_group) if self.sequence_parallel
                  else comms.copy_to_region(x, self.tp_group))
-            out = Fp8Linear.apply(x, self.weight, self.fp8,
-                                  Fp8Groups(weight=self.tp_group, grad=self.tp_group))
+            out = fp8_linear(x, self.weight, self.fp8,
+                             Fp8Groups(weight=self.tp_group, grad=self.tp_group), self.fp8_state)
             return out if self.bias is None else out + self.bias
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
                                      self.weight_grads)
@@ -274,13 +276,15 @@ class RowParallelLinear(nn.Module):
         if self.weight_grads is not None:
             self.weight_grads.register(self.weight)
         self.fp8 = ctx.fp8
+        self.fp8_state = (Fp8State(ctx.fp8, ctx.device)
+                          if ctx.fp8 is not None and ctx.fp8.delayed else None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
             # The input's and weight's columns are split over TP, their amax spans it; the
             # output gradient arrives whole on every rank.
-            partial = Fp8Linear.apply(x, self.weight, self.fp8,
-                                      Fp8Groups(x=self.tp_group, weight=self.tp_group))
+            partial = fp8_linear(x, self.weight, self.fp8,
+                                 Fp8Groups(x=self.tp_group, weight=self.tp_group), self.fp8_state)
         elif self.weight_grads is not None:
             if self.sequence_parallel:
                 return _DeferredWeightGradLinear.apply(x, DeferredWeight(

@@ -69,11 +69,13 @@ def test_gemm_error_within_what_fp8_implies(fmt: torch.dtype) -> None:
     assert fp8_ratio > 5 * bf16_ratio, (fp8_ratio, bf16_ratio)
 
 
-def _train_fixed_batch(fp8_format: str | None, steps: int) -> list[float]:
+def _train_fixed_batch(fp8_format: str | None, steps: int, recipe: str = "tensorwise"
+                       ) -> list[float]:
     """`steps` AdamW steps of the tiny bf16 model on one batch (so the loss falls fast)."""
     cfg = make_config(bf16=True, lr=3e-3)
     cfg.optim.clip_grad = 1.0
-    cfg.train.fp8_format, cfg.train.fp8_recipe = fp8_format, "tensorwise"
+    cfg.train.fp8_format, cfg.train.fp8_recipe = fp8_format, recipe
+    cfg.train.fp8_amax_history_len, cfg.train.fp8_amax_compute_algo = 4, "max"
     pstate = single_process_state()
     chunks = build_model(cfg, pstate)
     opt = Optimizer(cfg, chunks, pstate)
@@ -90,12 +92,15 @@ def _train_fixed_batch(fp8_format: str | None, steps: int) -> list[float]:
 
 def test_hybrid_training_tracks_bf16() -> None:
     """30 steps on one batch: the hybrid run's loss falls like the bf16 run's and ends within
-    2% of it. Measured: bf16 4.648 -> 1.749, hybrid 4.649 -> 1.758 (+0.5%), e4m3 1.756."""
+    2% of it, with current (tensorwise) and with delayed scaling (history 4, max). Measured:
+    bf16 4.648 -> 1.749, hybrid 4.649 -> 1.758 (+0.5%), e4m3 1.756; delayed hybrid 1.757."""
     bf16 = _train_fixed_batch(None, 30)
     hybrid = _train_fixed_batch("hybrid", 30)
-    assert hybrid[-1] < 0.8 * hybrid[0]
-    assert abs(hybrid[-1] - bf16[-1]) <= 0.02 * bf16[-1], (hybrid[-1], bf16[-1])
-    assert hybrid != bf16  # the FP8 path ran
+    delayed = _train_fixed_batch("hybrid", 30, "delayed")
+    for run in (hybrid, delayed):
+        assert run[-1] < 0.8 * run[0]
+        assert abs(run[-1] - bf16[-1]) <= 0.02 * bf16[-1], (run[-1], bf16[-1])
+    assert hybrid != bf16 and delayed != hybrid  # the FP8 paths ran, and differ
 
 
 def _fp8_config(tp: int):
@@ -120,11 +125,19 @@ def test_tp2_sp_fp8_equals_one_process(tmp_path) -> None:
     assert_all_close(full_params(ranks, tp=2), ref["params"], 5e-3)
 
 
-def test_refused_recipes_name_the_flag() -> None:
+@pytest.mark.parametrize("name", ["mxfp8", "blockwise"])
+def test_refused_recipes_name_the_flag(name: str) -> None:
+    cfg = make_config(fp64=False)
+    cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", name
+    with pytest.raises(ConfigError, match=f"--fp8-recipe {name}"):
+        validate(cfg, 1)
+
+
+def test_fp8_format_alone_validates_with_megatrons_delayed_default() -> None:
     cfg = make_config(fp64=False)
     cfg.train.fp8_format = "hybrid"  # recipe left at Megatron's default, delayed
-    with pytest.raises(ConfigError, match="--fp8-recipe delayed"):
-        validate(cfg, 1)
+    validate(cfg, 1)
+    assert cfg.train.fp8_recipe == "delayed"
 
 
 def test_first_last_layers_stay_out_of_fp8() -> None:
