@@ -115,6 +115,17 @@ class Fp8Groups:
     x: comms.Group = None
     weight: comms.Group = None
     grad: comms.Group = None
+    sequence: comms.Group = None
+    """The TP group a sequence-parallel input is split over along dim 0 (None: whole). The
+    shard is quantized with the whole input's scale (its amax MAX-reduced over the group)
+    and the fp8 bytes are all-gathered: 1 byte per element on the wire instead of 2 or 4,
+    and the same fp8 values as gathering first and quantizing after."""
+
+
+def gather_fp8(x8: Tensor, group: comms.Group) -> Tensor:
+    """All-gather an fp8 tensor's dim-0 slices as uint8 (gloo has no float8 types)."""
+    full, _ = comms.all_gather_dim0(x8.contiguous().view(torch.uint8), group)
+    return full.view(x8.dtype)
 
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -163,21 +174,26 @@ class Fp8Linear(torch.autograd.Function):
     backward; the output gradient is quantized once and used by both backward GEMMs. With a
     `state` (delayed scaling) the forward records the input and weight amaxes iff `record`
     and the backward always records the gradient's (a recompute rerun has no backward of its
-    own).
+    own). With `groups.sequence` the input is a sequence shard, gathered in fp8 (see
+    `Fp8Groups`; under delayed scaling the shard's amax is recorded, and the fold's MAX over
+    the ranks makes it the whole input's).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
                 state: Fp8State | None = None, record: bool = False) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))
-        x8, x_inv = _quantize_operand(x2, FWD_DTYPE, recipe, groups.x, state, INPUT, record)
+        x_group = groups.x if groups.sequence is None else groups.sequence
+        x8, x_inv = _quantize_operand(x2, FWD_DTYPE, recipe, x_group, state, INPUT, record)
+        if groups.sequence is not None:
+            x8 = gather_fp8(x8, groups.sequence)  # rows [s/t * b] per rank, in rank order
         w8, w_inv = _quantize_operand(weight, FWD_DTYPE, recipe, groups.weight, state, WEIGHT,
                                       record)
         ctx.recipe, ctx.groups, ctx.state, ctx.x_shape = recipe, groups, state, x.shape
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
-        return out.reshape(*x.shape[:-1], weight.size(0))
+        return out.reshape(-1, *x.shape[1:-1], weight.size(0))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
@@ -187,7 +203,10 @@ class Fp8Linear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.size(-1))
         g8, g_inv = _quantize_operand(g2, recipe.grad_dtype, recipe, groups.grad, ctx.state,
                                       GRAD, True)
-        grad_x = scaled_mm(g8, w8, g_inv, w_inv, x_dtype).reshape(ctx.x_shape)
+        grad_x = scaled_mm(g8, w8, g_inv, w_inv, x_dtype)
+        if groups.sequence is not None:  # the whole input's gradient back to this shard
+            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
+        grad_x = grad_x.reshape(ctx.x_shape)
         grad_w = scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype)
         return grad_x, grad_w, None, None, None, None
 

@@ -244,12 +244,13 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
-            # The input is whole on every rank (the SP gather is before the GEMM); the
-            # weight rows and the output gradient's columns are split: their amax spans TP.
-            x = (comms.gather_from_sequence_region(x, self.tp_group) if self.sequence_parallel
-                 else comms.copy_to_region(x, self.tp_group))
-            out = fp8_linear(x, self.weight, self.fp8,
-                             Fp8Groups(weight=self.tp_group, grad=self.tp_group), self.fp8_state)
+            # The weight rows and the output gradient's columns are split: their amax spans
+            # TP. A sequence-parallel input is quantized as a shard and gathered in fp8.
+            sequence = self.tp_group if self.sequence_parallel else None
+            if sequence is None:
+                x = comms.copy_to_region(x, self.tp_group)
+            out = fp8_linear(x, self.weight, self.fp8, Fp8Groups(
+                weight=self.tp_group, grad=self.tp_group, sequence=sequence), self.fp8_state)
             return out if self.bias is None else out + self.bias
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
                                      self.weight_grads)

@@ -151,3 +151,42 @@ def test_first_last_layers_stay_out_of_fp8() -> None:
     in_fp8 = [layer.attention.qkv.fp8 is not None and layer.mlp.down.fp8 is not None
               for layer in chunk.layers]
     assert in_fp8 == [False, True, False, False]
+
+
+def _sp_gather_both_ways(pstate: ParallelState) -> dict:
+    """One column-parallel FP8 GEMM on this rank's sequence shard, both ways: the fp8
+    all-gather (quantize the shard with the whole input's scale, gather the bytes) and the
+    bf16 gather followed by quantizing the whole input."""
+    from megatron_lite.layers.fp8 import Fp8Groups, Fp8Linear, Fp8Recipe
+    from megatron_lite.parallel import comms
+    group, rank = pstate.tp_group, pstate.tp_rank
+    g = torch.Generator().manual_seed(7)
+    x_full = (torch.randn(8, 2, 32, generator=g) * torch.linspace(0.1, 4, 8)[:, None, None]
+              ).to(torch.bfloat16)
+    weight = torch.randn(2, 12, 32, generator=g)[rank].to(torch.bfloat16)
+    grad = torch.randn(2, 8, 2, 12, generator=g)[rank].to(torch.bfloat16)
+    recipe = Fp8Recipe("hybrid")
+    out = {}
+    for way in ("fp8_gather", "gather_first"):
+        x = x_full.chunk(2)[rank].clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        if way == "fp8_gather":
+            y = Fp8Linear.apply(x, w, recipe, Fp8Groups(weight=group, grad=group,
+                                                        sequence=group))
+        else:
+            y = Fp8Linear.apply(comms.gather_from_sequence_region(x, group), w, recipe,
+                                Fp8Groups(weight=group, grad=group))
+        y.backward(grad)
+        out[way] = (y.detach(), x.grad, w.grad)
+    return out
+
+
+def test_sp_input_gathered_in_fp8_is_bit_identical(tmp_path) -> None:
+    """TP=2 + SP: gathering the input's fp8 bytes (scale from the amax MAX-reduced over TP,
+    the shards' amaxes differ by 10x here) gives the same output, input gradient and weight
+    gradient as gathering bf16 and quantizing after, torch.equal on each rank. Planted bug:
+    quantizing each shard with its own amax makes every one of the three differ."""
+    ranks = run_ranks(_sp_gather_both_ways, 2, tmp_path, tp=2)
+    for rank in ranks:
+        for got, want in zip(rank["fp8_gather"], rank["gather_first"]):
+            assert torch.equal(got, want)
