@@ -28,7 +28,7 @@ if [[ " $* " == *" --moe "* ]]; then
 fi
 if [[ " $* " == *" --fp8 "* ]]; then
     RUN=${RUN}fp8_
-    MODEL+=(--bf16 --fp8-format hybrid --fp8-recipe tensorwise)
+    MODEL+=(--bf16 --fp8-format hybrid)  # Megatron's default recipe, delayed
 elif [[ " $* " == *" --bf16 "* ]]; then
     RUN=${RUN}bf16_
     MODEL+=(--bf16)
