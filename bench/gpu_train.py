@@ -420,6 +420,17 @@ def report_lines(row: dict) -> list[str]:
     return lines
 
 
+def runnable(parser: argparse.ArgumentParser, args: argparse.Namespace, script: str) -> bool:
+    """False, saying so, on a CUDA run without a GPU; a --warmup not below --steps is a usage
+    error (bench/gpu_fp8.py shares this)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (or --device cpu --model tiny); nothing run")
+        return False
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and below --steps")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     flags = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -442,12 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return child_ours(flags, args.result)
     if args.role == "plain":
         return child_plain(flags, args.result, args.compile_backend, args.peak_tflops)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/gpu_train.py needs a CUDA GPU (or --device cpu --model tiny); nothing run")
+    if not runnable(parser, args, "bench/gpu_train.py"):
         return 0
-    if not 0 <= args.warmup < args.steps:
-        parser.error("--warmup must be at least 0 and below --steps")
-
     args.out.mkdir(parents=True, exist_ok=True)
     flags = run_flags(args)
     stem = args.out / f"gpu_train_{args.model}"
