@@ -143,13 +143,17 @@ def test_tp2_sp_delayed_equals_one_process(tmp_path) -> None:
 
 
 def test_pp2_every_rank_holds_every_layers_history(tmp_path) -> None:
-    """PP=2 (a layer per stage): each stage fills its own layer's rows, the fold's world MAX
-    gives both ranks the whole model's histories, one process's bit for bit (PP splits no
-    sum), and each stage's weights within 1e-5 (measured 1.7e-7)."""
+    """PP=2 (a layer per stage): each stage fills its own layer's rows and the fold's world MAX
+    gives both ranks the whole model's histories, equal on both ranks; the first step's are
+    one process's bit for bit (same weights, PP splits no sum), later ones within 1e-5 (the
+    fp32 weights drift by rounding: measured 1.7e-7, and with ATEN_CPU_CAPABILITY=default
+    the last step's histories are not bit-exact), each stage's weights within 1e-5."""
     ranks = run_ranks(_train, 2, tmp_path, pp=2)
     ref = _train(single_process_state())
-    assert torch.equal(ranks[0]["history"][-1], ref["history"][-1])
-    assert torch.equal(ranks[1]["history"][-1], ref["history"][-1])
+    for rank in ranks:
+        assert torch.equal(rank["history"][0], ref["history"][0])
+        assert torch.equal(rank["history"][-1], ranks[0]["history"][-1])
+        _assert_close(rank["history"][-1], ref["history"][-1], 1e-5)
     for rank in ranks:
         assert_all_close(rank["params"], {n: ref["params"][n] for n in rank["params"]}, 1e-5)
 
