@@ -80,11 +80,8 @@ def _reduced(amax: Tensor, group: comms.Group) -> Tensor:
 
 def cast(x: Tensor, dtype: torch.dtype, amax: Tensor, margin: int = 0) -> tuple[Tensor, Tensor]:
     """x scaled by fp8_max / amax / 2^margin and cast (saturating) to `dtype`."""
-    fp8_max = torch.finfo(dtype).max
-    # An all-zero tensor keeps scale 1 (any scale maps it to zeros).
-    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)) / 2.0 ** margin
-    x8 = (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-    return x8, scale.reciprocal()
+    scale = _scale(amax, margin, dtype)
+    return _cast(x, scale, dtype), scale.reciprocal()
 
 
 def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
@@ -346,15 +343,16 @@ def quantize_per_group(x: Tensor, counts: Tensor, margin: int = 0) -> tuple[Tens
     return _cast(x, scale[group_of_row]), scale.reciprocal()
 
 
-def _scale(amax: Tensor, margin: int) -> Tensor:
+def _scale(amax: Tensor, margin: int, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
     """fp8_max / amax / 2^margin, 1 where amax is 0 (any scale maps zeros to zeros)."""
-    fp8_max = torch.finfo(FWD_DTYPE).max
+    fp8_max = torch.finfo(dtype).max
     return torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)) / 2.0 ** margin
 
 
-def _cast(x: Tensor, scale: Tensor) -> Tensor:
-    fp8_max = torch.finfo(FWD_DTYPE).max
-    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(FWD_DTYPE)
+def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
+    """x x scale, saturated to the format's range, in `dtype`."""
+    fp8_max = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs: Tensor,
