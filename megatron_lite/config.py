@@ -434,6 +434,12 @@ class TrainConfig:
                                        metadata={"choices": ["max", "most_recent"]})
     """With --fp8-recipe delayed: the scale's amax is the history window's max or its newest
     entry (the last step's)."""
+    fp8_param_gather: bool = False
+    """With --fp8-format and the distributed optimizer (ZeRO-1/2): the FP8 linears' weights
+    are cast to e4m3 by the rank that owns them right after the update (with the scale the
+    forward would take) and all-gathered in fp8, 1 byte per element instead of 2; the forward
+    uses those fp8 values as they are (optim/fp8_params.py). The model's own copy of such a
+    weight then holds the dequantized fp8 values."""
     first_last_layers_bf16: bool = False
     """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and the last
     --num-layers-at-end-in-bf16 transformer layers out of FP8."""
@@ -1355,7 +1361,8 @@ def _fp8_errors(cfg: Config) -> list[str]:
     outside the zero-bubble schedules' deferred weight gradients."""
     t = cfg.train
     if t.fp8_format is None:
-        return []
+        return (["--fp8-param-gather gathers the FP8 linears' weights in fp8, but no linear is "
+                 "FP8: add --fp8-format hybrid (or e4m3)"] if t.fp8_param_gather else [])
     errors = []
     if t.fp8_recipe not in ("tensorwise", "delayed"):
         errors.append(f"--fp8-recipe {t.fp8_recipe} is not implemented (no mxfp8, blockwise "
@@ -1363,11 +1370,38 @@ def _fp8_errors(cfg: Config) -> list[str]:
     if t.fp64:
         errors.append("--fp8-format rounds GEMM operands to 8 bits but --fp64 is exact math; "
                       "drop one of them")
+    errors += _fp8_param_gather_errors(cfg)
     schedule = schedule_in_effect(cfg.parallel)
     if schedule.split_backward:
         errors.append(f"--fp8-format is not implemented with --pipeline-schedule "
                       f"{schedule.name} (deferred weight gradients); use another schedule")
     return errors
+
+
+def fp8_bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:
+    """The transformer layers --first-last-layers-bf16 keeps out of FP8 (as in Megatron: the
+    first and last N of the whole model, whatever stage holds them)."""
+    if train.fp8_format is None or not train.first_last_layers_bf16:
+        return frozenset()
+    start = range(min(train.num_layers_at_start_in_bf16, num_layers))
+    end = range(max(num_layers - train.num_layers_at_end_in_bf16, 0), num_layers)
+    return frozenset(start) | frozenset(end)
+
+
+def _fp8_param_gather_errors(cfg: Config) -> list[str]:
+    """The FP8 gather replaces the distributed optimizer's parameter all-gather (Megatron
+    refuses it without one too); ZeRO-3's per-unit gathers stay in the model's dtype."""
+    if not cfg.train.fp8_param_gather:
+        return []
+    strategy = cfg.parallel.data_parallel_sharding_strategy
+    if strategy == "no_shard":
+        return ["--fp8-param-gather casts the distributed optimizer's parameter all-gather to "
+                "fp8, but there is none: add --use-distributed-optimizer"]
+    if strategy == "optim_grads_params":
+        return ["--fp8-param-gather is not implemented with --data-parallel-sharding-strategy "
+                "optim_grads_params (ZeRO-3 gathers each unit in the model's dtype); use "
+                "optim or optim_grads"]
+    return []
 
 
 def validate(cfg: Config, world_size: int) -> None:

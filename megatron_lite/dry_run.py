@@ -568,6 +568,25 @@ def host_syncs_line(r: RankResult, planner_s: float | None) -> str:
             f"host {r.host_step_s:.3g} s per step with recording off, planner step {planned}")
 
 
+def comm_by_kind(ops: list[CommOp]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(what the call site meant, or the op without an identity; dtype) -> (ops, bytes): where
+    the `comm` column's bytes go (e.g. --fp8-param-gather's uint8 gathers)."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for op in ops:
+        key = (op.identity[0] if op.identity is not None else op.op, op.dtype)
+        count, nbytes = out.get(key, (0, 0))
+        out[key] = (count + 1, nbytes + op.nbytes)
+    return out
+
+
+def comm_line(r: RankResult) -> str:
+    """This rank's communication by kind, largest first."""
+    kinds = sorted(comm_by_kind(r.ops).items(), key=lambda kv: -kv[1][1])
+    parts = [f"{kind} {dtype} {fmt_bytes(nbytes)} x {count}"
+             for (kind, dtype), (count, nbytes) in kinds]
+    return f"dry run: rank {r.rank} comm by kind: {', '.join(parts) or 'none'}"
+
+
 def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
     """The groups `initialize` builds for this layout."""
     p = cfg.parallel
@@ -644,6 +663,7 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print(f"dry run: rank {rank} done in {results[-1].seconds:.1f} s", flush=True)
         print(group_creations_line(results[-1]), flush=True)
         print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
+        print(comm_line(results[-1]), flush=True)
     print(format_table(results))
     _write_jsonl(cfg, [{**r.record(), **summary.record()} for r in results])
     if len(ranks) < world_size:

@@ -59,6 +59,7 @@ from megatron_lite.config import (
     MoEConfig,
     ParallelConfig,
     ddp_bucket_size,
+    fp8_bf16_layers,
     moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
@@ -246,6 +247,17 @@ def stage_layer_ids(counts: list[int], chunks: int, stage: int) -> list[int]:
                 ids += range(start, start + count // chunks)
             start += count // chunks
     return ids
+
+
+def fp8_gathered_params(model: ModelConfig, moe: MoEConfig | None, tp: int,
+                        layer_ids: list[int], bf16_layers: frozenset[int]) -> int:
+    """Elements of the FP8 linears' weights on one rank of a stage holding `layer_ids` (every
+    matmul weight of a layer but the router's and the routed experts', outside the
+    --first-last-layers-bf16 layers): under --fp8-param-gather each keeps a 1-byte fp8 copy
+    beside the model's (optim/fp8_params.py)."""
+    return sum(p.local_numel(tp) for i in layer_ids if i not in bf16_layers
+               for p in structure.layer_parameters(model, i, moe)
+               if p.matmul and not p.expert and not p.name.endswith(".router.weight"))
 
 
 def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
@@ -759,6 +771,8 @@ class StageSpec:
     """--expert-model-parallel-size: the experts' states are sharded over DP x CP / ep."""
     moe_saved: tuple[float, ...] = ()
     """Per stage, `moe_saved_bytes` of one micro-batch (); empty: a dense model."""
+    fp8_copies: tuple[int, ...] = ()
+    """Per stage, `fp8_gathered_params` (1 byte each); empty: no --fp8-param-gather."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -770,6 +784,7 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     accumulator = spec.full_grad_accumulator and spec.microbatches > 1
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
                              accumulator, spec.grad_bf16)
+    pb += spec.fp8_copies[stage] if spec.fp8_copies else 0
     if routed:  # the experts' own sync group: their replicas over expert-DP
         epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
                                     spec.act.bf16, accumulator, spec.grad_bf16)
@@ -877,13 +892,18 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     ep = cfg.moe.expert_model_parallel_size
     moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
                                         ep, counts, chunks)
+    fp8_copies = (tuple(fp8_gathered_params(model, cfg.moe if cfg.moe.num_experts else None,
+                                            tp, stage_layer_ids(counts, chunks, i),
+                                            fp8_bf16_layers(cfg.train, model.num_layers))
+                        for i in range(len(counts)))
+                  if cfg.train.fp8_param_gather else ())
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
                      parallel.sharded_grad_accumulation == "full-buffer",
                      parallel.grad_reduce_in_bf16,
                      ddp_bucket_size(parallel, world_size // (tp * cp * pp)), moe_params, ep,
-                     moe_saved)
+                     moe_saved, fp8_copies)
     estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
     if teacher is not None:
         last = len(estimates) - 1

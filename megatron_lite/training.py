@@ -26,6 +26,7 @@ from megatron_lite.checkpoint import files as checkpoint_files
 from megatron_lite.checkpoint.checkpointer import apply_checkpoint_args
 from megatron_lite.config import (
     Config,
+    fp8_bf16_layers,
     num_microbatches,
     pipeline_schedule,
     schedule_in_effect,
@@ -694,7 +695,7 @@ def layer_context(cfg: Config, pstate: ParallelState) -> LayerContext:
         recompute_num_layers=cfg.train.recompute_num_layers or 1,
         split_backward=schedule_in_effect(cfg.parallel).split_backward,
         moe=cfg.moe if cfg.moe.num_experts else None, fp8=fp8.recipe(cfg.train),
-        fp8_bf16_layers=fp8.bf16_layers(cfg.train, cfg.model.num_layers))
+        fp8_bf16_layers=fp8_bf16_layers(cfg.train, cfg.model.num_layers))
 
 
 def build_model(cfg: Config, pstate: ParallelState) -> list[LlamaChunk]:

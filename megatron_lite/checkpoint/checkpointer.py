@@ -557,6 +557,12 @@ class Checkpointer:
             return 0
         reader = CheckpointReader(ckpt_dir)
         self._validate(reader)
+        if restore_extra and not ckpt_cfg.finetune:
+            # first: --fp8-param-gather casts the loaded weights with the FP8 histories' scales
+            saved_extra = reader.meta.get("extra_state", {})
+            for key, obj in self.extra_state.items():
+                if key in saved_extra:
+                    obj.load_state_dict(saved_extra[key])
         self._load_weights(reader)
         if ckpt_cfg.finetune:
             if self.pstate.rank == 0:
@@ -566,10 +572,6 @@ class Checkpointer:
         if not ckpt_cfg.no_load_optim:
             self._load_optimizer(reader)
         restored_rng = self._load_rank_state(reader)
-        saved_extra = reader.meta.get("extra_state", {}) if restore_extra else {}
-        for key, obj in self.extra_state.items():
-            if key in saved_extra:
-                obj.load_state_dict(saved_extra[key])
         iteration = int(reader.meta["iteration"])
         if self.save_dir is not None and ckpt_dir.parent.resolve() == self.save_dir.resolve():
             self._on_disk = iteration

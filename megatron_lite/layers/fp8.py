@@ -81,7 +81,7 @@ def _reduced(amax: Tensor, group: comms.Group) -> Tensor:
 def cast(x: Tensor, dtype: torch.dtype, amax: Tensor, margin: int = 0) -> tuple[Tensor, Tensor]:
     """x scaled by fp8_max / amax / 2^margin and cast (saturating) to `dtype`."""
     scale = _scale(amax, margin, dtype)
-    return _cast(x, scale, dtype), scale.reciprocal()
+    return cast_scaled(x, scale, dtype), scale.reciprocal()
 
 
 def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
@@ -164,6 +164,26 @@ def _quantize_operand(x: Tensor, dtype: torch.dtype, recipe: Fp8Recipe, group: c
     return cast(x, dtype, amax, recipe.margin)
 
 
+@dataclass
+class Fp8Weight:
+    """A linear's weight as --fp8-param-gather keeps it: e4m3 values (a view of the gathered
+    buffer), the inverse scale they were cast with, and the whole weight's amax (the MAX over
+    the ranks that own its pieces and its TP shards), which a forward under delayed scaling
+    records as the weight's: the amax it would have taken of the weight itself."""
+
+    data: Tensor
+    inv_scale: Tensor
+    amax: Tensor
+
+
+def weight_scale(amax: Tensor, recipe: Fp8Recipe, state: Fp8State | None) -> Tensor:
+    """The scale a forward quantizes a weight of whole-tensor amax `amax` with: its history's
+    once delayed scaling has started, else the amax itself (as `_quantize_operand`)."""
+    if state is not None and state.started:
+        amax = state.history_amax(WEIGHT)
+    return _scale(amax, recipe.margin)
+
+
 class Fp8Linear(torch.autograd.Function):
     """x W^T with the forward, input-gradient and weight-gradient GEMMs in fp8.
 
@@ -178,14 +198,20 @@ class Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
-                state: Fp8State | None = None, record: bool = False) -> Tensor:
+                state: Fp8State | None = None, record: bool = False,
+                fp8_weight: Fp8Weight | None = None) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))
         x_group = groups.x if groups.sequence is None else groups.sequence
         x8, x_inv = _quantize_operand(x2, FWD_DTYPE, recipe, x_group, state, INPUT, record)
         if groups.sequence is not None:
             x8 = gather_fp8(x8, groups.sequence)  # rows [s/t * b] per rank, in rank order
-        w8, w_inv = _quantize_operand(weight, FWD_DTYPE, recipe, groups.weight, state, WEIGHT,
-                                      record)
+        if fp8_weight is None:
+            w8, w_inv = _quantize_operand(weight, FWD_DTYPE, recipe, groups.weight, state,
+                                          WEIGHT, record)
+        else:  # --fp8-param-gather: cast by the optimizer with this forward's scale
+            w8, w_inv = fp8_weight.data, fp8_weight.inv_scale
+            if state is not None and record:
+                state.observe(WEIGHT, fp8_weight.amax)
         ctx.recipe, ctx.groups, ctx.state, ctx.x_shape = recipe, groups, state, x.shape
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
@@ -193,7 +219,7 @@ class Fp8Linear(torch.autograd.Function):
         return out.reshape(-1, *x.shape[1:-1], weight.size(0))
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None]:
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         recipe, groups = ctx.recipe, ctx.groups
         x_dtype, w_dtype = ctx.dtypes
@@ -205,16 +231,16 @@ class Fp8Linear(torch.autograd.Function):
             grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
         grad_x = grad_x.reshape(ctx.x_shape)
         grad_w = scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
-               state: Fp8State | None) -> Tensor:
+               state: Fp8State | None, fp8_weight: Fp8Weight | None = None) -> Tensor:
     """`Fp8Linear`, recording amaxes only in a training forward: not under no_grad
     (evaluation) and not in a full-recompute rerun inside backward (the forward it repeats
     recorded them; the check layers/router.py makes for its statistics)."""
     record = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-    return Fp8Linear.apply(x, weight, recipe, groups, state, record)
+    return Fp8Linear.apply(x, weight, recipe, groups, state, record, fp8_weight)
 
 
 FP8_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate_up", "mlp.down",
@@ -299,16 +325,6 @@ def history(cfg: Config, pstate: ParallelState, chunks: Sequence[torch.nn.Module
     return Fp8History(run_recipe, cfg.model.num_layers, chunks, pstate)
 
 
-def bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:
-    """The transformer layers --first-last-layers-bf16 keeps out of FP8 (as in Megatron: the
-    first and last N of the whole model, whatever stage holds them)."""
-    if train.fp8_format is None or not train.first_last_layers_bf16:
-        return frozenset()
-    start = range(min(train.num_layers_at_start_in_bf16, num_layers))
-    end = range(max(num_layers - train.num_layers_at_end_in_bf16, 0), num_layers)
-    return frozenset(start) | frozenset(end)
-
-
 # --- The MoE experts' grouped GEMMs (rowwise current scaling) ----------------------------
 # `torch._scaled_grouped_mm` (CUDA only) takes e4m3 operands with rowwise fp32 inverse
 # scales: for `a` [M, K] @ `b` [G, K, N] one per row of a ([M]) and one per expert and output
@@ -326,7 +342,7 @@ def quantize_rowwise(x: Tensor, dim: int, margin: int = 0, group: comms.Group = 
     if group is not None and comms.group_size(group) > 1:
         comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX)
     scale = _scale(amax, margin)
-    return _cast(x, scale), scale.reciprocal()
+    return cast_scaled(x, scale), scale.reciprocal()
 
 
 def quantize_per_group(x: Tensor, counts: Tensor, margin: int = 0) -> tuple[Tensor, Tensor]:
@@ -340,7 +356,7 @@ def quantize_per_group(x: Tensor, counts: Tensor, margin: int = 0) -> tuple[Tens
     amax = x.new_zeros(groups, x.size(1), dtype=torch.float32).scatter_reduce(
         0, rows, x.detach().abs().float(), "amax")
     scale = _scale(amax, margin)
-    return _cast(x, scale[group_of_row]), scale.reciprocal()
+    return cast_scaled(x, scale[group_of_row]), scale.reciprocal()
 
 
 def _scale(amax: Tensor, margin: int, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
@@ -349,8 +365,9 @@ def _scale(amax: Tensor, margin: int, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
     return torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)) / 2.0 ** margin
 
 
-def _cast(x: Tensor, scale: Tensor, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
-    """x x scale, saturated to the format's range, in `dtype`."""
+def cast_scaled(x: Tensor, scale: Tensor, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
+    """x x scale, saturated to the format's range, in `dtype` (elementwise: a piece of a
+    tensor casts to the same values as the whole)."""
     fp8_max = torch.finfo(dtype).max
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron_lite.layers import tags
-from megatron_lite.layers.fp8 import Fp8Groups, Fp8State, fp8_linear
+from megatron_lite.layers.fp8 import Fp8Groups, Fp8State, Fp8Weight, fp8_linear
 from megatron_lite.layers.init import init_shard
 from megatron_lite.parallel import comms
 
@@ -241,6 +241,10 @@ class ColumnParallelLinear(nn.Module):
         self.fp8 = ctx.fp8
         self.fp8_state = (Fp8State(ctx.fp8, ctx.device)
                           if ctx.fp8 is not None and ctx.fp8.delayed else None)
+        self.fp8_weight: Fp8Weight | None = None
+        """Under --fp8-param-gather: the weight in fp8 as the optimizer gathered it."""
+        if ctx.fp8 is not None:
+            tags.mark_fp8_weight(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
@@ -250,7 +254,8 @@ class ColumnParallelLinear(nn.Module):
             if sequence is None:
                 x = comms.copy_to_region(x, self.tp_group)
             out = fp8_linear(x, self.weight, self.fp8, Fp8Groups(
-                weight=self.tp_group, grad=self.tp_group, sequence=sequence), self.fp8_state)
+                weight=self.tp_group, grad=self.tp_group, sequence=sequence), self.fp8_state,
+                self.fp8_weight)
             return out if self.bias is None else out + self.bias
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
                                      self.weight_grads)
@@ -279,13 +284,18 @@ class RowParallelLinear(nn.Module):
         self.fp8 = ctx.fp8
         self.fp8_state = (Fp8State(ctx.fp8, ctx.device)
                           if ctx.fp8 is not None and ctx.fp8.delayed else None)
+        self.fp8_weight: Fp8Weight | None = None
+        """Under --fp8-param-gather: the weight in fp8 as the optimizer gathered it."""
+        if ctx.fp8 is not None:
+            tags.mark_fp8_weight(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
             # The input's and weight's columns are split over TP, their amax spans it; the
             # output gradient arrives whole on every rank.
             partial = fp8_linear(x, self.weight, self.fp8,
-                                 Fp8Groups(x=self.tp_group, weight=self.tp_group), self.fp8_state)
+                                 Fp8Groups(x=self.tp_group, weight=self.tp_group), self.fp8_state,
+                                 self.fp8_weight)
         elif self.weight_grads is not None:
             if self.sequence_parallel:
                 return _DeferredWeightGradLinear.apply(x, DeferredWeight(

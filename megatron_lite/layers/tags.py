@@ -20,6 +20,8 @@ tags are plain attributes of the `nn.Parameter`:
   pipeline stage; their gradients are summed over the embedding group.
 - expert: a routed expert's weight, split over expert-parallel ranks (each holds its own
   experts), so its gradient is summed over the expert-data-parallel group instead of DP x CP.
+- fp8 weight: the weight of a linear whose GEMMs run in FP8 (--fp8-format); under
+  --fp8-param-gather the optimizer gives these their own buffers, gathered in fp8.
 
 Adding a parallelism-aware layer:
 1. Pick each weight's split: `column_split(partitions)`, `row_split()`,
@@ -116,6 +118,12 @@ def mark_expert(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def mark_fp8_weight(param: nn.Parameter) -> nn.Parameter:
+    """Tag the weight of an FP8 linear (its module reads an fp8 copy under --fp8-param-gather)."""
+    param.fp8_weight = True
+    return param
+
+
 # ---- reading (optimizer, clipping, checkpoints, export) -------------------------------------
 
 def tp_split(param: nn.Parameter) -> TpSplit | None:
@@ -141,3 +149,8 @@ def is_shared_embedding(param: nn.Parameter) -> bool:
 def is_expert(param: nn.Parameter) -> bool:
     """`param` is a routed expert's weight (see `mark_expert`)."""
     return getattr(param, "expert", False)
+
+
+def is_fp8_weight(param: nn.Parameter) -> bool:
+    """`param` is an FP8 linear's weight (see `mark_fp8_weight`)."""
+    return getattr(param, "fp8_weight", False)

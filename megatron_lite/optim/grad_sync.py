@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from megatron_lite.config import ParallelConfig
+from megatron_lite.optim.fp8_params import Fp8Params
 from megatron_lite.optim.param_buffers import BucketKey, ParamBuffers
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
@@ -56,6 +57,8 @@ class SyncContext:
     grad_check: Callable[[Tensor], None] | None = None
     """Called with each bucket's local gradient right before its DP reduction (NaN/Inf
     checks that can name the rank; see megatron_lite/reliability)."""
+    tp_group: dist.ProcessGroup | None = None
+    """The TP group an FP8 weight's amax spans (--fp8-param-gather)."""
 
 
 def arrived_too_late(name: str, microbatches: int) -> RuntimeError:
@@ -153,12 +156,20 @@ class GradSync:
 class ParamGather:
     """ZeRO-1/2: after AdamW updated the owned slices, all-gather every bucket's parameters;
     with --overlap-param-gather in the background, each module waiting for its buckets in
-    a forward pre-hook of the next step."""
+    a forward pre-hook of the next step. Under --fp8-param-gather the FP8 linears' buckets
+    are cast and gathered in fp8 (optim/fp8_params.py), once already at construction: their
+    forwards read the fp8 copy from the first step on."""
 
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, ctx: SyncContext,
                  hooks: list[RemovableHandle]) -> None:
         self.bufs, self.ctx = bufs, ctx
         self._gathers: dict[BucketKey, dist.Work | None] = {}
+        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group) if bufs.fp8
+                    else None)
+        self._dequantize: set[BucketKey] = set()
+        """fp8 buckets gathered (or in flight) whose model copies are not yet rewritten."""
+        if self.fp8 is not None:
+            self._start_fp8(async_op=False, kind="fp8_param_init")
         if not ctx.parallel.overlap_param_gather:
             return
         slot = {id(p): bufs.slot[i] for i, p in enumerate(bufs.params)}
@@ -171,8 +182,12 @@ class ParamGather:
 
     def start(self, async_op: bool) -> None:
         """All-gather each bucket's updated slices, first-used (last) bucket first."""
+        if self.fp8 is not None:
+            self._start_fp8(async_op)
         replicas = self.ctx.replicas
         for key in reversed(self.bufs.bucket_keys()):
+            if key[0] in self.bufs.fp8:
+                continue
             buffer = self.bufs.buffers[key[0]]
             bucket = buffer.layout.buckets[key[1]]
             own = bucket.shard(replicas.size, replicas.rank)
@@ -181,6 +196,25 @@ class ParamGather:
                     buffer.bucket_param(bucket), buffer.param[own.start:own.end],
                     replicas.group, async_op=async_op, traffic=self.ctx.traffic)
 
+    def _start_fp8(self, async_op: bool, kind: str = "fp8_param_gather") -> None:
+        """Cast and gather the fp8 buckets (synchronously: their model copies rewritten too);
+        `kind` names the gathers for the dry run (the first, at construction, apart)."""
+        self.fp8.cast()
+        for key in reversed(self.bufs.bucket_keys()):
+            if key[0] in self.bufs.fp8:
+                self._gathers[key] = self.fp8.gather(key, async_op, self.ctx.traffic, kind)
+                self._dequantize.add(key)
+        if not async_op:
+            self._finish_fp8()
+
+    def _finish_fp8(self) -> None:
+        for key in sorted(self._dequantize):
+            handle = self._gathers.pop(key, None)
+            if handle is not None:
+                handle.wait()
+            self.fp8.dequantize(key)
+        self._dequantize.clear()
+
     def _wait(self, keys: list[BucketKey], *_: object) -> None:
         """Forward pre-hook (--overlap-param-gather): this module's params must be current."""
         for key in keys:
@@ -188,6 +222,13 @@ class ParamGather:
             if handle is not None:
                 with self.ctx.wait_clock:
                     handle.wait()
+            if key in self._dequantize:
+                self._dequantize.discard(key)
+                self.fp8.dequantize(key)
+
+    def tensors(self) -> list[Tensor]:
+        """Storage of its own kept through a step (the fp8 bytes)."""
+        return [] if self.fp8 is None else self.fp8.tensors()
 
     def wait_all(self) -> None:
         self._wait(list(self._gathers))

@@ -135,12 +135,13 @@ def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
     """One group's buffers and strategy instance, sharing the optimizer's clocks."""
     cfg = opt.cfg
     bufs = ParamBuffers.build(chunks, select, opt.pstate, cfg.parallel, opt.strategy,
-                              opt.math_dtype, replicas, norm_once)
+                              opt.math_dtype, replicas, norm_once, cfg.train.fp8_param_gather)
     # a partial, not a bound method: the optimizer must not be reachable from its own hooks'
     # state, or it (and the process groups it holds) outlives `close` until a cyclic
     # collection, possibly at interpreter shutdown (see `Optimizer.close`)
     reduce_tied = partial(comms.all_reduce_, group=opt.pstate.embedding_group)
-    ctx = SyncContext(replicas, cfg.parallel, reduce_tied, opt.traffic, opt.wait_clock)
+    ctx = SyncContext(replicas, cfg.parallel, reduce_tied, opt.traffic, opt.wait_clock,
+                      tp_group=opt.pstate.tp_group)
     check = (UpdateCheck(bufs.shards, cfg.optim, opt.math_dtype, opt.pstate.device)
              if cfg.reliability.check_for_nan_in_loss_and_grad else None)
     return SyncGroup(name, bufs, STRATEGIES[opt.strategy.name](chunks, bufs, ctx), ctx,
@@ -342,6 +343,9 @@ class Optimizer:
         self.finish_param_sync()
         for shard in self.shards:
             shard.copy_params_to_master()
+        if self.cfg.train.fp8_param_gather:  # the fp8 copies are cast from the new weights
+            for group in self.groups:
+                group.sync.after_step(async_op=False)
 
     # ---- state -----------------------------------------------------------------------------
 

@@ -64,15 +64,18 @@ class ParamBuffers:
     chunk_of: dict[BucketKey, int] = field(default_factory=dict)
     deferred: set[BucketKey] = field(default_factory=set)
     """Tied-embedding buckets: summed over the embedding group before their DP reduction."""
+    fp8: set[int] = field(default_factory=set)
+    """Buffers of FP8 linears' weights, gathered in fp8 (--fp8-param-gather)."""
 
     @classmethod
     def build(cls, chunks: Sequence[nn.Module], select: Callable[[nn.Parameter], bool],
               pstate: ParallelState, parallel: ParallelConfig, strategy: Sharding,
-              math_dtype: torch.dtype, replicas: ReplicaGroup, norm_once: bool = False
-              ) -> ParamBuffers:
+              math_dtype: torch.dtype, replicas: ReplicaGroup, norm_once: bool = False,
+              fp8_gather: bool = False) -> ParamBuffers:
         """Lay out the `select`ed parameters of `chunks` for `strategy`, owned slices cut over
         `replicas`; `norm_once`: without sharding, only replica 0 counts them toward the norm
-        (their norm is summed over every rank)."""
+        (their norm is summed over every rank); `fp8_gather`: FP8 linears' weights get
+        buffers of their own (one gather moves one dtype)."""
         named = [(n, p, c) for n, p, c in named_parameters(chunks) if select(p)]
         out = cls([p for _, p, _ in named], [n for n, _, _ in named])
         out.slot, out.local = [(0, 0)] * len(named), [0] * len(named)
@@ -81,8 +84,11 @@ class ParamBuffers:
         grad_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else math_dtype
         counted = strategy.state or not norm_once or replicas.rank == 0
         index = {id(p): i for i, p in enumerate(out.params)}
-        for dtype in dict.fromkeys(p.dtype for p in out.params):
-            members = [(n, p, c) for n, p, c in named if p.dtype == dtype]
+        def kind(p: nn.Parameter) -> tuple[torch.dtype, bool]:
+            return p.dtype, fp8_gather and tags.is_fp8_weight(p)
+
+        for dtype, fp8 in dict.fromkeys(kind(p) for p in out.params):
+            members = [(n, p, c) for n, p, c in named if kind(p) == (dtype, fp8)]
             if units is not None:  # ZeRO-3 refuses PP: no stage copies, one chunk
                 groups = [2 * units[id(p)] for _, p, _ in members]
             else:
@@ -96,6 +102,8 @@ class ParamBuffers:
                 buffer = zero3.ShardedParamBuffer(tensors, layout, grad_dtype, replicas.rank)
             else:
                 buffer = GradBuffer(tensors, layout, grad_dtype, full_grad=not strategy.grads)
+            if fp8:
+                out.fp8.add(len(out.buffers))
             out._add(buffer, [index[id(p)] for p in tensors], [c for _, _, c in members])
             infos = [zero1.ParamInfo(n, tuple(p.shape), p.ndim >= 2,
                                      counted and counts_toward_norm(p, pstate),

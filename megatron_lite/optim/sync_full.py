@@ -104,3 +104,6 @@ class Zero1(AllReduce):
 
     def wait_params(self) -> None:
         self.gather.wait_all()
+
+    def param_tensors(self) -> list[Tensor]:
+        return [*self.bufs.params, *self.gather.tensors()]

@@ -160,6 +160,9 @@ class Zero2(GradSync):
         if self.gather is not None:
             self.gather.wait_all()
 
+    def param_tensors(self) -> list[Tensor]:
+        return [*self.bufs.params, *(self.gather.tensors() if self.gather is not None else [])]
+
 
 class Zero3(Zero2):
     """optim_grads_params: ZeRO-2's gradients, and parameters kept as owned slices that

@@ -181,11 +181,14 @@ def _final(root: Path) -> Path:
     return sorted(root.glob("iter_*"))[-1]
 
 
-def test_resume_is_bit_exact(tmp_path) -> None:
+@pytest.mark.parametrize("gather", [[], ["--use-distributed-optimizer", "--fp8-param-gather"]],
+                         ids=["model-dtype-gather", "fp8-param-gather"])
+def test_resume_is_bit_exact(tmp_path, gather: list[str]) -> None:
     """4 steps straight vs 2 + save + load + 2 under --fp8-recipe delayed (fp32): the same
-    weights, optimizer state and amax histories, bit for bit."""
+    weights, optimizer state and amax histories, bit for bit; with --fp8-param-gather too
+    (the histories are restored before the loaded weights are cast to fp8)."""
     flags = [*FP32_FLAGS, "--fp8-format", "hybrid", "--fp8-amax-history-len", "3",
-             "--fp8-amax-compute-algo", "max"]
+             "--fp8-amax-compute-algo", "max", *gather]
     pstate = single_process_state()
     train(parse_config([*flags, "--save", str(tmp_path / "a")]), pstate)
     train(parse_config([*flags, "--save", str(tmp_path / "b"), "--exit-interval", "2"]), pstate)

@@ -216,8 +216,10 @@ def _bf16_pair(pstate: ParallelState) -> dict:
 def test_bf16_params_fp32_masters(dp2_suite) -> None:
     for rank in (r["bf16"] for r in dp2_suite):
         assert rank["dtypes"] == ({torch.bfloat16}, {torch.float32}, {torch.float32})
-        # Same fp32 sums and the same master update: the two layouts agree bit for bit.
-        assert_same_params(rank["zero1"]["params"], rank["plain"]["params"], tol=0.0)
+        # The same fp32 sums and master update, but gloo's all-reduce and reduce-scatter need
+        # not add in one order on every CPU: bit for bit where this test was written, 3.1e-7
+        # relative on an AMD EPYC machine (a bf16 rounding flipped); 1e-6 bounds it.
+        assert_same_params(rank["zero1"]["params"], rank["plain"]["params"], tol=1e-6)
 
 
 def _resume(pstate: ParallelState) -> dict:

@@ -1,0 +1,63 @@
+"""The rank dry run of an FP8 layout (TP=2 with SP x DP=2, ZeRO-1, --fp8-param-gather): the
+collectives match over every rank, and its `comm by kind` shows FP8's gathers at half the
+bf16 bytes: the FP8 linears' parameter all-gather and the SP all-gather of their inputs."""
+
+from __future__ import annotations
+
+import functools
+
+from megatron_lite.arguments import parse_config
+from megatron_lite.config import fp8_bf16_layers
+from megatron_lite.dry_run import comm_by_kind, comm_line, run_rank
+from megatron_lite.parallel.audit import match
+from megatron_lite.planner import fp8_gathered_params
+from tests.test_dry_run import TINY
+
+LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--use-distributed-optimizer", "--global-batch-size", "4", "--bf16"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-param-gather"]
+WORLD = 4
+
+
+@functools.cache
+def _ranks(fp8: bool) -> tuple:
+    cfg = parse_config([*TINY, *LAYOUT, *(FP8 if fp8 else []), "--dry-run"])
+    ranks = range(WORLD) if fp8 else range(1)
+    return cfg, [run_rank(cfg, WORLD, r, time_host=False) for r in ranks]
+
+
+def _bytes(ops: list, kind: str, dtype: str) -> int:
+    return comm_by_kind(ops).get((kind, dtype), (0, 0))[1]
+
+
+def test_fp8_layout_collectives_match() -> None:
+    _, results = _ranks(True)
+    assert match({r.rank: r.ops for r in results}) is None
+
+
+def test_fp8_param_gather_moves_one_byte_per_fp8_weight_element() -> None:
+    cfg, fp8_results = _ranks(True)
+    _, bf16_results = _ranks(False)
+    fp8_ops, bf16_ops = fp8_results[0].ops, bf16_results[0].ops
+    elements = fp8_gathered_params(cfg.model, None, 2, list(range(cfg.model.num_layers)),
+                                   fp8_bf16_layers(cfg.train, cfg.model.num_layers))
+    gathered = _bytes(fp8_ops, "fp8_param_gather", "uint8")  # a bucket's whole buffer
+    assert elements <= gathered <= 1.02 * elements  # 1 byte each, bucket padding aside
+    rest = _bytes(fp8_ops, "param_gather", "bfloat16")
+    whole = _bytes(bf16_ops, "param_gather", "bfloat16")
+    assert abs(2 * gathered + rest - whole) <= 0.02 * whole  # the bf16 gather: 2 bytes each
+    assert "fp8_param_gather uint8" in comm_line(fp8_results[0])
+
+
+def test_sp_input_gathers_are_half_the_bf16_ones() -> None:
+    """Each FP8 linear's SP gather moves its [s, b, h] input as 1-byte fp8: every uint8
+    all-gather is s*b*h bytes, and the bf16 run gathers that input at 2*s*b*h."""
+    cfg, fp8_results = _ranks(True)
+    _, bf16_results = _ranks(False)
+    s, b, h = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size
+    fp8_sizes = {op.nbytes for op in fp8_results[0].ops
+                 if op.op == "all_gather" and op.identity is None and op.dtype == "uint8"}
+    bf16_sizes = {op.nbytes for op in bf16_results[0].ops
+                  if op.op == "all_gather" and op.identity is None and op.dtype == "bfloat16"}
+    assert fp8_sizes == {s * b * h}
+    assert 2 * s * b * h in bf16_sizes
