@@ -306,11 +306,11 @@ def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: i
     tokens, h = s * b, model.hidden_size
     shard = t if (a.sequence_parallel and t > 1) else 1
     f, fs = model.ffn_hidden_size / t, (moe.moe_shared_expert_intermediate_size or 0) / t
-    dense = (_fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard)
-             + _fp8_linear_bytes(tokens, f, h, e * tokens * f))
-    shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0) + _fp8_linear_bytes(tokens, fs, h,
-                                                                          e * tokens * fs)
-              if fs else 0.0)
+    w = not a.fp8_param_gather
+    dense = (_fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, w)
+             + _fp8_linear_bytes(tokens, f, h, e * tokens * f, w))
+    shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0, w)
+              + _fp8_linear_bytes(tokens, fs, h, e * tokens * fs, w) if fs else 0.0)
     routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / t
     routed = (1 - e) * tokens * moe.moe_router_topk * (h + routed_f)
     scales = 4 * moe.num_experts // ep * (h + routed_f + 2)
@@ -462,14 +462,18 @@ class ActivationSetup:
     fp8: bool = False
     """--fp8-format: the layers' linears save their input and weight in e4m3 (`fp8_saved_delta`;
     --first-last-layers-bf16 is not told apart: every layer is counted as FP8)."""
+    fp8_param_gather: bool = False
+    """--fp8-param-gather: the e4m3 weight a linear saves is a view of the gathered fp8 copy
+    (counted with the parameters), not new bytes."""
 
 
-def _fp8_linear_bytes(rows: float, fan_in: float, fan_out: float, saved_in: float) -> float:
+def _fp8_linear_bytes(rows: float, fan_in: float, fan_out: float, saved_in: float,
+                      weight: bool = True) -> float:
     """What an FP8 linear saves beyond a plain one: its input as e4m3 [rows, fan_in] in place
     of the `saved_in` bytes the plain one kept, the e4m3 weight [fan_out, fan_in] (a plain
-    linear saves the parameter itself, no new bytes) and the two fp32 inverse scales. Current
-    scaling keeps no amax history."""
-    return rows * fan_in - saved_in + fan_out * fan_in + 8
+    linear saves the parameter itself, no new bytes; nor does one under --fp8-param-gather:
+    `weight` False) and the two fp32 inverse scales."""
+    return rows * fan_in - saved_in + (fan_out * fan_in if weight else 0) + 8
 
 
 def fp8_saved_delta(model: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
@@ -485,10 +489,11 @@ def fp8_saved_delta(model: ModelConfig, a: ActivationSetup, selective: bool = Fa
             model.num_query_groups * model.head_dim / t)
     shard = t if (a.sequence_parallel and t > 1) else 1
     proj_own = selective or (a.fp32_attention_core and a.bf16)
-    return (_fp8_linear_bytes(tokens, h, q + 2 * k, e * tokens * h / shard)
-            + _fp8_linear_bytes(tokens, q, h, e * tokens * q if proj_own else 0)
-            + _fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard)
-            + _fp8_linear_bytes(tokens, f, h, e * tokens * f))
+    w = not a.fp8_param_gather
+    return (_fp8_linear_bytes(tokens, h, q + 2 * k, e * tokens * h / shard, w)
+            + _fp8_linear_bytes(tokens, q, h, e * tokens * q if proj_own else 0, w)
+            + _fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, w)
+            + _fp8_linear_bytes(tokens, f, h, e * tokens * f, w))
 
 
 def local_seq(model: ModelConfig, a: ActivationSetup) -> int:
@@ -888,7 +893,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     cp = parallel.context_parallel_size
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
-                          cp=cp, fp8=cfg.train.fp8_format is not None)
+                          cp=cp, fp8=cfg.train.fp8_format is not None,
+                          fp8_param_gather=cfg.train.fp8_param_gather)
     ep = cfg.moe.expert_model_parallel_size
     moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
                                         ep, counts, chunks)

@@ -87,9 +87,11 @@ def cast(x: Tensor, dtype: torch.dtype, amax: Tensor, margin: int = 0) -> tuple[
 def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
               out_dtype: torch.dtype) -> Tensor:
     """(a8 * a_inv) @ (b8 * b_inv) for a8 [m, k], b8 [k, n]: `torch._scaled_mm` on CUDA, its
-    bit-identical emulation (dequantize, fp32 matmul) elsewhere. Scales are 0-dim
-    (tensorwise) or [m, 1] / [1, n] (rowwise)."""
-    if a8.is_cuda:
+    bit-identical emulation (dequantize, fp32 matmul) on the CPU. Scales are 0-dim
+    (tensorwise) or [m, 1] / [1, n] (rowwise). The meta device (the rank dry run) takes the
+    CUDA call: its meta kernel checks the layouts CUDA wants, and the emulation's fp32
+    copies, which a GPU never makes, stay out of the measured peak."""
+    if a8.is_cuda or a8.is_meta:
         # _scaled_mm wants `a` row-major and `b` column-major.
         return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=a_inv,
                                 scale_b=b_inv, out_dtype=out_dtype)
@@ -378,21 +380,20 @@ def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs
     block: a8 [M, K] @ b8 [G, K, N] -> [M, N] (a_inv [M], b_inv [G, N]), or, groups along the
     contraction, a8 [K, M] @ b8 [M, N] -> [G, K, N] (a_inv [G x K], b_inv [G x N]).
 
-    `torch._scaled_grouped_mm` on CUDA; elsewhere each group's block dequantized and multiplied
-    in fp32, which is `scaled_mm` (and `torch._scaled_mm`) per group, bit for bit."""
-    if a8.is_cuda:
+    `torch._scaled_grouped_mm` on CUDA and on the meta device (as `scaled_mm`); it writes
+    bf16 only, so an fp32 model's result is the bf16 one widened there (the meta kernel refuses
+    float32, which is how the dry run found it). On the CPU each group's block dequantized and
+    multiplied in fp32, which is `scaled_mm` (and `torch._scaled_mm`) per group, bit for bit."""
+    if a8.is_cuda or a8.is_meta:
         return torch._scaled_grouped_mm(a8.contiguous(), b8.transpose(-1, -2).contiguous()
                                         .transpose(-1, -2), a_inv.contiguous(),
-                                        b_inv.contiguous(), offs=offs, out_dtype=out_dtype)
+                                        b_inv.contiguous(), offs=offs,
+                                        out_dtype=torch.bfloat16).to(out_dtype)
     groups = offs.numel()
     if b8.dim() == 3:
-        if a8.is_meta:
-            return a8.new_empty(a8.size(0), b8.size(2), dtype=out_dtype)
         blocks = zip(a8.split(_sizes(offs)), a_inv.split(_sizes(offs)), b8, b_inv, strict=True)
         return torch.cat([scaled_mm(a, b, sa[:, None], sb[None], out_dtype)
                           for a, sa, b, sb in blocks])
-    if a8.is_meta:
-        return a8.new_empty(groups, a8.size(0), b8.size(1), dtype=out_dtype)
     blocks = zip(a8.split(_sizes(offs), dim=1), a_inv.view(groups, -1),
                  b8.split(_sizes(offs)), b_inv.view(groups, -1), strict=True)
     return torch.stack([scaled_mm(a, b, sa[:, None], sb[None], out_dtype)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, validate
+from megatron_lite.layers import fp8
 from megatron_lite.layers.fp8 import fp8_matmul, quantize, scaled_mm
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
@@ -190,3 +191,28 @@ def test_sp_input_gathered_in_fp8_is_bit_identical(tmp_path) -> None:
     for rank in ranks:
         for got, want in zip(rank["fp8_gather"], rank["gather_first"]):
             assert torch.equal(got, want)
+
+
+@pytest.mark.quick
+def test_meta_tensors_take_the_cuda_calls() -> None:
+    """The rank dry run's meta tensors go through torch._scaled_mm and
+    torch._scaled_grouped_mm (their meta kernels refuse the layouts CUDA refuses, e.g. a
+    row-major second operand), with the output shapes the CPU emulation gives."""
+    meta = torch.device("meta")
+    a8 = torch.empty(32, 64, device=meta, dtype=torch.float8_e4m3fn)
+    b8 = torch.empty(64, 48, device=meta, dtype=torch.float8_e4m3fn)  # row-major: transposed
+    one = torch.empty((), device=meta)
+    out = fp8.scaled_mm(a8, b8, one, one, torch.bfloat16)
+    assert out.shape == (32, 48) and out.dtype == torch.bfloat16 and out.is_meta
+    with pytest.raises(RuntimeError, match="col_major"):
+        torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    offs = torch.tensor([16, 32], dtype=torch.int32, device=meta)
+    w8 = torch.empty(2, 64, 48, device=meta, dtype=torch.float8_e4m3fn)
+    grouped = fp8.scaled_grouped_mm(a8, w8, torch.empty(32, device=meta),
+                                    torch.empty(2, 48, device=meta), offs, torch.bfloat16)
+    assert grouped.shape == (32, 48)
+    wgrad = fp8.scaled_grouped_mm(a8.t(), torch.empty(32, 48, device=meta,
+                                                      dtype=torch.float8_e4m3fn),
+                                  torch.empty(2 * 64, device=meta),
+                                  torch.empty(2 * 48, device=meta), offs, torch.float32)
+    assert wgrad.shape == (2, 64, 48) and wgrad.dtype == torch.float32  # bf16 op, widened
