@@ -1357,8 +1357,7 @@ def _fp64_errors(cfg: Config) -> list[str]:
 
 
 def _fp8_errors(cfg: Config) -> list[str]:
-    """FP8 is built for tensorwise current and delayed scaling, in bf16 or fp32 models,
-    outside the zero-bubble schedules' deferred weight gradients."""
+    """FP8 is built for tensorwise current and delayed scaling, in bf16 or fp32 models."""
     t = cfg.train
     if t.fp8_format is None:
         return (["--fp8-param-gather gathers the FP8 linears' weights in fp8, but no linear is "
@@ -1371,10 +1370,6 @@ def _fp8_errors(cfg: Config) -> list[str]:
         errors.append("--fp8-format rounds GEMM operands to 8 bits but --fp64 is exact math; "
                       "drop one of them")
     errors += _fp8_param_gather_errors(cfg)
-    schedule = schedule_in_effect(cfg.parallel)
-    if schedule.split_backward:
-        errors.append(f"--fp8-format is not implemented with --pipeline-schedule "
-                      f"{schedule.name} (deferred weight gradients); use another schedule")
     return errors
 
 

@@ -31,7 +31,7 @@ tensorwise, so the first step does not underflow. Values beyond the range satura
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -201,7 +201,8 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
                 state: Fp8State | None = None, record: bool = False,
-                fp8_weight: Fp8Weight | None = None) -> Tensor:
+                fp8_weight: Fp8Weight | None = None,
+                defer: Callable[[Callable[[], Tensor]], None] | None = None) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))
         x_group = groups.x if groups.sequence is None else groups.sequence
         x8, x_inv = _quantize_operand(x2, FWD_DTYPE, recipe, x_group, state, INPUT, record)
@@ -215,13 +216,14 @@ class Fp8Linear(torch.autograd.Function):
             if state is not None and record:
                 state.observe(WEIGHT, fp8_weight.amax)
         ctx.recipe, ctx.groups, ctx.state, ctx.x_shape = recipe, groups, state, x.shape
+        ctx.defer = defer
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
         return out.reshape(-1, *x.shape[1:-1], weight.size(0))
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         x8, x_inv, w8, w_inv = ctx.saved_tensors
         recipe, groups = ctx.recipe, ctx.groups
         x_dtype, w_dtype = ctx.dtypes
@@ -232,17 +234,25 @@ class Fp8Linear(torch.autograd.Function):
         if groups.sequence is not None:  # the whole input's gradient back to this shard
             grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
         grad_x = grad_x.reshape(ctx.x_shape)
+        if ctx.defer is not None:  # a zero-bubble B step: the W step runs this GEMM
+            ctx.defer(lambda: scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype))
+            return grad_x, None, None, None, None, None, None, None
         grad_w = scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
-               state: Fp8State | None, fp8_weight: Fp8Weight | None = None) -> Tensor:
+               state: Fp8State | None, fp8_weight: Fp8Weight | None = None,
+               defer: Callable[[Callable[[], Tensor]], None] | None = None) -> Tensor:
     """`Fp8Linear`, recording amaxes only in a training forward: not under no_grad
     (evaluation) and not in a full-recompute rerun inside backward (the forward it repeats
-    recorded them; the check layers/router.py makes for its statistics)."""
+    recorded them; the check layers/router.py makes for its statistics). With `defer` (a
+    zero-bubble schedule's queue for this weight) the weight gets no autograd edge: backward
+    hands `defer` the weight-gradient GEMM (on the saved e4m3 operands) for the W step."""
     record = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-    return Fp8Linear.apply(x, weight, recipe, groups, state, record, fp8_weight)
+    if defer is not None:
+        weight = weight.detach()
+    return Fp8Linear.apply(x, weight, recipe, groups, state, record, fp8_weight, defer)
 
 
 FP8_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate_up", "mlp.down",

@@ -22,6 +22,7 @@ queue (every other schedule) the layers are plain autograd, unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -209,6 +210,12 @@ def column_parallel_linear(x: Tensor, weight: Tensor, group: comms.Group,
     return F.linear(comms.copy_to_region(x, group), weight)
 
 
+def _deferred_push(queue: WeightGradQueue | None, weight: nn.Parameter
+                   ) -> Callable[[Callable[[], Tensor]], None] | None:
+    """Where an FP8 linear hands its weight-gradient GEMM under a zero-bubble schedule."""
+    return None if queue is None else functools.partial(queue.push, weight)
+
+
 class ColumnParallelLinear(nn.Module):
     """Weight [sum(partitions)/t, in]; input [s(/t), b, in] -> output [s, b, sum(partitions)/t].
 
@@ -255,7 +262,7 @@ class ColumnParallelLinear(nn.Module):
                 x = comms.copy_to_region(x, self.tp_group)
             out = fp8_linear(x, self.weight, self.fp8, Fp8Groups(
                 weight=self.tp_group, grad=self.tp_group, sequence=sequence), self.fp8_state,
-                self.fp8_weight)
+                self.fp8_weight, _deferred_push(self.weight_grads, self.weight))
             return out if self.bias is None else out + self.bias
         out = column_parallel_linear(x, self.weight, self.tp_group, self.sequence_parallel,
                                      self.weight_grads)
@@ -295,7 +302,7 @@ class RowParallelLinear(nn.Module):
             # output gradient arrives whole on every rank.
             partial = fp8_linear(x, self.weight, self.fp8,
                                  Fp8Groups(x=self.tp_group, weight=self.tp_group), self.fp8_state,
-                                 self.fp8_weight)
+                                 self.fp8_weight, _deferred_push(self.weight_grads, self.weight))
         elif self.weight_grads is not None:
             if self.sequence_parallel:
                 return _DeferredWeightGradLinear.apply(x, DeferredWeight(
