@@ -21,6 +21,8 @@ STEPS = 3
 
 
 def _config(gather: bool, tp: int = 1, strategy: str = "optim", bf16: bool = False):
+    overlap = strategy.endswith("+overlap")
+    strategy = strategy.removesuffix("+overlap")
     # ZeRO-2 adds each micro-batch's reduce-scatter into the owner's slice, so a sum's order
     # follows the layout, which --fp8-param-gather changes: one micro-batch per DP rank there
     cfg = make_config(tp=tp, fp64=False, bf16=bf16, sequence_parallel=tp > 1,
@@ -29,6 +31,7 @@ def _config(gather: bool, tp: int = 1, strategy: str = "optim", bf16: bool = Fal
     cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", "delayed"
     cfg.train.fp8_amax_history_len, cfg.train.fp8_amax_compute_algo = 2, "max"
     cfg.train.fp8_param_gather = gather
+    cfg.parallel.overlap_param_gather = overlap  # waited (and dequantized) in forward hooks
     cfg.optim.clip_grad = 0.0  # the norm's summation order follows the buffer layout
     return cfg
 
@@ -62,6 +65,7 @@ def _train(pstate: ParallelState, cfg) -> dict:
         opt.step(cfg.optim.lr)
         histories.append(runner.amax_history.history.clone())
         gathered.append(opt.traffic.bytes_sent.get("all_gather", 0))
+    opt.finish_param_sync()  # --overlap-param-gather: the last gather is still in flight
     fp8_weights = {name: (m.fp8_weight.data.float() * m.fp8_weight.inv_scale).clone()
                    for name, m in chunks[0].named_modules()
                    if getattr(m, "fp8_weight", None) is not None}
@@ -106,7 +110,7 @@ def _assert_same_training(got: list[dict], want: list[dict], tp: int = 1) -> Non
             assert torch.equal(value, b[name]), name
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+@pytest.mark.parametrize("strategy", ["optim", "optim+overlap", "optim_grads"])
 def test_dp2_fp8_gather_trains_as_the_bf16_gather_bit_for_bit(tmp_path, strategy: str) -> None:
     """DP=2, hybrid delayed, fp32 model, 3 steps: every amax history entry and every master
     element equal with and without --fp8-param-gather; each FP8 linear's weight is its fp8
