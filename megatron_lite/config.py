@@ -435,11 +435,12 @@ class TrainConfig:
     """With --fp8-recipe delayed: the scale's amax is the history window's max or its newest
     entry (the last step's)."""
     fp8_param_gather: bool = False
-    """With --fp8-format and the distributed optimizer (ZeRO-1/2): the FP8 linears' weights
+    """With --fp8-format and the distributed optimizer (ZeRO-1/2/3): the FP8 linears' weights
     are cast to e4m3 by the rank that owns them right after the update (with the scale the
-    forward would take) and all-gathered in fp8, 1 byte per element instead of 2; the forward
-    uses those fp8 values as they are (optim/fp8_params.py). The model's own copy of such a
-    weight then holds the dequantized fp8 values."""
+    forward would take) and all-gathered in fp8, 1 byte per element instead of 2 (ZeRO-1/2's
+    gather after the step, ZeRO-3's per unit); the forward uses those fp8 values as they are
+    (optim/fp8_params.py). The model's own copy of such a weight then holds the dequantized
+    fp8 values (under ZeRO-3 only inside a full gather for reading)."""
     first_last_layers_bf16: bool = False
     """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and the last
     --num-layers-at-end-in-bf16 transformer layers out of FP8."""
@@ -1384,18 +1385,14 @@ def fp8_bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:
 
 
 def _fp8_param_gather_errors(cfg: Config) -> list[str]:
-    """The FP8 gather replaces the distributed optimizer's parameter all-gather (Megatron
-    refuses it without one too); ZeRO-3's per-unit gathers stay in the model's dtype."""
+    """The FP8 gather replaces the distributed optimizer's parameter all-gathers (ZeRO-1/2's
+    after the step, ZeRO-3's per unit); Megatron refuses it without one too."""
     if not cfg.train.fp8_param_gather:
         return []
     strategy = cfg.parallel.data_parallel_sharding_strategy
     if strategy == "no_shard":
         return ["--fp8-param-gather casts the distributed optimizer's parameter all-gather to "
                 "fp8, but there is none: add --use-distributed-optimizer"]
-    if strategy == "optim_grads_params":
-        return ["--fp8-param-gather is not implemented with --data-parallel-sharding-strategy "
-                "optim_grads_params (ZeRO-3 gathers each unit in the model's dtype); use "
-                "optim or optim_grads"]
     return []
 
 

@@ -777,7 +777,8 @@ class StageSpec:
     moe_saved: tuple[float, ...] = ()
     """Per stage, `moe_saved_bytes` of one micro-batch (); empty: a dense model."""
     fp8_copies: tuple[int, ...] = ()
-    """Per stage, `fp8_gathered_params` (1 byte each); empty: no --fp8-param-gather."""
+    """Per stage, `fp8_gathered_params` (1 byte each, under ZeRO-3 sharded over DP x CP);
+    empty: no --fp8-param-gather."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -789,7 +790,10 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     accumulator = spec.full_grad_accumulator and spec.microbatches > 1
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
                              accumulator, spec.grad_bf16)
-    pb += spec.fp8_copies[stage] if spec.fp8_copies else 0
+    if spec.fp8_copies:  # ZeRO-3 keeps the owned fp8 slices only (its units gather them)
+        copies = spec.fp8_copies[stage]
+        pb += (math.ceil(copies / (spec.dp * spec.act.cp))
+               if sharding_table.get(spec.sharding).params else copies)
     if routed:  # the experts' own sync group: their replicas over expert-DP
         epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
                                     spec.act.bf16, accumulator, spec.grad_bf16)

@@ -71,3 +71,28 @@ def test_fp8_activations_are_the_gpu_paths() -> None:
     _, results = _ranks(True)
     for r in results:
         assert 0.9 <= r.activation_bytes / r.planner_activation_bytes <= 1.2, r.rank
+
+
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--global-batch-size", "4",
+         "--bf16"]
+
+
+@functools.cache
+def _zero3_ranks(fp8: bool) -> list:
+    cfg = parse_config([*TINY, *ZERO3, *(FP8 if fp8 else []), "--dry-run"])
+    return [run_rank(cfg, 2, r, time_host=False) for r in range(2)]
+
+
+def test_zero3_unit_gathers_move_fp8_weights_at_one_byte() -> None:
+    """ZeRO-3, DP=2: every unit gather of an FP8 linear's bucket is uint8, half the bf16
+    run's bytes for the same weights; the ranks' collectives match; the measured parameter
+    bytes (bf16 and fp8 owned slices) are the planner's."""
+    fp8_runs, bf16_runs = _zero3_ranks(True), _zero3_ranks(False)
+    assert match({r.rank: r.ops for r in fp8_runs}) is None
+    fp8_ops, bf16_ops = fp8_runs[0].ops, bf16_runs[0].ops
+    gathered = _bytes(fp8_ops, "fp8_unit_gather", "uint8")
+    rest = _bytes(fp8_ops, "unit_gather", "bfloat16")
+    whole = _bytes(bf16_ops, "unit_gather", "bfloat16")
+    assert gathered > 0 and abs(2 * gathered + rest - whole) <= 0.02 * whole
+    for r in fp8_runs:
+        assert abs(r.params_bytes - r.planner_params_bytes) <= 0.01 * r.planner_params_bytes

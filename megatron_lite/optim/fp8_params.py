@@ -15,12 +15,17 @@ has just written from the fp32 masters (rounded to the model's dtype first, as M
 does), so the fp8 values, the scales and the amaxes recorded for the history are those of a
 run without --fp8-param-gather, bit for bit.
 
-The linears compute with the gathered bytes (their `fp8_weight`, a view of this buffer's
-`wire`), and the model's copy of each such weight is overwritten on every rank, owners too,
-with the dequantized fp8 values: evaluation, export and the checkpoint's model weights see
-the weight the forward computes with, while the fp32 masters stay exact. That costs 1 byte
-per element for `wire` beside the model's copy (the planner counts it). A skipped step
-changes and gathers nothing: the last cast stays.
+The linears compute with the gathered bytes (their `fp8_weight`, a view of `full`), and the
+model's copy of each such weight is overwritten on every rank, owners too, with the
+dequantized fp8 values: evaluation, export and the checkpoint's model weights see the weight
+the forward computes with, while the fp32 masters stay exact. That costs 1 byte per element
+for `wire` beside the model's copy (the planner counts it). A skipped step changes and
+gathers nothing: the last cast stays.
+
+Under ZeRO-3 (optim/zero3.py) the cast fills the owned slices only, every update; a unit's
+gather then brings its FP8 buckets in as fp8 bytes (its bf16 buckets stay empty: the linears
+read only the fp8 copy) and gives them back with the unit. Only `gathered()`, for reading
+weights outside a forward, fills the bf16 copy, from the fp8 values.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_lite.layers import fp8, tags
+from megatron_lite.optim import zero3
 from megatron_lite.optim.buffers import Range, intersections
 from megatron_lite.optim.param_buffers import BucketKey, ParamBuffers
 from megatron_lite.parallel import comms
@@ -40,31 +46,49 @@ from megatron_lite.parallel.state import ReplicaGroup
 
 
 class Fp8Params:
-    """The fp8 buffers of one sync group: their bytes (`wire`, full size, one per buffer),
-    the linears reading them, and the owned pieces each rank casts."""
+    """The fp8 buffers of one sync group: the bytes each rank casts (`wire`: the whole buffer,
+    or under ZeRO-3 only the owned slices), the full-size bytes of each bucket the gathers fill
+    (`full`: views of `wire`, or under ZeRO-3 tensors of their own that hold bytes only while
+    their unit is gathered), the linears reading them, and the owned pieces."""
 
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, replicas: ReplicaGroup,
                  tp_group: dist.ProcessGroup | None) -> None:
         self.bufs, self.replicas, self.tp_group = bufs, replicas, tp_group
         linears = {id(m.weight): m for chunk in chunks for m in chunk.modules()
                    if tags.is_fp8_weight(getattr(m, "weight", None))}
-        self.wire: dict[int, Tensor] = {}
+        self.wire: dict[int, Tensor | zero3.OwnedSlices] = {}
+        self.full: dict[BucketKey, Tensor] = {}
+        self.sharded = any(isinstance(bufs.buffers[b], zero3.ShardedParamBuffer)
+                           for b in bufs.fp8)
         self.linears: list[nn.Module] = []
         self._weight_of: dict[tuple[int, int], int] = {}
         """(buffer, parameter in it) -> index into `linears`."""
         for b in sorted(bufs.fp8):
             buffer = bufs.buffers[b]
-            wire = self.wire[b] = torch.zeros(buffer.layout.numel, dtype=torch.uint8,
-                                              device=buffer.param.device)
-            for j, p in enumerate(buffer.params):
-                r = buffer.layout.param_ranges[j]
-                module = linears[id(p)]
-                module.fp8_weight = fp8.Fp8Weight(
-                    wire[r.start:r.end].view(fp8.FWD_DTYPE).view(p.shape),
-                    torch.ones((), dtype=torch.float32, device=wire.device),
-                    torch.zeros((), dtype=torch.float32, device=wire.device))
-                self._weight_of[b, j] = len(self.linears)
-                self.linears.append(module)
+            device = buffer.params[0].device
+            layout = buffer.layout
+            if self.sharded:
+                self.wire[b] = zero3.OwnedSlices(bufs.shards[b].owned, torch.uint8, device)
+            else:
+                self.wire[b] = torch.zeros(layout.numel, dtype=torch.uint8, device=device)
+            for bucket in layout.buckets:
+                r = bucket.range
+                full = self.full[b, bucket.index] = (
+                    torch.zeros(r.size, dtype=torch.uint8, device=device) if self.sharded
+                    else self.wire[b][r.start:r.end])
+                for j in bucket.params:
+                    p, pr = buffer.params[j], layout.param_ranges[j].relative_to(r.start)
+                    module = linears[id(p)]
+                    # `.data`: a version counter of its own, as a ZeRO-3 parameter's view
+                    # has; re-gathering the same bytes before backward is no modification
+                    module.fp8_weight = fp8.Fp8Weight(
+                        full[pr.start:pr.end].view(fp8.FWD_DTYPE).view(p.shape).data,
+                        torch.ones((), dtype=torch.float32, device=device),
+                        torch.zeros((), dtype=torch.float32, device=device))
+                    self._weight_of[b, j] = len(self.linears)
+                    self.linears.append(module)
+                if self.sharded:
+                    zero3.free(full)
         self._pieces = [(self._weight_of[b, j], b, overlap)
                         for b in sorted(bufs.fp8)
                         for bucket, own in zip(bufs.buffers[b].layout.buckets,
@@ -100,18 +124,26 @@ class Fp8Params:
     def gather(self, key: BucketKey, async_op: bool, traffic: comms.Traffic, kind: str
                ) -> dist.Work | None:
         """All-gather one bucket's fp8 bytes (the owned slice was `cast`); `kind`: its
-        identity's name (tells the dry run's ops apart)."""
+        identity's name (tells the dry run's ops apart). Under ZeRO-3 the bucket's bytes are
+        allocated first (`release` gives them back)."""
         bucket = self.bufs.buffers[key[0]].layout.buckets[key[1]]
         own = bucket.shard(self.replicas.size, self.replicas.rank)
-        wire = self.wire[key[0]]
+        full = self.full[key]
+        if self.sharded:
+            zero3.allocate(full)
         with op_identity(kind, buffer=key[0], bucket=key[1]):
-            return comms.all_gather_flat(wire[bucket.range.start:bucket.range.end],
-                                         wire[own.start:own.end], self.replicas.group,
-                                         async_op=async_op, traffic=traffic)
+            return comms.all_gather_flat(full, self.wire[key[0]][own.start:own.end],
+                                         self.replicas.group, async_op=async_op,
+                                         traffic=traffic)
+
+    def release(self, key: BucketKey) -> None:
+        """ZeRO-3: a gathered bucket's bytes back."""
+        zero3.free(self.full[key])
 
     @torch.no_grad()
     def dequantize(self, key: BucketKey) -> None:
-        """The model's copy of a gathered bucket's weights := their fp8 values, dequantized."""
+        """The model's copy of a gathered bucket's weights := their fp8 values, dequantized
+        (under ZeRO-3 only inside `gathered()`, whose bf16 bucket is allocated then)."""
         buffer = self.bufs.buffers[key[0]]
         for j in buffer.layout.buckets[key[1]].params:
             cached = self.linears[self._weight_of[key[0], j]].fp8_weight
@@ -122,4 +154,4 @@ class Fp8Params:
 
     def tensors(self) -> list[Tensor]:
         """The fp8 bytes kept through a step (the memory report, the dry run)."""
-        return list(self.wire.values())
+        return [w.data if isinstance(w, zero3.OwnedSlices) else w for w in self.wire.values()]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_lite.optim import zero3
+from megatron_lite.optim.fp8_params import Fp8Params
 from megatron_lite.optim.grad_sync import GradSync, ParamGather, SyncContext, arrived_too_late
 from megatron_lite.optim.param_buffers import BucketKey, ParamBuffers
 from megatron_lite.parallel import comms
@@ -171,8 +172,13 @@ class Zero3(Zero2):
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, ctx: SyncContext
                  ) -> None:
         super().__init__(chunks, bufs, ctx)
+        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group) if bufs.fp8
+                    else None)
+        """--fp8-param-gather: the owned fp8 bytes, cast after every update (and now)."""
+        if self.fp8 is not None:
+            self.fp8.cast()
         self.fsdp = zero3.FullyShardedParams(chunks, bufs.params, bufs.slot, bufs.buffers,
-                                             ctx.replicas, ctx.traffic)
+                                             ctx.replicas, ctx.traffic, self.fp8)
         self.hooks += self.fsdp.hooks
 
     def _param_gather(self, chunks: Sequence[nn.Module]) -> ParamGather | None:
@@ -191,6 +197,11 @@ class Zero3(Zero2):
         """Only the owned slice is kept."""
         self.fsdp.write_param(param, value)
 
+    def after_step(self, async_op: bool) -> None:
+        if self.fp8 is not None:  # the units' next gathers send the new fp8 bytes
+            self.fp8.cast()
+
     def param_tensors(self) -> list[Tensor]:
-        return [b.param.data for b in self.bufs.buffers]
+        return [b.param.data for b in self.bufs.buffers] + (
+            self.fp8.tensors() if self.fp8 is not None else [])
 

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ from megatron_lite.optim.buffers import Bucket, BufferLayout, Range
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ReplicaGroup
+
+if TYPE_CHECKING:  # fp8_params imports this module (OwnedSlices)
+    from megatron_lite.optim.fp8_params import Fp8Params
 
 BucketKey = tuple[int, int]
 """(buffer index, bucket index)."""
@@ -115,11 +119,13 @@ class OwnedSlices:
         return self.data.numel() * self.data.element_size()
 
 
-def _free(t: Tensor) -> None:
+def free(t: Tensor) -> None:
+    """Give a full-size tensor's bytes back (its views keep their shapes)."""
     t.untyped_storage().resize_(0)
 
 
-def _allocate(t: Tensor) -> None:
+def allocate(t: Tensor) -> None:
+    """Give a freed tensor its bytes again (contents undefined until written)."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
@@ -148,7 +154,7 @@ class ShardedParamBuffer:
                     p.data = view  # the unsharded original is dropped here
                 local = own.relative_to(bucket.range.start)
                 self.param.bucket(bucket.index).copy_(full[local.start:local.end])
-                _free(full)
+                free(full)
                 self.full.append(full)
 
     def new_bucket_grad(self, bucket: Bucket, dtype: torch.dtype) -> Tensor:
@@ -197,8 +203,12 @@ class FullyShardedParams:
 
     def __init__(self, chunks: Sequence[nn.Module], params: Sequence[nn.Parameter],
                  slot: Sequence[BucketKey], buffers: Sequence[ShardedParamBuffer],
-                 replicas: ReplicaGroup, traffic: comms.Traffic) -> None:
+                 replicas: ReplicaGroup, traffic: comms.Traffic,
+                 fp8: Fp8Params | None = None) -> None:
         self.buffers, self.replicas, self.traffic = list(buffers), replicas, traffic
+        self.fp8 = fp8
+        """--fp8-param-gather: the FP8 linears' buckets are gathered as their fp8 bytes (the
+        linears read those; the bf16 bucket is filled only inside `gathered()`)."""
         self.params, self.slot = list(params), list(slot)
         modules = unit_modules(chunks)
         owner = unit_of_params(modules)
@@ -250,9 +260,12 @@ class FullyShardedParams:
         self.blocking_gathers += not async_op
         works = []
         for key in self.units[u].keys:
+            if self._is_fp8(key):
+                works.append(self.fp8.gather(key, async_op, self.traffic, "fp8_unit_gather"))
+                continue
             buffer = self.buffers[key[0]]
             full = buffer.full[key[1]]
-            _allocate(full)
+            allocate(full)
             with op_identity("unit_gather", unit=u, buffer=key[0], bucket=key[1]):
                 works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
                                                    self.replicas.group, async_op=async_op,
@@ -281,8 +294,13 @@ class FullyShardedParams:
             self.materialize(u)
         if u in self._ready:
             for key in self.units[u].keys:
-                _free(self.buffers[key[0]].full[key[1]])
+                free(self.buffers[key[0]].full[key[1]])
+                if self._is_fp8(key):
+                    self.fp8.release(key)
             self._ready.discard(u)
+
+    def _is_fp8(self, key: BucketKey) -> bool:
+        return self.fp8 is not None and key[0] in self.fp8.wire
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -290,6 +308,10 @@ class FullyShardedParams:
         a freed parameter has no bytes, and reading one is undefined, even a crash)."""
         for u in range(len(self.units)):
             self.materialize(u)
+            for key in self.units[u].keys:
+                if self._is_fp8(key):  # the bf16 copy, from the fp8 values computed with
+                    allocate(self.buffers[key[0]].full[key[1]])
+                    self.fp8.dequantize(key)
         self._holding_all = True
         try:
             yield
@@ -357,4 +379,5 @@ class FullyShardedParams:
     def gathered_bytes(self) -> int:
         """Bytes of full-size parameter buckets held right now (gathered or arriving)."""
         return sum(self.buffers[k[0]].full[k[1]].untyped_storage().nbytes()
+                   + (self.fp8.full[k].untyped_storage().nbytes() if self._is_fp8(k) else 0)
                    for u in self._ready | set(self._gathers) for k in self.units[u].keys)

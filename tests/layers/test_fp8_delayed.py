@@ -181,8 +181,10 @@ def _final(root: Path) -> Path:
     return sorted(root.glob("iter_*"))[-1]
 
 
-@pytest.mark.parametrize("gather", [[], ["--use-distributed-optimizer", "--fp8-param-gather"]],
-                         ids=["model-dtype-gather", "fp8-param-gather"])
+@pytest.mark.parametrize("gather", [
+    [], ["--use-distributed-optimizer", "--fp8-param-gather"],
+    ["--data-parallel-sharding-strategy", "optim_grads_params", "--fp8-param-gather"]],
+    ids=["model-dtype-gather", "fp8-param-gather", "zero3-fp8-param-gather"])
 def test_resume_is_bit_exact(tmp_path, gather: list[str]) -> None:
     """4 steps straight vs 2 + save + load + 2 under --fp8-recipe delayed (fp32): the same
     weights, optimizer state and amax histories, bit for bit; with --fp8-param-gather too
