@@ -218,6 +218,11 @@ def sharding_summary(cfg: Config, dp: int, params: int, state_bytes: float | Non
                                        cfg.parallel.grad_reduce_in_bf16)
     line = (f"sharding {strategy} over d={dp}: {form} = {per_param:.3f} B/param x "
             f"{params:,} = {fmt_bytes(per_param * params)}")
+    if cfg.train.fp8_param_gather:  # optim/fp8_params.py: the fp8 copy, and which bf16 stays
+        e = 2 if cfg.train.bf16 else 4
+        now, was = ((f"1/d + {e}/d", f"{e}/d") if strategy == "optim_grads_params"
+                    else (f"1 + {e}/d", f"{e}"))
+        line += f"; the FP8 linears' weights (--fp8-param-gather): {now} in place of {was}"
     if state_bytes is not None:
         line += f"; measured {state_bytes / max(1, params):.3f} B/param"
     return line

@@ -253,8 +253,8 @@ def fp8_gathered_params(model: ModelConfig, moe: MoEConfig | None, tp: int,
                         layer_ids: list[int], bf16_layers: frozenset[int]) -> int:
     """Elements of the FP8 linears' weights on one rank of a stage holding `layer_ids` (every
     matmul weight of a layer but the router's and the routed experts', outside the
-    --first-last-layers-bf16 layers): under --fp8-param-gather each keeps a 1-byte fp8 copy
-    beside the model's (optim/fp8_params.py)."""
+    --first-last-layers-bf16 layers): under --fp8-param-gather each has a 1-byte fp8 copy
+    (optim/fp8_params.py)."""
     return sum(p.local_numel(tp) for i in layer_ids if i not in bf16_layers
                for p in structure.layer_parameters(model, i, moe)
                if p.matmul and not p.expert and not p.name.endswith(".router.weight"))
@@ -777,7 +777,8 @@ class StageSpec:
     moe_saved: tuple[float, ...] = ()
     """Per stage, `moe_saved_bytes` of one micro-batch (); empty: a dense model."""
     fp8_copies: tuple[int, ...] = ()
-    """Per stage, `fp8_gathered_params` (1 byte each, under ZeRO-3 sharded over DP x CP);
+    """Per stage, `fp8_gathered_params`: their fp8 copy (1 byte each; under ZeRO-3 sharded
+    over DP x CP) replaces all but the owned slices of their model copy under ZeRO-1/2;
     empty: no --fp8-param-gather."""
 
 
@@ -790,10 +791,12 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
     accumulator = spec.full_grad_accumulator and spec.microbatches > 1
     pb, gb, ob = state_bytes(n, spec.dp * spec.act.cp, spec.sharding, spec.act.bf16,
                              accumulator, spec.grad_bf16)
-    if spec.fp8_copies:  # ZeRO-3 keeps the owned fp8 slices only (its units gather them)
-        copies = spec.fp8_copies[stage]
-        pb += (math.ceil(copies / (spec.dp * spec.act.cp))
-               if sharding_table.get(spec.sharding).params else copies)
+    if spec.fp8_copies:  # the FP8 weights' fp8 copy: ZeRO-3 keeps its owned slices, ZeRO-1/2
+        copies, owners = spec.fp8_copies[stage], spec.dp * spec.act.cp  # the whole of it, and
+        if sharding_table.get(spec.sharding).params:  # of the model's copy the owned slices
+            pb += math.ceil(copies / owners)
+        else:
+            pb += copies - (copies - math.ceil(copies / owners)) * (2 if spec.act.bf16 else 4)
     if routed:  # the experts' own sync group: their replicas over expert-DP
         epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
                                     spec.act.bf16, accumulator, spec.grad_bf16)

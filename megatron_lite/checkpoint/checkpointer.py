@@ -311,14 +311,17 @@ class Checkpointer:
         split_experts = pstate.ep_size > 1  # each EP rank's experts in its own files
 
         def weights_item(file: str, experts: bool) -> tuple[str, dict[str, Tensor], dict]:
-            weights, splits = {}, {}
+            weights, splits, in_optimizer = {}, {}, []
             for name, local, param in model_parameters(self.chunks, self.tied):
                 if (not is_tied_copy(local, self.tied)
                         and (split_experts and tags.is_expert(param)) == experts):
-                    if not self.optimizer.shard_params:  # ZeRO-3: the masters are the weights
+                    if self.optimizer.weight_in_optimizer(param):
+                        in_optimizer.append(name)
+                    else:
                         weights[name] = param.detach()
                     splits[name] = tags.tp_split(param)
-            weight_meta = {"tp_split": splits, "tp_rank": pstate.tp_rank,
+            weight_meta = {"tp_split": splits, "in_optimizer": in_optimizer,
+                           "tp_rank": pstate.tp_rank,
                            "pp_rank": pstate.pp_rank, **({"ep_rank": pstate.ep_rank}
                                                          if experts else {})}
             return file, stage(file, weights), weight_meta
@@ -410,8 +413,9 @@ class Checkpointer:
     def _non_finite_tensors(self) -> list[str]:
         """Names of this rank's weights and optimizer tensors that hold a NaN/Inf: one
         read-only pass (each one's min and max, NaN/Inf through) and one sync."""
-        named = [] if self.optimizer.shard_params else [  # ZeRO-3: the masters are the weights
-            (name, param.detach()) for name, _, param in model_parameters(self.chunks, self.tied)]
+        named = [(name, param.detach())  # the others' masters are checked below
+                 for name, _, param in model_parameters(self.chunks, self.tied)
+                 if not self.optimizer.weight_in_optimizer(param)]
         state = self.optimizer.state_dict()
         for prefix, part in (("", state), ("expert ", state.get("expert", {}))):
             named += [(f"optimizer {prefix}{k}", t) for k, t in part.get("tensors", {}).items()]

@@ -114,8 +114,13 @@ class CheckpointReader:
         """Global name -> (pipeline stage holding it, TP split as saved: JSON lists)."""
         self.experts: set[str] = set()
         """The names saved per EP rank (empty when saved at EP 1)."""
+        self.in_optimizer: set[str] = set()
+        """Weights saved as their masters only (--fp8-param-gather's FP8 weights, whose
+        values the run kept as owned slices), besides every weight under ZeRO-3."""
         for stage in range(self.pp):
-            for name, split in self.file(model_file(0, stage)).meta["tp_split"].items():
+            stage_meta = self.file(model_file(0, stage)).meta
+            self.in_optimizer.update(stage_meta.get("in_optimizer", []))
+            for name, split in stage_meta["tp_split"].items():
                 self.where[name] = (stage, split)
             if self.ep > 1:
                 for name, split in self.file(expert_model_file(0, stage, 0)).meta[
@@ -154,7 +159,7 @@ class CheckpointReader:
             ep_rank = None
         elif ep_rank is None:
             raise CheckpointError(f"{self.dir}: {name!r} was saved per EP rank; name one")
-        if self.weights_in_optimizer:
+        if self.weights_in_optimizer or name in self.in_optimizer:
             return self._optim_position(tp_rank, stage, ep_rank)[name]["master"].to(
                 self.param_dtype)
         file = (model_file(tp_rank, stage) if ep_rank is None

@@ -52,14 +52,15 @@ class Fp8Params:
     their unit is gathered), the linears reading them, and the owned pieces."""
 
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, replicas: ReplicaGroup,
-                 tp_group: dist.ProcessGroup | None) -> None:
+                 tp_group: dist.ProcessGroup | None, per_unit: bool) -> None:
+        """`per_unit`: ZeRO-3 (its units gather and free the buckets), else ZeRO-1/2 (one
+        gather after each step into a `wire` that stays)."""
         self.bufs, self.replicas, self.tp_group = bufs, replicas, tp_group
         linears = {id(m.weight): m for chunk in chunks for m in chunk.modules()
                    if tags.is_fp8_weight(getattr(m, "weight", None))}
         self.wire: dict[int, Tensor | zero3.OwnedSlices] = {}
         self.full: dict[BucketKey, Tensor] = {}
-        self.sharded = any(isinstance(bufs.buffers[b], zero3.ShardedParamBuffer)
-                           for b in bufs.fp8)
+        self.sharded = per_unit
         self.linears: list[nn.Module] = []
         self._weight_of: dict[tuple[int, int], int] = {}
         """(buffer, parameter in it) -> index into `linears`."""
@@ -142,8 +143,8 @@ class Fp8Params:
 
     @torch.no_grad()
     def dequantize(self, key: BucketKey) -> None:
-        """The model's copy of a gathered bucket's weights := their fp8 values, dequantized
-        (under ZeRO-3 only inside `gathered()`, whose bf16 bucket is allocated then)."""
+        """A gathered bucket's weights := their fp8 values, dequantized, into the bf16 bucket
+        that `gathered()` allocated for reading them (the model keeps none otherwise)."""
         buffer = self.bufs.buffers[key[0]]
         for j in buffer.layout.buckets[key[1]].params:
             cached = self.linears[self._weight_of[key[0], j]].fp8_weight
@@ -153,5 +154,8 @@ class Fp8Params:
         return self.bufs.buffers[b].param[r.start:r.end]
 
     def tensors(self) -> list[Tensor]:
-        """The fp8 bytes kept through a step (the memory report, the dry run)."""
-        return [w.data if isinstance(w, zero3.OwnedSlices) else w for w in self.wire.values()]
+        """The fp8 bytes kept through a step (the memory report, the dry run), and under
+        ZeRO-1/2 the FP8 weights' owned slices (ZeRO-3 lists its own)."""
+        if self.sharded:
+            return [w.data for w in self.wire.values()]
+        return [*self.wire.values(), *(self.bufs.buffers[b].param.data for b in self.wire)]

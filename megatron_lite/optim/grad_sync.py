@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from megatron_lite.config import ParallelConfig
+from megatron_lite.optim import zero3
 from megatron_lite.optim.fp8_params import Fp8Params
 from megatron_lite.optim.param_buffers import BucketKey, ParamBuffers
 from megatron_lite.parallel import comms
@@ -139,7 +140,14 @@ class GradSync:
         yield
 
     def write_param(self, param: nn.Parameter, value: Tensor) -> None:
-        """Set a parameter's local tensor (e.g. from a checkpoint)."""
+        """Set a parameter's local tensor (e.g. from a checkpoint); a weight whose values are
+        kept as owned slices only (`zero3.OwnedParamBuffer`) gets its owned part."""
+        for buffer in self.bufs.buffers:
+            if isinstance(buffer, zero3.ShardedParamBuffer):
+                for j, p in enumerate(buffer.params):
+                    if p is param:
+                        buffer.write_param(j, value)
+                        return
         with torch.no_grad():
             param.copy_(value)
 
@@ -158,16 +166,15 @@ class ParamGather:
     with --overlap-param-gather in the background, each module waiting for its buckets in
     a forward pre-hook of the next step. Under --fp8-param-gather the FP8 linears' buckets
     are cast and gathered in fp8 (optim/fp8_params.py), once already at construction: their
-    forwards read the fp8 copy from the first step on."""
+    forwards read the fp8 copy from the first step on, and the model keeps no bf16 copy of
+    those weights (`gathered` makes one for reading)."""
 
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, ctx: SyncContext,
                  hooks: list[RemovableHandle]) -> None:
         self.bufs, self.ctx = bufs, ctx
         self._gathers: dict[BucketKey, dist.Work | None] = {}
-        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group) if bufs.fp8
-                    else None)
-        self._dequantize: set[BucketKey] = set()
-        """fp8 buckets gathered (or in flight) whose model copies are not yet rewritten."""
+        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group, per_unit=False)
+                    if bufs.fp8 else None)
         if self.fp8 is not None:
             self._start_fp8(async_op=False, kind="fp8_param_init")
         if not ctx.parallel.overlap_param_gather:
@@ -197,23 +204,12 @@ class ParamGather:
                     replicas.group, async_op=async_op, traffic=self.ctx.traffic)
 
     def _start_fp8(self, async_op: bool, kind: str = "fp8_param_gather") -> None:
-        """Cast and gather the fp8 buckets (synchronously: their model copies rewritten too);
-        `kind` names the gathers for the dry run (the first, at construction, apart)."""
+        """Cast and gather the fp8 buckets; `kind` names the gathers for the dry run (the
+        first, at construction, apart)."""
         self.fp8.cast()
         for key in reversed(self.bufs.bucket_keys()):
             if key[0] in self.bufs.fp8:
                 self._gathers[key] = self.fp8.gather(key, async_op, self.ctx.traffic, kind)
-                self._dequantize.add(key)
-        if not async_op:
-            self._finish_fp8()
-
-    def _finish_fp8(self) -> None:
-        for key in sorted(self._dequantize):
-            handle = self._gathers.pop(key, None)
-            if handle is not None:
-                handle.wait()
-            self.fp8.dequantize(key)
-        self._dequantize.clear()
 
     def _wait(self, keys: list[BucketKey], *_: object) -> None:
         """Forward pre-hook (--overlap-param-gather): this module's params must be current."""
@@ -222,12 +218,24 @@ class ParamGather:
             if handle is not None:
                 with self.ctx.wait_clock:
                     handle.wait()
-            if key in self._dequantize:
-                self._dequantize.discard(key)
-                self.fp8.dequantize(key)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The FP8 weights hold their (dequantized fp8) values inside, in bf16 buckets
+        allocated for it and given back after (collective-free)."""
+        keys = [key for key in self.bufs.bucket_keys() if key[0] in self.bufs.fp8]
+        self.wait_all()
+        for key in keys:
+            zero3.allocate(self.bufs.buffers[key[0]].full[key[1]])
+            self.fp8.dequantize(key)
+        try:
+            yield
+        finally:
+            for key in keys:
+                zero3.free(self.bufs.buffers[key[0]].full[key[1]])
 
     def tensors(self) -> list[Tensor]:
-        """Storage of its own kept through a step (the fp8 bytes)."""
+        """Storage of its own kept through a step (the fp8 bytes, the FP8 weights' slices)."""
         return [] if self.fp8 is None else self.fp8.tensors()
 
     def wait_all(self) -> None:

@@ -321,6 +321,11 @@ class Optimizer:
                 stack.enter_context(group.sync.gathered())
             yield
 
+    def weight_in_optimizer(self, param: nn.Parameter) -> bool:
+        """A checkpoint saves the master as the weight: ZeRO-3's weights, and under
+        --fp8-param-gather the FP8 linears' (the model keeps their fp8 copy only)."""
+        return self.shard_params or (self.cfg.train.fp8_param_gather and tags.is_fp8_weight(param))
+
     def set_param(self, param: nn.Parameter, value: Tensor) -> None:
         """Set a parameter (this rank's TP/PP-local tensor), e.g. from a checkpoint; under
         ZeRO-3 only its owned slice is kept. Call `reload_model_params` afterwards."""

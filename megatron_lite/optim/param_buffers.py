@@ -54,6 +54,8 @@ class ParamBuffers:
     params: list[nn.Parameter]
     names: list[str]
     buffers: list[GradBuffer | zero3.ShardedParamBuffer] = field(default_factory=list)
+    """Per dtype (and under --fp8-param-gather the FP8 weights apart); `ShardedParamBuffer`s
+    (ZeRO-3, and the FP8 weights' `OwnedParamBuffer`) keep only the owned slices' values."""
     shards: list[zero1.ShardState] = field(default_factory=list)
     slot: list[BucketKey] = field(default_factory=list)
     """Each parameter's bucket."""
@@ -100,6 +102,9 @@ class ParamBuffers:
             tensors = [p for _, p, _ in members]
             if units is not None:
                 buffer = zero3.ShardedParamBuffer(tensors, layout, grad_dtype, replicas.rank)
+            elif fp8:  # the forward reads the fp8 copy: keep the owned slices only
+                buffer = zero3.OwnedParamBuffer(tensors, layout, grad_dtype, replicas.rank,
+                                                full_grad=not strategy.grads)
             else:
                 buffer = GradBuffer(tensors, layout, grad_dtype, full_grad=not strategy.grads)
             if fp8:

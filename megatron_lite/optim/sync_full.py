@@ -11,7 +11,8 @@ the chunk is done (`start`); otherwise `finish` starts them all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -107,3 +108,8 @@ class Zero1(AllReduce):
 
     def param_tensors(self) -> list[Tensor]:
         return [*self.bufs.params, *self.gather.tensors()]
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        with self.gather.gathered():
+            yield

@@ -164,6 +164,11 @@ class Zero2(GradSync):
     def param_tensors(self) -> list[Tensor]:
         return [*self.bufs.params, *(self.gather.tensors() if self.gather is not None else [])]
 
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        with self.gather.gathered():
+            yield
+
 
 class Zero3(Zero2):
     """optim_grads_params: ZeRO-2's gradients, and parameters kept as owned slices that
@@ -172,8 +177,8 @@ class Zero3(Zero2):
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, ctx: SyncContext
                  ) -> None:
         super().__init__(chunks, bufs, ctx)
-        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group) if bufs.fp8
-                    else None)
+        self.fp8 = (Fp8Params(chunks, bufs, ctx.replicas, ctx.tp_group, per_unit=True)
+                    if bufs.fp8 else None)
         """--fp8-param-gather: the owned fp8 bytes, cast after every update (and now)."""
         if self.fp8 is not None:
             self.fp8.cast()

@@ -181,6 +181,31 @@ class ShardedParamBuffer:
         return 0
 
 
+class OwnedParamBuffer(ShardedParamBuffer):
+    """ZeRO-1/2 under --fp8-param-gather, for the FP8 linears' weights: their values are kept
+    as owned slices only (what AdamW writes and the fp8 cast reads), since every forward reads
+    the gathered fp8 copy instead (optim/fp8_params.py), the way Transformer Engine keeps an
+    fp8 parameter in place of the bf16 one; the gradient is ZeRO-1's full-size buffer
+    (`full_grad`) or, under ZeRO-2, none. The bf16 buckets hold bytes only inside a
+    `gathered()` (for reading weights outside a forward)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: BufferLayout,
+                 grad_dtype: torch.dtype, dp_rank: int, full_grad: bool) -> None:
+        super().__init__(params, layout, grad_dtype, dp_rank)
+        if full_grad:
+            first = self.params[0]
+            self.grad = torch.zeros(layout.numel, dtype=grad_dtype, device=first.device)
+            for p, r in zip(self.params, layout.param_ranges):
+                p.main_grad = self.grad[r.start:r.end].view_as(p)
+
+    def bucket_grad(self, bucket: Bucket) -> Tensor:
+        return self.grad[bucket.range.start:bucket.range.end]
+
+    def nbytes(self) -> int:
+        """Bytes of the full-size gradient buffer (0 without one)."""
+        return 0 if self.grad is None else self.grad.numel() * self.grad.element_size()
+
+
 @dataclass
 class Unit:
     """One gather unit: its modules (run in this order), its own buckets, what it reads."""
@@ -206,9 +231,7 @@ class FullyShardedParams:
                  replicas: ReplicaGroup, traffic: comms.Traffic,
                  fp8: Fp8Params | None = None) -> None:
         self.buffers, self.replicas, self.traffic = list(buffers), replicas, traffic
-        self.fp8 = fp8
-        """--fp8-param-gather: the FP8 linears' buckets are gathered as their fp8 bytes (the
-        linears read those; the bf16 bucket is filled only inside `gathered()`)."""
+        self.fp8 = fp8  # --fp8-param-gather: FP8 weights' buckets gathered as fp8 bytes
         self.params, self.slot = list(params), list(slot)
         modules = unit_modules(chunks)
         owner = unit_of_params(modules)
@@ -308,10 +331,9 @@ class FullyShardedParams:
         a freed parameter has no bytes, and reading one is undefined, even a crash)."""
         for u in range(len(self.units)):
             self.materialize(u)
-            for key in self.units[u].keys:
-                if self._is_fp8(key):  # the bf16 copy, from the fp8 values computed with
-                    allocate(self.buffers[key[0]].full[key[1]])
-                    self.fp8.dequantize(key)
+            for key in filter(self._is_fp8, self.units[u].keys):  # bf16 from the fp8 values
+                allocate(self.buffers[key[0]].full[key[1]])
+                self.fp8.dequantize(key)
         self._holding_all = True
         try:
             yield

@@ -66,12 +66,13 @@ def _train(pstate: ParallelState, cfg) -> dict:
         histories.append(runner.amax_history.history.clone())
         gathered.append(opt.traffic.bytes_sent.get("all_gather", 0))
     opt.finish_param_sync()  # --overlap-param-gather: the last gather is still in flight
+    kept = {n: p.untyped_storage().nbytes() for n, p in chunks[0].named_parameters()}
     with opt.gathered_params():  # ZeRO-3's freed units hold no bytes outside
         fp8_weights = {name: (m.fp8_weight.data.float() * m.fp8_weight.inv_scale).clone()
                        for name, m in chunks[0].named_modules()
                        if getattr(m, "fp8_weight", None) is not None}
         params = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
-    return {"history": histories, "masters": _masters(opt), "gathered": gathered,
+    return {"history": histories, "masters": _masters(opt), "gathered": gathered, "kept": kept,
             "fp8_weights": fp8_weights, "params": params,
             "layout": [(b.layout.numel, b.params[0].element_size(), i in opt.groups[0].bufs.fp8)
                        for i, b in enumerate(opt.buffers)]}
@@ -114,8 +115,9 @@ def _assert_same_training(got: list[dict], want: list[dict], tp: int = 1) -> Non
                                       "optim_grads_params"])
 def test_dp2_fp8_gather_trains_as_the_bf16_gather_bit_for_bit(tmp_path, strategy: str) -> None:
     """DP=2, hybrid delayed, fp32 model, 3 steps: every amax history entry and every master
-    element equal with and without --fp8-param-gather; each FP8 linear's weight is its fp8
-    copy (the model's copy holds the dequantized values), the other weights are equal."""
+    element equal with and without --fp8-param-gather; the model keeps no bytes of an FP8
+    linear's weight between reads (its fp8 copy stands in), and read (`gathered_params`) it
+    holds the fp8 values dequantized; the other weights are equal."""
     got = _run(2, tmp_path, True, strategy=strategy)
     want = _run(2, tmp_path, False, strategy=strategy)
     _assert_same_training(got, want)
@@ -125,6 +127,7 @@ def test_dp2_fp8_gather_trains_as_the_bf16_gather_bit_for_bit(tmp_path, strategy
         assert rank["fp8_weights"]
         for name, value in rank["fp8_weights"].items():
             assert torch.equal(rank["params"][f"{name}.weight"], value), name
+            assert rank["kept"][f"{name}.weight"] == 0, name
     for name, value in got[0]["params"].items():
         if name.removesuffix(".weight") not in got[0]["fp8_weights"]:
             assert torch.equal(value, want[0]["params"][name]), name
