@@ -8,12 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_lite.arguments import parse_config
+from megatron_lite.checkpoint import CheckpointReader
 from megatron_lite.config import ConfigError, validate
 from megatron_lite.layers import fp8
 from megatron_lite.optim.buffers import intersections
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
-from megatron_lite.training import StepRunner, build_model, global_token_count
+from megatron_lite.training import StepRunner, build_model, global_token_count, train
+from tests.checkpoint.common import FP32_FLAGS
 from tests.distributed import run_ranks
 from tests.optim.common import make_config, step_batches
 
@@ -197,3 +200,25 @@ def test_zero3_fp8_matches_one_process(tmp_path) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert (got[name] - value).abs().max() <= 1e-4 * value.abs().max(), name
+
+
+def _train_cli(pstate: ParallelState, flags: list[str]) -> None:
+    train(parse_config(flags), pstate)
+
+
+def test_checkpoint_saves_fp8_weights_as_masters_and_loads_into_any_layout(tmp_path) -> None:
+    """DP=2 ZeRO-1 with --fp8-param-gather, 2 steps, saved: its FP8 weights are listed as
+    saved in the optimizer and read back as their masters (the other weights from the model
+    files); the run goes on for 2 more steps on one process without the flag (resharded)."""
+    fp8_flags = [*FP32_FLAGS, "--fp8-format", "hybrid", "--save", str(tmp_path / "ck")]
+    run_ranks(_train_cli, 2, tmp_path, flags=[*fp8_flags, "--train-iters", "2",
+                                              "--use-distributed-optimizer",
+                                              "--fp8-param-gather"])
+    saved = CheckpointReader(sorted((tmp_path / "ck").glob("iter_*"))[-1])
+    assert "layers.0.attention.qkv.weight" in saved.in_optimizer
+    assert not any(n.startswith("embedding") or "norm" in n for n in saved.in_optimizer)
+    for name in saved.in_optimizer:
+        assert torch.equal(saved.full_weight(name), saved.full_optimizer(name)["master"]), name
+    train(parse_config(fp8_flags), single_process_state())
+    final = CheckpointReader(sorted((tmp_path / "ck").glob("iter_*"))[-1])
+    assert final.meta["iteration"] == 4 and not final.in_optimizer
