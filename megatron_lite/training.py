@@ -852,7 +852,11 @@ def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
                optimizer: Optimizer) -> None:
     """Rank 0: bytes held by parameters, gradients and optimizer, measured vs planned."""
     report = optimizer.memory()
+    # by storage: the parameters view their buffers, and a weight kept only as its fp8 copy
+    # (--fp8-param-gather) views one of no bytes
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in optimizer.param_tensors()}
     text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes,
-                         sum(t.numel() * t.element_size() for t in optimizer.param_tensors()))
+                         sum(storages.values()))
     if pstate.rank == 0:
         print(report.describe() + "\n" + text, flush=True)

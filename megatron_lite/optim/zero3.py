@@ -105,12 +105,21 @@ class OwnedSlices:
         return self.data.device
 
     def __getitem__(self, index: slice) -> Tensor:
+        """Buffer range [start, stop) inside the owned ranges, which may span touching ones
+        (at one replica every bucket is owned whole; merged norm ranges cross buckets)."""
         start, stop = index.start, index.stop
-        b = bisect_right(self._starts, start) - 1
-        if b < 0 or stop > self.owned[b].end:
-            raise IndexError(f"buffer range [{start}, {stop}) is not inside one owned range")
-        offset = self.offsets[b] + start - self.owned[b].start
-        return self.data[offset:offset + stop - start]
+        if stop <= start:
+            return self.data[:0]
+        first, last = self._offset(start), self._offset(stop - 1)
+        if last - first != stop - 1 - start:
+            raise IndexError(f"buffer range [{start}, {stop}) is not inside the owned ranges")
+        return self.data[first:last + 1]
+
+    def _offset(self, position: int) -> int:
+        b = bisect_right(self._starts, position) - 1
+        if b < 0 or position >= self.owned[b].end:
+            raise IndexError(f"buffer element {position} is not owned here")
+        return self.offsets[b] + position - self.owned[b].start
 
     def bucket(self, b: int) -> Tensor:
         return self.data[self.offsets[b]:self.offsets[b + 1]]

@@ -12,7 +12,8 @@ from megatron_lite.arguments import parse_config
 from megatron_lite.checkpoint import CheckpointReader
 from megatron_lite.config import ConfigError, validate
 from megatron_lite.layers import fp8
-from megatron_lite.optim.buffers import intersections
+from megatron_lite.optim import zero3
+from megatron_lite.optim.buffers import Range, intersections
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.training import StepRunner, build_model, global_token_count, train
@@ -222,3 +223,19 @@ def test_checkpoint_saves_fp8_weights_as_masters_and_loads_into_any_layout(tmp_p
     train(parse_config(fp8_flags), single_process_state())
     final = CheckpointReader(sorted((tmp_path / "ck").glob("iter_*"))[-1])
     assert final.meta["iteration"] == 4 and not final.in_optimizer
+
+
+@pytest.mark.quick
+def test_owned_slices_read_across_touching_owned_ranges() -> None:
+    """The owned slices (ZeRO-3's, and the FP8 weights' under --fp8-param-gather) answer a
+    buffer range that runs over touching owned ranges (one replica owns whole buckets, and
+    the norm's merged ranges cross them), and refuse one that leaves them."""
+    slices = zero3.OwnedSlices([Range(0, 4), Range(4, 8), Range(12, 16)], torch.float32,
+                               torch.device("cpu"))
+    slices.data.copy_(torch.arange(12.0))
+    assert slices[2:6].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert slices[13:15].tolist() == [9.0, 10.0]
+    assert slices[5:5].numel() == 0
+    for bad in (slice(6, 13), slice(8, 9)):
+        with pytest.raises(IndexError):
+            slices[bad]
