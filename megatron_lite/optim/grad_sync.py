@@ -74,6 +74,7 @@ class GradSync:
     def __init__(self, chunks: Sequence[nn.Module], bufs: ParamBuffers, ctx: SyncContext
                  ) -> None:
         self.bufs, self.ctx = bufs, ctx
+        self._index = {id(p): i for i, p in enumerate(bufs.params)}
         self.num_microbatches = 1
         self._arrivals = [0] * len(bufs.params)
         self._waiting: dict[BucketKey, int] = {}
@@ -142,12 +143,11 @@ class GradSync:
     def write_param(self, param: nn.Parameter, value: Tensor) -> None:
         """Set a parameter's local tensor (e.g. from a checkpoint); a weight whose values are
         kept as owned slices only (`zero3.OwnedParamBuffer`) gets its owned part."""
-        for buffer in self.bufs.buffers:
-            if isinstance(buffer, zero3.ShardedParamBuffer):
-                for j, p in enumerate(buffer.params):
-                    if p is param:
-                        buffer.write_param(j, value)
-                        return
+        i = self._index[id(param)]
+        buffer = self.bufs.buffers[self.bufs.slot[i][0]]
+        if isinstance(buffer, zero3.ShardedParamBuffer):
+            buffer.write_param(self.bufs.local[i], value)
+            return
         with torch.no_grad():
             param.copy_(value)
 
