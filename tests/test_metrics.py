@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -124,11 +125,11 @@ def test_peak_by_gpu_name(monkeypatch, name: str, peak: float) -> None:
     assert found == (peak, f"bf16 dense, table ({name})")
     assert detect_peak_tflops(torch.device("cuda", 0), 500.0)[0] == 500.0
     # under FP8 the line says MFU is still against the bf16 peak, unless --peak-tflops is given
-    assert peak_line(found, fp8=True) == (f"MFU peak: {peak:.2f} TFLOP/s (bf16 dense, table "
+    assert peak_line(found, fp8=True) == (f"MFU peak: {peak:.4g} TFLOP/s (bf16 dense, table "
                                           f"({name})); the FP8 GEMMs are counted against this "
                                           "bf16 peak (--peak-tflops for another)")
     assert peak_line((2000.0, "--peak-tflops"), fp8=True) == (
-        "MFU peak: 2000.00 TFLOP/s (--peak-tflops)")
+        "MFU peak: 2000 TFLOP/s (--peak-tflops)")
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def _single_state(cfg: Config) -> ParallelState:
 
 
 @pytest.mark.quick
-def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
+def test_mfu_of_a_cpu_run_is_against_the_measured_peak(tmp_path) -> None:
     """No --peak-tflops: the peak is measured with a bf16 matmul, as a real CPU run does."""
     jsonl = tmp_path / "m.jsonl"
     cfg = parse_config([*FLAGS, "--train-iters", "4", "--log-interval", "2", "--eval-interval",
@@ -206,13 +207,18 @@ def test_mfu_of_a_cpu_run_is_between_0_and_1(tmp_path) -> None:
     assert [tuple(r) for r in trains] == [JSONL_TRAIN_KEYS] * 2
     assert [r["iteration"] for r in trains] == [2, 4]
     fpt = training_flops_per_token(ModelShape.from_config(cfg.model), 16)
+    text = out.getvalue()
+    found = re.search(r"MFU peak: ([0-9.e+-]+) TFLOP/s \(bf16 dense, measured bf16 matmul", text)
+    assert found, text
+    peak = float(found.group(1))
+    # No upper bound on MFU: the peak and the steps are timed at different moments, and on a
+    # shared 2-core machine either may run beside another test's ranks (MFU 1.28 was seen).
     for r in trains:
-        assert 0 < r["mfu"] < 1
+        assert r["mfu"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / peak, rel=1e-3)
         assert r["tflops_per_device"] == pytest.approx(r["tokens_per_sec"] * fpt / 1e12)
         assert r["tokens_per_sec"] == pytest.approx(4 * 16 / (r["iter_time_ms"] / 1e3))
     assert list(records[-1]) == ["iteration", "eval_loss", "eval_ppl"]
-    text = out.getvalue()
-    assert "MFU peak:" in text and "measured bf16 matmul" in text
     assert "| skipped 0 | mem rss " in text and "(causal " in text
 
 
