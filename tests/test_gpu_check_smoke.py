@@ -32,6 +32,7 @@ def _load(relpath: str):
     return module
 
 
+@pytest.mark.slow
 def test_gpu_train_tiny_on_cpu_writes_table_and_json(tmp_path, monkeypatch, capfd) -> None:
     """The parent (bench/gpu_train.py's main) runs here, its two sides as its own child
     processes, as on a GPU."""
@@ -156,6 +157,7 @@ def test_gpu_train_report_names_what_failed() -> None:
                                                                             ours, None)))
 
 
+@pytest.mark.slow
 def test_gpu_fp8_tiny_on_cpu_compares_gemms_and_training(tmp_path) -> None:
     """bench/gpu_fp8.py end to end at the tiny shape on the CPU: four GEMM rows whose bf16,
     FP8 and FP8-with-casts rates are measured (positive, distinct per path), both training

@@ -194,6 +194,7 @@ def _logged(path: Path) -> Run:
     return Run(_read_losses(path), _read_log(path, "grad_norm"), [])
 
 
+@pytest.mark.slow
 def test_torchrun_tp2_sp_equals_single_process(tmp_path) -> None:
     """The issue's acceptance command, 20 iterations, odd vocab: its JSONL losses and grad
     norms equal one plain process's per iteration (EXACT), and the record has its fields."""
@@ -221,6 +222,7 @@ def test_torchrun_moe_ep2_tp2_equals_single_process(tmp_path) -> None:
     assert_same_run(_logged(log), single_process_run(tuple(flags)), steps=10, evals=0)
 
 
+@pytest.mark.slow
 def test_torchrun_pp4_interleaved_trains(tmp_path) -> None:
     """The pipeline issue's acceptance command: PP=4, one layer per virtual stage (v=2); its
     12 losses fall and equal one process's."""
@@ -233,6 +235,7 @@ def test_torchrun_pp4_interleaved_trains(tmp_path) -> None:
     assert_same_run(_logged(log), single_process_run(tuple(flags)), steps=12, evals=0)
 
 
+@pytest.mark.slow
 def test_torchrun_pp4_zb_h1_equals_single_process(tmp_path) -> None:
     """The zero-bubble issue's acceptance command: PP=4 under ZB-H1 logs one process's losses
     and grad norms (EXACT)."""

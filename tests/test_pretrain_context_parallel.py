@@ -5,9 +5,12 @@ softmax in float64)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.test_pretrain import FLAGS, _logged, _torchrun, assert_same_run, single_process_run
 
 
+@pytest.mark.slow
 def test_torchrun_cp2_tp2_sp_equals_single_process(tmp_path) -> None:
     flags = [*FLAGS, "--train-iters", "20"]
     four = tmp_path / "cp2_tp2.jsonl"

@@ -287,6 +287,7 @@ def test_readme_quickstart_commands_run(scratch: Path) -> None:
     _run_all(list(QUICKSTART), scratch)
 
 
+@pytest.mark.slow
 def test_readme_commands_run(scratch: Path) -> None:
     """Every other README command, in README order (the data commands feed each other)."""
     _run_all([c for c in readme_commands(README.read_text())

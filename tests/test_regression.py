@@ -96,6 +96,7 @@ def inductor_cache_per_capability(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.quick
+@pytest.mark.slow
 def test_compiled_loss_curve_matches_asset(monkeypatch) -> None:
     """--compile (Inductor's fused kernels) stays inside the same tolerance as eager."""
     # compile in-process: starting a worker pool costs more than it saves for one tiny model

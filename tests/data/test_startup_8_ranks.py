@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.data.test_prep import bare_shard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +38,7 @@ def _torchrun_8(flags: list[str]) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_8_ranks_scan_and_index_once_and_a_restart_redoes_nothing(tmp_path):
     shards = [tmp_path / "a", tmp_path / "b"]
     for i, prefix in enumerate(shards):

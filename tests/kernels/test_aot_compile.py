@@ -34,6 +34,7 @@ def _aot_toolchain() -> str | None:
 
 
 @pytest.mark.skipif(_aot_toolchain() is not None, reason=str(_aot_toolchain()))
+@pytest.mark.slow
 def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # really compile, not a cache hit

@@ -74,6 +74,7 @@ def test_ep2_equals_one_process(tmp_path: Path) -> None:
     _check(run_ranks(_two_ranks, 2, tmp_path, tmp=str(tmp_path))[0], ref)
 
 
+@pytest.mark.slow
 def test_ep4_and_ep2_compositions_equal_one_process_for_10_steps(tmp_path: Path) -> None:
     # the same micro-batches as the 4-rank runs: the aux loss is per micro-batch (a product
     # of two means over its tokens), so it depends on how the batch is cut

@@ -37,6 +37,7 @@ def _read_losses(path: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r]
 
 
+@pytest.mark.slow
 def test_torchrun_zero3_equals_single_process(tmp_path) -> None:
     """The issue's acceptance command: two ZeRO-3 ranks log one plain process's losses, and
     its evaluations (forward only: gathered and freed without a backward) agree too."""

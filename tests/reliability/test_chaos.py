@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -77,6 +78,7 @@ def _latest(save: Path) -> int:
     return int((save / "latest").read_text().strip().removeprefix("iter_"))
 
 
+@pytest.mark.slow
 def test_chaos_kills_and_preemptions_resume_bit_exact(tmp_path: Path) -> None:
     seed = int(os.environ.get("CHAOS_SEED", random.SystemRandom().randrange(1 << 20)))
     print(f"chaos seed {seed} (rerun with CHAOS_SEED={seed})")

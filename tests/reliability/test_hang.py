@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_lite.reliability import HANG_EXIT_CODE
 from tests.reliability.common import torchrun
 
 
+@pytest.mark.slow
 def test_hang_is_detected_with_stacks(tmp_path: Path) -> None:
     """Rank 1 hangs at iteration 3: its watchdog dumps every thread's stack and exits with
     HANG_EXIT_CODE after --hang-timeout-seconds; the run ends, it does not hang."""

@@ -84,6 +84,7 @@ def _workers(agent: int) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_sigstopped_rank_is_named_and_job_ends_within_timeout(tmp_path: Path) -> None:
     """SIGSTOP on rank 1 mid-training (torchrun, --hang-timeout-seconds 3): rank 0's watchdog
     names rank 1, its host, pid and last phase, and the job is over within the timeout plus a

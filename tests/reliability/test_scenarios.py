@@ -198,6 +198,7 @@ def test_bad_data_is_named_on_every_rank_at_start(runs) -> None:
 PG_TIMEOUT_S = 30
 
 
+@pytest.mark.slow
 def test_rank_killed_during_save_then_resume(runs, tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed while writing the checkpoint of iteration 15 (saves every 5): the
     survivor exits non-zero within the collective timeout + 10 s, the partial checkpoint is
@@ -221,6 +222,7 @@ def test_rank_killed_during_save_then_resume(runs, tmp_path: Path) -> None:
     assert [losses[i] for i in range(11, 21)] == baseline[10:20]
 
 
+@pytest.mark.slow
 def test_torchrun_restart_reforms_group_and_matches(runs, tmp_path: Path) -> None:
     """torchrun --max-restarts 1; rank 1 dies at iteration 13 of attempt 0 only. Attempt 1
     re-forms the gloo group (store prefixed by the restart count), resumes from iteration 10

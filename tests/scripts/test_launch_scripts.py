@@ -37,6 +37,7 @@ def _sbatch(script: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
 
 # Tiny mode swaps in the same arrays for every script, so two training runs (the TP+SP and the
 # TP+PP scripts) cover the shared path; every script's own full-size flags are checked below.
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["pretrain_llama_8b.sh", "pretrain_llama_70b.sh"])
 def test_sbatch_script_trains_under_fake_slurm(script, tmp_path):
     proc = _sbatch(script, _env(tmp_path, MEGATRON_LITE_TINY="1"), tmp_path)
