@@ -59,6 +59,7 @@ COMMANDS: dict[str, Cheap] = {
     # .venv set-up (a no-op unless the requirements changed), then pytest's --help.
     "bash scripts/test.sh": Cheap("usage: python -m pytest", "--help"),
     "bash scripts/test.sh --quick": Cheap("usage: python -m pytest", "--help"),
+    "bash scripts/test.sh --slow": Cheap("usage: python -m pytest", "--help"),
     "python pretrain.py --mock-data --train-iters 20": Cheap("iter     20/20"),
     "torchrun --standalone --nproc_per_node=2 pretrain.py --tensor-model-parallel-size 2 "
     "--sequence-parallel --mock-data --train-iters 20": Cheap(  # the run: tests/test_pretrain.py
