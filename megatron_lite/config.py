@@ -1384,6 +1384,21 @@ def fp8_bf16_layers(train: TrainConfig, num_layers: int) -> frozenset[int]:
     return frozenset(start) | frozenset(end)
 
 
+FP8_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate_up", "mlp.down",
+               "mlp.shared.gate_up", "mlp.shared.down")
+"""Where FP8 linears may sit in a transformer layer: the rows per layer of the delayed
+recipe's amax tables (layers/fp8.Fp8History), whichever of them the layer has."""
+
+
+def fp8_scaling_state_bytes(train: TrainConfig, num_layers: int) -> int:
+    """Bytes every rank keeps for the delayed recipe (none for tensorwise): the whole model's
+    fp32 amax histories [layers x len(FP8_LINEARS), --fp8-amax-history-len, 3 operands] and the
+    step's running amaxes [layers x len(FP8_LINEARS), 3]."""
+    if train.fp8_format is None or train.fp8_recipe != "delayed":
+        return 0
+    return 4 * num_layers * len(FP8_LINEARS) * 3 * (train.fp8_amax_history_len + 1)
+
+
 def _fp8_param_gather_errors(cfg: Config) -> list[str]:
     """The FP8 gather replaces the distributed optimizer's parameter all-gathers (ZeRO-1/2's
     after the step, ZeRO-3's per unit); Megatron refuses it without one too."""

@@ -229,9 +229,11 @@ def sharding_summary(cfg: Config, dp: int, params: int, state_bytes: float | Non
 
 
 def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
-                  optimizer_bytes: int, grad_bytes: int, param_bytes: int | None = None) -> str:
+                  optimizer_bytes: int, grad_bytes: int, param_bytes: int | None = None,
+                  fp8_state_bytes: int | None = None) -> str:
     """Measured state and activation bytes of this rank next to the planner's estimate;
-    `param_bytes` is what the optimizer keeps (ZeRO-3: the shards), default the model's."""
+    `param_bytes` is what the optimizer keeps (ZeRO-3: the shards), default the model's;
+    `fp8_state_bytes` what the delayed FP8 recipe's amax tables hold (None: no such tables)."""
     if param_bytes is None:
         params = {id(p): p for c in chunks for p in c.parameters()}
         param_bytes = sum(p.numel() * p.element_size() for p in params.values())
@@ -244,6 +246,10 @@ def memory_report(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
              f"  optimizer   {fmt_bytes(optimizer_bytes)} | {fmt_bytes(est.optimizer_bytes)}",
              "  " + sharding_summary(cfg, pstate.dp_size, est.params,
                                      param_bytes + grad_bytes + optimizer_bytes)]
+    if fp8_state_bytes is not None or est.fp8_state_bytes:
+        lines.append(f"  fp8 amax histories (--fp8-amax-history-len "
+                     f"{cfg.train.fp8_amax_history_len}) {fmt_bytes(fp8_state_bytes or 0)} | "
+                     f"{fmt_bytes(est.fp8_state_bytes)}")
     if pstate.device.type == "cpu":
         saved = measure_saved_bytes(chunks, cfg, pstate)
         ratio = est.activation_bytes_per_microbatch / saved if saved else float("nan")
@@ -278,6 +284,9 @@ def dry_run_report(cfg: Config, world_size: int) -> str:
         params = stage_params(model, tp, pp, stage, layers, part.v_shape)
         lines.append(f"  stage {stage}: {chunks} | {params:,} params per rank | states "
                      f"{fmt_bytes(est.state_bytes)} + activations "
-                     f"{fmt_bytes(est.activation_bytes)} = {fmt_bytes(est.total_bytes)}")
+                     f"{fmt_bytes(est.activation_bytes)}"
+                     + (f" + fp8 amax histories {fmt_bytes(est.fp8_state_bytes)}"
+                        if est.fp8_state_bytes else "")
+                     + f" = {fmt_bytes(est.total_bytes)}")
         lines.append("    " + sharding_summary(cfg, world_size // (tp * pp), params))
     return "\n".join(lines)

@@ -58,8 +58,10 @@ from megatron_lite.config import (
     ModelConfig,
     MoEConfig,
     ParallelConfig,
+    TrainConfig,
     ddp_bucket_size,
     fp8_bf16_layers,
+    fp8_scaling_state_bytes,
     moe_layer_pattern,
     num_microbatches,
     pipeline_schedule,
@@ -154,6 +156,10 @@ class RunOptions:
     moe: MoEConfig | None = None
     """Mixture of experts (--num-experts ...): expert states split over EP (`Layout.ep`) and
     sharded over expert-DP, the active experts' GEMMs and the token dispatch in the step."""
+    fp8: TrainConfig | None = None
+    """The run's --fp8-* flags (a TrainConfig holding them; None or no --fp8-format: bf16
+    GEMMs): memory counts what FP8 linears save, the fp8 weight copies and the amax
+    histories; the step time keeps bf16 GEMMs (FP8's speed is measured, not assumed)."""
 
 
 def model_shape(model: ModelConfig, tp: int, block: str = "llama",
@@ -737,6 +743,8 @@ class MemoryEstimate:
     teacher_bytes: float = 0.0
     """Distillation (`teacher_bytes`): the frozen teacher's weights on this rank and the
     loss's vocabulary-sized buffers; 0 without a teacher."""
+    fp8_state_bytes: int = 0
+    """The delayed FP8 recipe's amax tables (`fp8_scaling_state_bytes`); 0 without it."""
 
     @property
     def state_bytes(self) -> int:
@@ -744,7 +752,8 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes + self.teacher_bytes
+        return (self.state_bytes + self.activation_bytes + self.teacher_bytes
+                + self.fp8_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -879,6 +888,16 @@ def _moe_stages(model: ModelConfig, moe: MoEConfig | None, act: ActivationSetup,
             tuple(moe_saved_bytes(model, moe, act, sum(pattern[j] for j in i), ep) for i in ids))
 
 
+def _fp8_copies(model: ModelConfig, moe: MoEConfig | None, tp: int, counts: list[int],
+                chunks: int, train: TrainConfig) -> tuple[int, ...]:
+    """`StageSpec.fp8_copies` for stages of `counts` layers (empty: no --fp8-param-gather)."""
+    if train.fp8_format is None or not train.fp8_param_gather:
+        return ()
+    bf16_layers = fp8_bf16_layers(train, model.num_layers)
+    return tuple(fp8_gathered_params(model, moe, tp, stage_layer_ids(counts, chunks, i),
+                                     bf16_layers) for i in range(len(counts)))
+
+
 def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                     fused_kernels: bool | None = None, device_type: str = "cuda",
                     teacher: ModelConfig | None = None) -> MemoryEstimate:
@@ -905,11 +924,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     ep = cfg.moe.expert_model_parallel_size
     moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
                                         ep, counts, chunks)
-    fp8_copies = (tuple(fp8_gathered_params(model, cfg.moe if cfg.moe.num_experts else None,
-                                            tp, stage_layer_ids(counts, chunks, i),
-                                            fp8_bf16_layers(cfg.train, model.num_layers))
-                        for i in range(len(counts)))
-                  if cfg.train.fp8_param_gather else ())
+    fp8_copies = _fp8_copies(model, cfg.moe if cfg.moe.num_experts else None, tp, counts,
+                             chunks, cfg.train)
     spec = StageSpec(tp, pp, world_size // (tp * cp * pp), chunks,
                      num_microbatches(cfg, world_size),
                      parallel.data_parallel_sharding_strategy, _recompute_from(cfg), act, schedule,
@@ -917,7 +933,9 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                      parallel.grad_reduce_in_bf16,
                      ddp_bucket_size(parallel, world_size // (tp * cp * pp)), moe_params, ep,
                      moe_saved, fp8_copies)
-    estimates = [stage_memory(model, spec, i, n) for i, n in enumerate(counts)]
+    fp8_state = fp8_scaling_state_bytes(cfg.train, model.num_layers)
+    estimates = [dataclasses.replace(stage_memory(model, spec, i, n), fp8_state_bytes=fp8_state)
+                 for i, n in enumerate(counts)]
     if teacher is not None:
         last = len(estimates) - 1
         estimates[last] = dataclasses.replace(estimates[last], teacher_bytes=teacher_bytes(
@@ -1233,14 +1251,21 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     """Memory and step time of one layout (assumed structurally valid, see `layouts`)."""
     mem_model = gpt_memory_stand_in(model) if opts.block == "gpt" else model
     mbs = global_batch // (lay.dp * lay.micro_batch)
-    act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp)
+    fp8 = opts.fp8 if opts.fp8 is not None and opts.fp8.fp8_format else None
+    act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp,
+                          fp8=fp8 is not None,
+                          fp8_param_gather=fp8 is not None and fp8.fp8_param_gather)
     per_stage = model.num_layers // lay.pp
     moe = opts.moe if opts.moe is not None and opts.moe.num_experts else None
     moe_params, moe_saved = _moe_stages(model, moe, act, lay.ep, [per_stage] * lay.pp,
                                         lay.chunks)
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
-                     lay.schedule, moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved)
-    mems = [stage_memory(mem_model, spec, i, per_stage) for i in range(lay.pp)]
+                     lay.schedule, moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved,
+                     fp8_copies=_fp8_copies(model, moe, lay.tp, [per_stage] * lay.pp,
+                                            lay.chunks, fp8) if fp8 is not None else ())
+    fp8_state = fp8_scaling_state_bytes(fp8, model.num_layers) if fp8 is not None else 0
+    mems = [dataclasses.replace(stage_memory(mem_model, spec, i, per_stage),
+                                fp8_state_bytes=fp8_state) for i in range(lay.pp)]
     worst = max(mems, key=lambda est: est.total_bytes)
     times = [_moe_stage_time(model, lay, c, per_stage, i, opts) for i in range(lay.pp)]
     compute, tp_comm, p2p, costs, ep_comm = max(times, key=lambda t: sum(t[:3]) + t[4])

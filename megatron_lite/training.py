@@ -174,7 +174,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         journal.start_iteration = start_iteration
         peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
         log_startup(cfg, pstate, chunks, peak, launch_source)
-        log_memory(cfg, pstate, chunks, optimizer)
+        log_memory(cfg, pstate, chunks, optimizer, amax_history)
         logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])
         cleanup.callback(logger.close)
         logger.samples_per_epoch = plan_epochs(cfg, pstate, train_loader)
@@ -849,14 +849,16 @@ def log_startup(cfg: Config, pstate: ParallelState, chunks: list[nn.Module],
 
 
 def log_memory(cfg: Config, pstate: ParallelState, chunks: list[LlamaChunk],
-               optimizer: Optimizer) -> None:
-    """Rank 0: bytes held by parameters, gradients and optimizer, measured vs planned."""
+               optimizer: Optimizer, amax_history: fp8.Fp8History | None = None) -> None:
+    """Rank 0: bytes held by parameters, gradients and optimizer (and the delayed FP8
+    recipe's amax tables), measured vs planned."""
     report = optimizer.memory()
     # by storage: the parameters view their buffers, and a weight kept only as its fp8 copy
     # (--fp8-param-gather) views one of no bytes
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in optimizer.param_tensors()}
     text = memory_report(cfg, pstate, chunks, report.state_bytes, report.grad_buffer_bytes,
-                         sum(storages.values()))
+                         sum(storages.values()),
+                         amax_history.nbytes if amax_history is not None else None)
     if pstate.rank == 0:
         print(report.describe() + "\n" + text, flush=True)

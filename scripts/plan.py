@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lite import plan_time, schedules
-from megatron_lite.config import ConfigError, ModelConfig, MoEConfig
+from megatron_lite.config import ConfigError, ModelConfig, MoEConfig, TrainConfig
 from megatron_lite.errors import add_debug_flag, run_cli
 from megatron_lite.pipeline.schedule import build_schedule
 from megatron_lite.planner import (
@@ -81,6 +81,15 @@ def _add_run_and_search_flags(ap: argparse.ArgumentParser) -> None:
                      help="reduce gradients over DP in 16 bits (time only)")
     run.add_argument("--fp32", action="store_true",
                      help="time fp32 activations (the CPU runs); memory stays bf16")
+    fp8 = ap.add_argument_group("FP8 (pretrain.py's flags): memory only, the step time keeps "
+                                "bf16 GEMMs")
+    fp8.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
+                     help="FP8 linears: they save their inputs in 1 byte")
+    fp8.add_argument("--fp8-recipe", choices=["tensorwise", "delayed"], default="delayed")
+    fp8.add_argument("--fp8-amax-history-len", type=int, default=1,
+                     help="delayed recipe: the amax histories every rank keeps")
+    fp8.add_argument("--fp8-param-gather", action="store_true",
+                     help="the FP8 weights' e4m3 copy (and ZeRO's gathers in it)")
     moe = ap.add_argument_group("mixture of experts (pretrain.py's flags, Megatron's defaults)")
     moe.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
     moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
@@ -220,7 +229,32 @@ def moe_from_args(args: argparse.Namespace, model: ModelConfig) -> MoEConfig | N
 
 def options_from_args(args: argparse.Namespace, model: ModelConfig) -> RunOptions:
     return RunOptions(args.block, args.attention, 2 if args.grad_reduce_in_bf16 else 4,
-                      dtype_bytes=4 if args.fp32 else 2, moe=moe_from_args(args, model))
+                      dtype_bytes=4 if args.fp32 else 2, moe=moe_from_args(args, model),
+                      fp8=fp8_from_args(args))
+
+
+def fp8_from_args(args: argparse.Namespace) -> TrainConfig | None:
+    """The FP8 flags as pretrain.py's TrainConfig holds them (None without --fp8-format)."""
+    if args.fp8_format is None:
+        if args.fp8_param_gather:
+            raise ConfigError("--fp8-param-gather needs FP8 linears: add --fp8-format hybrid "
+                              "(or e4m3)")
+        return None
+    if args.fp8_amax_history_len < 1:
+        raise ConfigError(f"--fp8-amax-history-len {args.fp8_amax_history_len}: give 1 or more")
+    return TrainConfig(bf16=True, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                       fp8_amax_history_len=args.fp8_amax_history_len,
+                       fp8_param_gather=args.fp8_param_gather)
+
+
+def fp8_flags(fp8: TrainConfig | None) -> list[str]:
+    """pretrain.py's FP8 flags for a plan."""
+    if fp8 is None:
+        return []
+    flags = ["--fp8-format", fp8.fp8_format, "--fp8-recipe", fp8.fp8_recipe]
+    if fp8.fp8_recipe == "delayed":
+        flags += ["--fp8-amax-history-len", str(fp8.fp8_amax_history_len)]
+    return flags + (["--fp8-param-gather"] if fp8.fp8_param_gather else [])
 
 
 def moe_flags(moe: MoEConfig | None, plan: Plan) -> list[str]:
@@ -274,7 +308,7 @@ def row(i: int, plan: Plan, gpus: int) -> str:
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
-           top: int, moe: MoEConfig | None = None) -> str:
+           top: int, moe: MoEConfig | None = None, fp8: TrainConfig | None = None) -> str:
     n, active = moe_total_params(model, moe) if moe else (total_params(model), 0)
     experts = (f" ({active / 1e9:.2f}B active: {moe.num_experts} experts, top-"
                f"{moe.moe_router_topk}, {moe.moe_token_dispatcher_type} dispatch)" if moe else "")
@@ -297,6 +331,12 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
              "recompute); MFUnc counts attention as if not causal (12·l·q·s, the log's `mfu`); "
              "HFU adds to MFU what recomputation reruns",
              ""]
+    if fp8 is not None:
+        lines[-1:-1] = [f"FP8 ({fp8.fp8_format}, {fp8.fp8_recipe}): memory counts what the FP8 "
+                        "linears save in 1 byte, the e4m3 weight copies (--fp8-param-gather) "
+                        "and the amax histories; step time, MFU and HFU keep bf16 GEMMs and "
+                        "the bf16 peak (FP8's speed is measured by scripts/gpu_check.sh, not "
+                        "assumed)"]
     fitting = [p for p in plans if p.fits]
     bound = efficiency_bound(cluster)
     if any(p.mfu_noncausal > bound for p in fitting[:top]):
@@ -322,7 +362,8 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
                   for i, p in enumerate(schedule_ranking(plans, fitting[0]))]
     if fitting:
         lines += ["", "pretrain.py flags for #1:", " ".join(
-            pretrain_flags(model, fitting[0], gbs) + moe_flags(moe, fitting[0]))]
+            pretrain_flags(model, fitting[0], gbs) + moe_flags(moe, fitting[0])
+            + fp8_flags(fp8))]
     return "\n".join(lines)
 
 
@@ -486,7 +527,7 @@ def _main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([plan_record(p, cluster.gpus) for p in plans[:args.top]], indent=1))
         return 0
-    print(report(model, cluster, gbs, tokens, plans, args.top, opts.moe))
+    print(report(model, cluster, gbs, tokens, plans, args.top, opts.moe, opts.fp8))
     fitting = [p for p in plans if p.fits]
     if args.save_seconds and args.mtbf_hours and fitting:
         best = young_daly_interval_s(args.save_seconds, 3600 * args.mtbf_hours)

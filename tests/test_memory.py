@@ -149,3 +149,25 @@ def test_fp8_saved_bytes_match_the_formula() -> None:
     assert fp8[0] - plain[0] == 4 * per_layer == -507_776
     moe_plain, moe_fp8 = _saved(["--bf16", *MOE]), _saved([*FP8, *MOE])
     assert moe_fp8[0] - moe_plain[0] == moe_fp8[1] - moe_plain[1]
+
+
+def test_fp8_amax_histories_are_counted() -> None:
+    """--fp8-recipe delayed keeps, on every rank, the whole model's fp32 amax tables: 4 layers
+    x 6 linear slots x 3 operands x (history 16 + the step's running amax) x 4 bytes = 4,896
+    bytes. The tables the run builds hold exactly that, the planner's estimate counts it (in
+    its total, not in the states), and the memory report prints both; tensorwise keeps none."""
+    from megatron_lite.layers import fp8
+    from megatron_lite.memory import memory_report
+
+    flags = [*MODEL, "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
+    cfg, pstate = parse_config(flags), single_process_state()
+    chunks = build_model(cfg, pstate)
+    tables = fp8.history(cfg, pstate, chunks)
+    est = estimate_memory(cfg, 1, stage=0, fused_kernels=False, device_type="cpu")
+    assert tables.nbytes == est.fp8_state_bytes == 4 * 6 * 3 * 17 * 4 == 4_896
+    plain = estimate_memory(parse_config([*flags, "--fp8-recipe", "tensorwise"]), 1, stage=0,
+                            fused_kernels=False, device_type="cpu")
+    assert plain.fp8_state_bytes == 0
+    assert est.total_bytes - plain.total_bytes == 4_896
+    text = memory_report(cfg, pstate, chunks, 0, 0, fp8_state_bytes=tables.nbytes)
+    assert "fp8 amax histories (--fp8-amax-history-len 16) 4.78 KiB | 4.78 KiB" in text

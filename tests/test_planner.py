@@ -27,6 +27,7 @@ from megatron_lite.planner import (
     Layout,
     ModelShape,
     Recompute,
+    RunOptions,
     chunk_activation_bytes,
     estimate_memory,
     evaluate,
@@ -338,3 +339,24 @@ def test_cli_prints_a_table(capsys):
     assert plan_cli.main(["--preset", "1B", "--gpus", "16", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "fitting layouts" in out and "--tensor-model-parallel-size" in out
+
+
+def test_search_with_fp8_counts_what_pretrain_would() -> None:
+    """The layout search under FP8 flags (scripts/plan.py --fp8-format ...): its best plan's
+    memory is `estimate_memory` of the pretrain.py flags it prints (FP8 saved bytes, the e4m3
+    weight copies, the amax histories: 16 layers x 6 x 3 x (1024 + 1) x 4 bytes), and the FP8
+    plan of the same layout saves fewer activation bytes than the bf16 one."""
+    import scripts.plan as plan_cli
+
+    model = PRESETS["1B"][1]
+    fp8 = TrainConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=1024,
+                      fp8_param_gather=True)
+    cluster = Cluster(gpus=8)
+    best = search(model, cluster, 64, 1e9, opts=RunOptions(fp8=fp8))[0]
+    cfg = parse_config(pretrain_flags(model, best, 64) + plan_cli.fp8_flags(fp8))
+    est = estimate_memory(cfg, 8)
+    assert est.fp8_state_bytes == best.memory.fp8_state_bytes == 16 * 6 * 3 * 1025 * 4
+    assert est.total_bytes == best.memory.total_bytes
+    plain = evaluate(model, best.layout, cluster, 64, 1e9)
+    assert best.memory.activation_bytes < plain.memory.activation_bytes
+    assert best.step_s == plain.step_s  # the time model keeps bf16 GEMMs

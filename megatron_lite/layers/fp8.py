@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_lite.config import Config, TrainConfig
+from megatron_lite.config import FP8_LINEARS, Config, TrainConfig
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.state import ParallelState
 
@@ -255,11 +255,6 @@ def fp8_linear(x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
     return Fp8Linear.apply(x, weight, recipe, groups, state, record, fp8_weight, defer)
 
 
-FP8_LINEARS = ("attention.qkv", "attention.proj", "mlp.gate_up", "mlp.down",
-               "mlp.shared.gate_up", "mlp.shared.down")
-"""Where FP8 linears sit in a transformer layer: the history table's rows per layer."""
-
-
 class Fp8History:
     """Every FP8 linear's delayed-scaling state, in two tables over the whole model:
     histories [layers x 6, N, 3] and the step's amaxes [layers x 6, 3].
@@ -290,6 +285,11 @@ class Fp8History:
                         row = layer.layer_number * len(FP8_LINEARS) + FP8_LINEARS.index(name)
                         state.history, state.amax = self.history[row], self.amax[row]
                         self.states.append(state)
+
+    @property
+    def nbytes(self) -> int:
+        """What the tables hold (the planner's `fp8_scaling_state_bytes`)."""
+        return self.history.nbytes + self.amax.nbytes
 
     def begin(self) -> None:
         self.amax.zero_()
