@@ -420,12 +420,15 @@ class TrainConfig:
     output layer stay in the model's dtype. Needs --fp8-recipe delayed (the default) or
     tensorwise."""
     fp8_recipe: str = field(default="delayed", metadata={
-        "choices": ["tensorwise", "delayed", "mxfp8", "blockwise", "custom"]})
+        "choices": ["tensorwise", "delayed", "rowwise", "mxfp8", "blockwise", "custom"]})
     """With --fp8-format: how scales are chosen. tensorwise: current scaling (each tensor's
     own amax, every GEMM). delayed (Megatron's default): from an amax history that gains one
     entry per optimizer step, the max over the step's micro-batches and the ranks holding the
     layer (Transformer Engine adds one per micro-batch), so scales do not depend on the DP or
-    micro-batch split; the first step uses current amaxes. mxfp8, blockwise, custom: refused."""
+    micro-batch split; the first step uses current amaxes. rowwise (ours, as torchao's float8
+    rowwise; not in Megatron): current scaling with one scale per row or column along each
+    GEMM's contraction, every operand e4m3, bf16 GEMM outputs; no --fp8-param-gather.
+    mxfp8, blockwise, custom: refused."""
     fp8_margin: int = 0
     """With --fp8-format: scale = fp8_max / amax / 2^margin (headroom against overflow)."""
     fp8_amax_history_len: int = 1
@@ -1358,15 +1361,21 @@ def _fp64_errors(cfg: Config) -> list[str]:
 
 
 def _fp8_errors(cfg: Config) -> list[str]:
-    """FP8 is built for tensorwise current and delayed scaling, in bf16 or fp32 models."""
+    """FP8 is built for tensorwise and rowwise current and delayed scaling, in bf16 or fp32
+    models."""
     t = cfg.train
     if t.fp8_format is None:
         return (["--fp8-param-gather gathers the FP8 linears' weights in fp8, but no linear is "
                  "FP8: add --fp8-format hybrid (or e4m3)"] if t.fp8_param_gather else [])
     errors = []
-    if t.fp8_recipe not in ("tensorwise", "delayed"):
+    if t.fp8_recipe not in ("tensorwise", "delayed", "rowwise"):
         errors.append(f"--fp8-recipe {t.fp8_recipe} is not implemented (no mxfp8, blockwise "
-                      "or custom scaling); use --fp8-recipe delayed or tensorwise")
+                      "or custom scaling); use --fp8-recipe delayed, tensorwise or rowwise")
+    if t.fp8_recipe == "rowwise" and t.fp8_param_gather:
+        errors.append("--fp8-param-gather gathers each weight with one tensorwise scale, but "
+                      "--fp8-recipe rowwise scales a weight per row in the forward and per "
+                      "column in backward: drop --fp8-param-gather, or use --fp8-recipe "
+                      "delayed or tensorwise")
     if t.fp64:
         errors.append("--fp8-format rounds GEMM operands to 8 bits but --fp64 is exact math; "
                       "drop one of them")

@@ -312,11 +312,10 @@ def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: i
     tokens, h = s * b, model.hidden_size
     shard = t if (a.sequence_parallel and t > 1) else 1
     f, fs = model.ffn_hidden_size / t, (moe.moe_shared_expert_intermediate_size or 0) / t
-    w = not a.fp8_param_gather
-    dense = (_fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, w)
-             + _fp8_linear_bytes(tokens, f, h, e * tokens * f, w))
-    shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0, w)
-              + _fp8_linear_bytes(tokens, fs, h, e * tokens * fs, w) if fs else 0.0)
+    dense = (_fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, a)
+             + _fp8_linear_bytes(tokens, f, h, e * tokens * f, a))
+    shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0, a)
+              + _fp8_linear_bytes(tokens, fs, h, e * tokens * fs, a) if fs else 0.0)
     routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / t
     routed = (1 - e) * tokens * moe.moe_router_topk * (h + routed_f)
     scales = 4 * moe.num_experts // ep * (h + routed_f + 2)
@@ -471,15 +470,20 @@ class ActivationSetup:
     fp8_param_gather: bool = False
     """--fp8-param-gather: the e4m3 weight a linear saves is a view of the gathered fp8 copy
     (counted with the parameters), not new bytes."""
+    fp8_rowwise: bool = False
+    """--fp8-recipe rowwise: a linear saves its input in e4m3 with a scale per input feature
+    and no weight copy (layers/fp8.py Fp8RowwiseLinear)."""
 
 
 def _fp8_linear_bytes(rows: float, fan_in: float, fan_out: float, saved_in: float,
-                      weight: bool = True) -> float:
+                      a: ActivationSetup) -> float:
     """What an FP8 linear saves beyond a plain one: its input as e4m3 [rows, fan_in] in place
     of the `saved_in` bytes the plain one kept, the e4m3 weight [fan_out, fan_in] (a plain
-    linear saves the parameter itself, no new bytes; nor does one under --fp8-param-gather:
-    `weight` False) and the two fp32 inverse scales."""
-    return rows * fan_in - saved_in + (fan_out * fan_in if weight else 0) + 8
+    linear saves the parameter itself, no new bytes; nor does one under --fp8-param-gather)
+    and the two fp32 inverse scales. Rowwise: no weight copy, an fp32 scale per input feature."""
+    if a.fp8_rowwise:
+        return rows * fan_in - saved_in + 4 * fan_in
+    return rows * fan_in - saved_in + (0 if a.fp8_param_gather else fan_out * fan_in) + 8
 
 
 def fp8_saved_delta(model: ModelConfig, a: ActivationSetup, selective: bool = False) -> float:
@@ -495,11 +499,10 @@ def fp8_saved_delta(model: ModelConfig, a: ActivationSetup, selective: bool = Fa
             model.num_query_groups * model.head_dim / t)
     shard = t if (a.sequence_parallel and t > 1) else 1
     proj_own = selective or (a.fp32_attention_core and a.bf16)
-    w = not a.fp8_param_gather
-    return (_fp8_linear_bytes(tokens, h, q + 2 * k, e * tokens * h / shard, w)
-            + _fp8_linear_bytes(tokens, q, h, e * tokens * q if proj_own else 0, w)
-            + _fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, w)
-            + _fp8_linear_bytes(tokens, f, h, e * tokens * f, w))
+    return (_fp8_linear_bytes(tokens, h, q + 2 * k, e * tokens * h / shard, a)
+            + _fp8_linear_bytes(tokens, q, h, e * tokens * q if proj_own else 0, a)
+            + _fp8_linear_bytes(tokens, h, 2 * f, e * tokens * h / shard, a)
+            + _fp8_linear_bytes(tokens, f, h, e * tokens * f, a))
 
 
 def local_seq(model: ModelConfig, a: ActivationSetup) -> int:
@@ -610,12 +613,15 @@ def layer_backward_bytes(model: ModelConfig, a: ActivationSetup) -> float:
     """What one layer's backward allocates beside the activations it saved, at its fullest:
     the incoming gradient [s(/t), b, h] and, in the MLP's backward, two [s, b, f/t]-sized
     tensors at once: the down projection's input gradient beside its weight gradient
-    [f/t, h], then SwiGLU's two input gradients (the saved ones go as they are used)."""
+    [f/t, h], then SwiGLU's two input gradients (the saved ones go as they are used).
+    --fp8-recipe rowwise requantizes each weight along its other dim there: the gate/up
+    weight's fp32 copy and its e4m3 result, 5 bytes an element, at once."""
     e = 2 if a.bf16 else 4
     tokens = local_seq(model, a) * a.micro_batch
     shard = a.tp if (a.sequence_parallel and a.tp > 1) else 1
     h, f = model.hidden_size, model.ffn_hidden_size / a.tp
-    return e * (tokens * h / shard + tokens * f + max(tokens, h) * f)
+    requantized = 5 * h * 2 * f if a.fp8_rowwise else 0
+    return e * (tokens * h / shard + tokens * f + max(tokens, h) * f) + requantized
 
 
 def output_weight_grad_bytes(model: ModelConfig, a: ActivationSetup) -> float:
@@ -920,7 +926,8 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
     act = ActivationSetup(cfg.train.micro_batch_size, tp, parallel.sequence_parallel,
                           cfg.train.bf16, fused, fp32_attention_core=device_type == "cpu",
                           cp=cp, fp8=cfg.train.fp8_format is not None,
-                          fp8_param_gather=cfg.train.fp8_param_gather)
+                          fp8_param_gather=cfg.train.fp8_param_gather,
+                          fp8_rowwise=cfg.train.fp8_recipe == "rowwise")
     ep = cfg.moe.expert_model_parallel_size
     moe_params, moe_saved = _moe_stages(model, cfg.moe if cfg.moe.num_experts else None, act,
                                         ep, counts, chunks)
@@ -1254,7 +1261,8 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     fp8 = opts.fp8 if opts.fp8 is not None and opts.fp8.fp8_format else None
     act = ActivationSetup(lay.micro_batch, lay.tp, lay.sequence_parallel, True, True, cp=lay.cp,
                           fp8=fp8 is not None,
-                          fp8_param_gather=fp8 is not None and fp8.fp8_param_gather)
+                          fp8_param_gather=fp8 is not None and fp8.fp8_param_gather,
+                          fp8_rowwise=fp8 is not None and fp8.fp8_recipe == "rowwise")
     per_stage = model.num_layers // lay.pp
     moe = opts.moe if opts.moe is not None and opts.moe.num_experts else None
     moe_params, moe_saved = _moe_stages(model, moe, act, lay.ep, [per_stage] * lay.pp,

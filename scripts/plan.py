@@ -85,7 +85,8 @@ def _add_run_and_search_flags(ap: argparse.ArgumentParser) -> None:
                                 "bf16 GEMMs")
     fp8.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
                      help="FP8 linears: they save their inputs in 1 byte")
-    fp8.add_argument("--fp8-recipe", choices=["tensorwise", "delayed"], default="delayed")
+    fp8.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "rowwise"],
+                     default="delayed")
     fp8.add_argument("--fp8-amax-history-len", type=int, default=1,
                      help="delayed recipe: the amax histories every rank keeps")
     fp8.add_argument("--fp8-param-gather", action="store_true",
@@ -240,6 +241,9 @@ def fp8_from_args(args: argparse.Namespace) -> TrainConfig | None:
             raise ConfigError("--fp8-param-gather needs FP8 linears: add --fp8-format hybrid "
                               "(or e4m3)")
         return None
+    if args.fp8_recipe == "rowwise" and args.fp8_param_gather:
+        raise ConfigError("--fp8-param-gather needs one tensorwise scale per weight: drop it "
+                          "or use --fp8-recipe delayed or tensorwise with it")
     if args.fp8_amax_history_len < 1:
         raise ConfigError(f"--fp8-amax-history-len {args.fp8_amax_history_len}: give 1 or more")
     return TrainConfig(bf16=True, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,

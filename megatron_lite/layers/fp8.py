@@ -57,6 +57,9 @@ class Fp8Recipe:
     delayed: bool = False
     history_len: int = 1
     compute_algo: str = "most_recent"
+    rowwise: bool = False
+    """--fp8-recipe rowwise: `Fp8RowwiseLinear` (current scaling, one scale per row or
+    column of each operand, e4m3 throughout)."""
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -92,9 +95,15 @@ def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
     CUDA call: its meta kernel checks the layouts CUDA wants, and the emulation's fp32
     copies, which a GPU never makes, stay out of the measured peak."""
     if a8.is_cuda or a8.is_meta:
-        # _scaled_mm wants `a` row-major and `b` column-major.
-        return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=a_inv,
-                                scale_b=b_inv, out_dtype=out_dtype)
+        # _scaled_mm wants `a` row-major and `b` column-major. Rowwise scales with an fp32
+        # output take cuBLAS on Hopper; from Blackwell on only the bf16-writing kernel.
+        write = out_dtype
+        if (a_inv.dim() and a8.is_cuda and out_dtype == torch.float32
+                and torch.cuda.get_device_capability(a8.device)[0] >= 10):
+            write = torch.bfloat16
+        return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(),
+                                scale_a=a_inv.contiguous(), scale_b=b_inv.contiguous(),
+                                out_dtype=write).to(out_dtype)
     return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
 
 
@@ -252,7 +261,68 @@ def fp8_linear(x: Tensor, weight: Tensor, recipe: Fp8Recipe, groups: Fp8Groups,
     record = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
     if defer is not None:
         weight = weight.detach()
+    if recipe.rowwise:
+        return Fp8RowwiseLinear.apply(x, weight, recipe.margin, groups, defer)
     return Fp8Linear.apply(x, weight, recipe, groups, state, record, fp8_weight, defer)
+
+
+class Fp8RowwiseLinear(torch.autograd.Function):
+    """x W^T under --fp8-recipe rowwise: each GEMM's operands in e4m3 with one scale per slice
+    along the GEMM's contraction (x per token for the forward, per feature over the tokens
+    for the weight gradient; W per output row forward, per input column for the input
+    gradient; the output gradient per token, then per output column), taken from current
+    amaxes. Every operand is e4m3 whatever --fp8-format says (each slice's own scale gives
+    the range e5m2 would, and CUDA's rowwise kernels are built for e4m3).
+
+    A scale's amax runs along the contraction, so it is MAX-reduced over the TP group when
+    that dim is sharded (`groups.x`: a row-parallel input's and weight's features;
+    `groups.grad`: a column-parallel output's), and the scales are the one-process ones.
+    Under SP (`groups.sequence`) each rank quantizes its own tokens (a token's scale is
+    local), gathers the e4m3 rows and their scales, and the per-feature amax of the weight
+    gradient's operand is reduced over the group. Saves that e4m3 operand and its scales;
+    the weight is quantized afresh along its other dim in backward (no saved copy).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, margin: int, groups: Fp8Groups,
+                defer: Callable[[Callable[[], Tensor]], None] | None = None) -> Tensor:
+        x2 = x.reshape(-1, x.size(-1))
+        x8, x_inv = quantize_rowwise(x2, 1, margin, groups.x)
+        if groups.sequence is not None:  # rows [s/t * b] per rank, in rank order
+            x8 = gather_fp8(x8, groups.sequence)
+            x_inv = comms.all_gather_dim0(x_inv.contiguous(), groups.sequence)[0]
+        w8, w_inv = quantize_rowwise(weight, 1, margin, groups.x)
+        out = scaled_mm(x8, w8.t(), x_inv, w_inv.t(), x.dtype)
+        del x8, w8  # before the saved copy: one gathered e4m3 input at a time
+        xc8, xc_inv = quantize_rowwise(x2, 0, margin, groups.sequence)
+        if groups.sequence is not None:
+            xc8 = gather_fp8(xc8, groups.sequence)
+        ctx.margin, ctx.groups, ctx.defer, ctx.x_shape = margin, groups, defer, x.shape
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(xc8, xc_inv, weight)
+        return out.reshape(-1, *x.shape[1:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        xc8, xc_inv, weight = ctx.saved_tensors
+        margin, groups = ctx.margin, ctx.groups
+        g2 = grad.reshape(-1, grad.size(-1))
+        g8, g_inv = quantize_rowwise(g2, 1, margin, groups.grad)
+        wc8, wc_inv = quantize_rowwise(weight, 0, margin, groups.grad)
+        grad_x = scaled_mm(g8, wc8, g_inv, wc_inv, ctx.x_dtype)
+        del g8, wc8
+        if groups.sequence is not None:  # the whole input's gradient back to this shard
+            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
+        grad_x = grad_x.reshape(ctx.x_shape)
+        gc8, gc_inv = quantize_rowwise(g2, 0, margin)
+
+        def weight_grad() -> Tensor:
+            return scaled_mm(gc8.t(), xc8, gc_inv.t(), xc_inv, weight.dtype)
+
+        if ctx.defer is not None:  # a zero-bubble B step: the W step runs this GEMM
+            ctx.defer(weight_grad)
+            return grad_x, None, None, None, None
+        return grad_x, weight_grad(), None, None, None
 
 
 class Fp8History:
@@ -325,7 +395,8 @@ def recipe(train: TrainConfig) -> Fp8Recipe | None:
     if train.fp8_format is None:
         return None
     return Fp8Recipe(train.fp8_format, train.fp8_margin, train.fp8_recipe == "delayed",
-                     train.fp8_amax_history_len, train.fp8_amax_compute_algo)
+                     train.fp8_amax_history_len, train.fp8_amax_compute_algo,
+                     train.fp8_recipe == "rowwise")
 
 
 def history(cfg: Config, pstate: ParallelState, chunks: Sequence[torch.nn.Module]
@@ -379,9 +450,11 @@ def _scale(amax: Tensor, margin: int, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
 
 def cast_scaled(x: Tensor, scale: Tensor, dtype: torch.dtype = FWD_DTYPE) -> Tensor:
     """x x scale, saturated to the format's range, in `dtype` (elementwise: a piece of a
-    tensor casts to the same values as the whole)."""
+    tensor casts to the same values as the whole). One fp32 copy at a time, scaled and
+    clamped in place: a [tokens, ffn] gradient's transient is 4 bytes an element, not 8."""
     fp8_max = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    wide = x.to(torch.float32, copy=True)
+    return wide.mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
 
 
 def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs: Tensor,
