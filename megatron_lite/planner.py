@@ -421,17 +421,32 @@ def gathered_unit_bytes(model: ModelConfig, tp: int, bf16: bool) -> int:
     return units * STATE_BYTES[bf16][0]
 
 
-def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int) -> list[list[int]]:
+def zero3_layer_params(model: ModelConfig, tp: int, moe: MoEConfig | None = None, ep: int = 1
+                       ) -> list[tuple[list[int], list[int]]]:
+    """Per layer, the elements of its parameters on one rank in backward's (reverse) order:
+    (those synced over DP x CP, the routed experts' synced over expert-DP). Each set is its
+    own parameter buffer (optim/param_buffers.py), so a MoE layer is one ZeRO-3 unit gathered
+    from two buffers, its experts being E/ep of them."""
+    out = []
+    for i in range(model.num_layers):
+        params = list(reversed(structure.layer_parameters(model, i, moe)))
+        out.append(([p.local_numel(tp) for p in params if not p.expert],
+                    [p.local_numel(tp, ep) for p in params if p.expert]))
+    return out
+
+
+def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int,
+                       moe: MoEConfig | None = None, ep: int = 1) -> list[list[int]]:
     """Elements of ZeRO-3's gradient buckets per unit, in the order one micro-batch's
     backward reduce-scatters them: the head, the layers from the top, the embedding.
 
     As optim/buffers.build_layout cuts them: parameters in reverse order, a bucket closed
-    once it holds `bucket_size` elements and at a unit's end (alignment padding left out).
+    once it holds `bucket_size` elements and at a unit's end (alignment padding left out);
+    a MoE layer's experts are cut in their own buffer's buckets.
     A tied output layer's gradient is the embedding's (its unit owns the weight).
     """
     emb, _, head = zero3_units(model, tp)
     h = model.hidden_size
-    layer = [p.local_numel(tp) for p in reversed(structure.layer_parameters(model, 0))]
 
     def cut(sizes: list[int]) -> list[int]:
         buckets, n = [], 0
@@ -442,7 +457,9 @@ def zero3_grad_buckets(model: ModelConfig, tp: int, bucket_size: int) -> list[li
         return buckets + ([n] if n else [])
 
     head_params = [head - h, h] if model.untie_embeddings_and_output_weights else [h]
-    return [cut(head_params), *[cut(layer)] * model.num_layers, [emb]]
+    layers = [cut(dense) + cut(experts)
+              for dense, experts in reversed(zero3_layer_params(model, tp, moe, ep))]
+    return [cut(head_params), *layers, [emb]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,11 +707,12 @@ def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: flo
     """
     a = spec.act
     pb, gb, _ = grad_state_bytes(a.bf16, spec.grad_bf16)
-    emb, layer, head_unit = zero3_units(model, spec.tp)
+    emb, _, head_unit = zero3_units(model, spec.tp)
+    layers = [sum(d) + sum(e) for d, e in zero3_layer_params(model, spec.tp, spec.moe, spec.ep)]
     tied, n = not model.untie_embeddings_and_output_weights, model.num_layers
     kept = emb if tied else 0
     weight_grad = output_weight_grad_bytes(model, a)
-    units = zero3_grad_buckets(model, spec.tp, spec.bucket_size)
+    units = zero3_grad_buckets(model, spec.tp, spec.bucket_size, spec.moe, spec.ep)
     flying = ZERO3_GRAD_BUCKETS - 1
     held = [b for unit in units for b in unit][-flying:] if spec.microbatches > 1 else []
 
@@ -707,16 +725,16 @@ def zero3_peak_bytes(model: ModelConfig, spec: StageSpec, saved: float, ids: flo
         return gb * most
 
     acts = saved + ids
-    gathered_head = pb * (head_unit + kept + (layer if n else 0))
+    gathered_head = pb * (head_unit + kept + (layers[-1] if n else 0))
     moments = [acts + head + head_transient_bytes(model, a) + pb * (head_unit + kept)
                + gb * sum(held),
                acts + head + head_backward_bytes(model, a) + gathered_head + gb * sum(held)]
     head_grads = buckets_bytes(units[0])
     moments.append(acts + (0 if tied else weight_grad) + gathered_head + head_grads)
     for j in reversed(range(n)):
-        below = layer if j else (0 if tied else emb)
+        below = layers[j - 1] if j else (0 if tied else emb)
         moments.append(ids + saved * (j + 1) / n + layer_step
-                       + pb * (kept + layer + below) + buckets_bytes(units[n - j]))
+                       + pb * (kept + layers[j] + below) + buckets_bytes(units[n - j]))
     before = gb * sum(held[-flying:])
     sums = 3 * weight_grad if tied else weight_grad
     moments.append(ids + pb * emb + max(sums + before, weight_grad + buckets_bytes(units[-1])))
@@ -795,6 +813,8 @@ class StageSpec:
     """Per stage, `fp8_gathered_params`: their fp8 copy (1 byte each; under ZeRO-3 sharded
     over DP x CP) replaces all but the owned slices of their model copy under ZeRO-1/2;
     empty: no --fp8-param-gather."""
+    moe: MoEConfig | None = None
+    """The MoE layers' shape (ZeRO-3's units, `zero3_layer_params`); None: a dense model."""
 
 
 def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -> MemoryEstimate:
@@ -939,7 +959,7 @@ def estimate_memory(cfg: Config, world_size: int, *, stage: int | None = None,
                      parallel.sharded_grad_accumulation == "full-buffer",
                      parallel.grad_reduce_in_bf16,
                      ddp_bucket_size(parallel, world_size // (tp * cp * pp)), moe_params, ep,
-                     moe_saved, fp8_copies)
+                     moe_saved, fp8_copies, cfg.moe if cfg.moe.num_experts else None)
     fp8_state = fp8_scaling_state_bytes(cfg.train, model.num_layers)
     estimates = [dataclasses.replace(stage_memory(model, spec, i, n), fp8_state_bytes=fp8_state)
                  for i, n in enumerate(counts)]
@@ -1270,7 +1290,8 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
                      lay.schedule, moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved,
                      fp8_copies=_fp8_copies(model, moe, lay.tp, [per_stage] * lay.pp,
-                                            lay.chunks, fp8) if fp8 is not None else ())
+                                            lay.chunks, fp8) if fp8 is not None else (),
+                     moe=moe)
     fp8_state = fp8_scaling_state_bytes(fp8, model.num_layers) if fp8 is not None else 0
     mems = [dataclasses.replace(stage_memory(mem_model, spec, i, per_stage),
                                 fp8_state_bytes=fp8_state) for i in range(lay.pp)]
@@ -1407,11 +1428,8 @@ def search(model: ModelConfig, c: Cluster, global_batch: int, train_tokens: floa
     reason). Fitting plans come first, by tokens/s.
     """
     plans = []
-    # MoE plans skip ZeRO-3, whose gathered units and buckets are modelled on dense layers
-    # (`zero3_units`), missing a MoE layer's by up to a third (the dry run shows it)
     for base in (dataclasses.replace(lay, ep=ep) for lay in layouts(model, c, global_batch)
-                 for ep in expert_parallel_sizes(opts.moe, lay)
-                 if opts.moe is None or lay.zero_stage != 3):
+                 for ep in expert_parallel_sizes(opts.moe, lay)):
         tried = [evaluate(model, dataclasses.replace(base, recompute=rc), c, global_batch,
                           train_tokens, opts) for rc in recompute_options(model, base)]
         tried = [p for p in tried if keep(p.layout)]

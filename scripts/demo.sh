@@ -24,7 +24,9 @@ RUN=""       # output name prefix
 MODEL=()     # flags beyond the dense demo's
 if [[ " $* " == *" --moe "* ]]; then
     RUN=moe_
-    MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-2)
+    # top-2 of 8 experts of half the MLP width: x2 restores a whole MLP's output scale
+    MODEL=(--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256
+           --moe-router-topk-scaling-factor 2 --moe-aux-loss-coeff 1e-3)
 fi
 if [[ " $* " == *" --fp8 "* ]]; then
     RUN=${RUN}fp8_

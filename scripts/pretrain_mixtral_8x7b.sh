@@ -23,22 +23,23 @@
 #   experts of width 14336 with top-2 routing (softmax, aux loss 0.01), seq 4096, untied
 #   embeddings, RoPE base 1e6, vocab 32000 assumed below (the tokenizer sets it). 46.7 B
 #   parameters, 12.9 B active per token (planner.moe_total_params).
-# Tokens: 258 B (20 per active parameter). Layout: scripts/plan.py's #1 (--num-layers 32
+# Tokens: 258 B (20 per active parameter). Layout: from scripts/plan.py (--num-layers 32
 #   --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336
 #   --seq-length 4096 --vocab-size 32000 --untie-embeddings-and-output-weights
 #   --global-batch-size 512 --gpus 64 --num-experts 8 --moe-router-topk 2
-#   --moe-token-dispatcher-type alltoall): TP=1, PP=2 across nodes with the interleaved
-#   schedule (v=4 chunks of 4 layers per stage), DP=32 with EP=8 carved out of it (one node's
-#   8 GPUs hold one expert each, so the all-to-all dispatch stays on NVLink), expert-DP=4,
-#   ZeRO-1 over DP (dense) and over expert-DP (experts). Per GPU: 16 layers of 0.05 B dense +
-#   0.18 B expert parameters (+ embedding or head) x (2 B bf16 + 4 B fp32 grad), master + Adam
-#   12 B/param over 32 (dense) and 4 (experts): 28.4 GiB of states, 39.4 GiB of activations
-#   (the routed rows: top-2 x (3h + 3f) per token per layer), 70.8 GiB of 80 with the
-#   allowance: no recompute (it fits without; MoE runs refuse the zero-bubble schedules for
-#   now). Micro-batch 1 x 4096 tokens, global 512 sequences = 2.1 M tokens per step, 16
-#   micro-batches per pipeline; 123,021 steps; the planner predicts 6.1 s per step (1.5%
-#   bubble, 43% MFU on the active parameters), 8.7 days. Next best: TP=2 + SP, EP=4, PP=1 at
-#   6.7 s (67.8 GiB).
+#   --moe-token-dispatcher-type alltoall), its #6: TP=1, PP=2 across nodes with the
+#   interleaved schedule (v=4 chunks of 4 layers per stage), DP=32 with EP=8 carved out of it
+#   (one node's 8 GPUs hold one expert each, so the all-to-all dispatch stays on NVLink),
+#   expert-DP=4, ZeRO-1 over DP (dense) and over expert-DP (experts). Per GPU: 16 layers of
+#   0.05 B dense + 0.18 B expert parameters (+ embedding or head) x (2 B bf16 + 4 B fp32
+#   grad), master + Adam 12 B/param over 32 (dense) and 4 (experts): 28.4 GiB of states,
+#   39.4 GiB of activations (the routed rows: top-2 x (3h + 3f) per token per layer),
+#   70.8 GiB of 80 with the allowance, no recompute. Micro-batch 1 x 4096 tokens, global 512
+#   sequences = 2.1 M tokens per step, 16 micro-batches per pipeline; 123,021 steps; the
+#   planner predicts 6.08 s per step (1.5% bubble, 43% MFU on the active parameters), 8.6
+#   days. Faster on paper: #1-#4, ZeRO-3 over all 64 ranks with full recompute (5.81 s),
+#   which lean on hiding two parameter gathers per micro-batch across nodes, and #5, ZBV
+#   (6.07 s); this one recomputes nothing and gathers no parameters in the step.
 # Signals: USR1 arrives 120 s before the time limit so training saves a checkpoint and exits;
 #   --requeue puts the job back in the queue after a node failure or preemption.
 # Checkpoints keep each EP rank's experts in their own files and reshard to any EP size.
