@@ -1116,6 +1116,9 @@ class MoEConfig:
     moe_shared_expert_intermediate_size: int | None = None
     """Inner width of the shared expert, a SwiGLU MLP every token passes through, added to the
     routed output (DeepSeek, Qwen2-MoE); None = no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(x . g), g a learned [h] vector
+    (Qwen2-MoE's shared_expert_gate); needs --moe-shared-expert-intermediate-size."""
     moe_expert_capacity_factor: float | None = None
     """Capacity of each expert as this factor x tokens x top-k / experts (rounded up); tokens
     over it are dropped (their routed output is zero). None = dropless."""
@@ -1234,6 +1237,9 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
         if width is not None and width % tp:
             errors.append(f"{name} {width} is not divisible by --tensor-model-parallel-size "
                           f"{tp}")
+    if moe.moe_shared_expert_gate and not moe.moe_shared_expert_intermediate_size:
+        errors.append("--moe-shared-expert-gate gates the shared expert: it needs "
+                      "--moe-shared-expert-intermediate-size")
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     return errors

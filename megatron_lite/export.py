@@ -23,8 +23,9 @@ written as zeros and must be zero on import). `head_dim` is --kv-channels. With
 --padded-vocab-size the vocabulary tensors keep all their rows (the padding ones zero) and
 `vocab_size` is that row count, as Qwen2.5's configs have it; an import takes every row as
 vocabulary (Hugging Face has no padding count). A --num-experts model is
-`MixtralForCausalLM` or, with --qk-layernorm, `Qwen3MoeForCausalLM` (export_moe.py says which
-router flags each one computes and refuses the rest).
+`MixtralForCausalLM`, with --qk-layernorm `Qwen3MoeForCausalLM`, or with a gated shared expert
+`Qwen2MoeForCausalLM` (export_moe.py says which router flags each one computes and refuses the
+rest).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def canonical_tags(model_cfg: ModelConfig, moe: MoEConfig | None = None
 def hf_architecture(model_cfg: ModelConfig, moe: MoEConfig | None = None) -> tuple[str, str]:
     """(architecture, model_type) of the Hugging Face class that computes our variant."""
     if moe is not None:
-        return export_moe.architecture(model_cfg)
+        return export_moe.architecture(model_cfg, moe)
     if model_cfg.qk_layernorm:
         return "Qwen3ForCausalLM", "qwen3"
     if model_cfg.add_qkv_bias:
@@ -238,7 +239,7 @@ def _rope_scaling_from_hf(config: dict, unsupported: list[str]) -> float | None:
     return float(rope["factor"])
 
 
-_IMPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+_IMPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def model_config_from_hf(config: dict) -> tuple[ModelConfig, MoEConfig | None]:
@@ -249,7 +250,7 @@ def model_config_from_hf(config: dict) -> tuple[ModelConfig, MoEConfig | None]:
         raise ckpt_files.CheckpointError(
             f"model_type {model_type!r}: only {', '.join(map(repr, _IMPORTED))} import")
     moe_fields, moe = ({}, None)
-    if model_type in ("mixtral", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen3_moe", "qwen2_moe"):
         moe_fields, moe = export_moe.model_fields_from_hf(config)
     rope = config.get("rope_parameters") or {}
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))

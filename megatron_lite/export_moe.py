@@ -1,4 +1,4 @@
-"""Hugging Face export/import of mixture-of-experts models: Mixtral and Qwen3-MoE.
+"""Hugging Face export/import of mixture-of-experts models: Mixtral, Qwen3-MoE, Qwen2-MoE.
 
 export.py calls these for a checkpoint with --num-experts. Which class computes our MoE layer
 follows from the router's flags (layers/router.py), checked against transformers 5.24:
@@ -11,10 +11,15 @@ follows from the router's flags (layers/router.py), checked against transformers
   `norm_topk_prob: false`. Dense layers of --moe-layer-freq are its `mlp_only_layers`
   (with `decoder_sparse_step` 1), their width `intermediate_size`; the experts' width is
   `moe_intermediate_size`.
+- With a gated shared expert (--moe-shared-expert-intermediate-size with
+  --moe-shared-expert-gate) and no --qk-layernorm it is `Qwen2MoeForCausalLM`: its
+  `shared_expert` (`shared_expert_intermediate_size`) scaled per token by
+  sigmoid(`shared_expert_gate` x), q/k/v biases as `qkv_bias` (--add-qkv-bias), the routing,
+  `norm_topk_prob` and `mlp_only_layers` read as for Qwen3-MoE.
 
-Neither class has sigmoid scores, an expert bias, group-limited routing, a top-k scaling
-factor, a capacity (tokens dropped) or an ungated shared expert: those are refused, naming
-the flag. The experts are written in the per-expert layout the published checkpoints use
+None of the classes has sigmoid scores, an expert bias, group-limited routing, a top-k
+scaling factor, a capacity (tokens dropped) or an ungated shared expert: those are refused,
+naming the flag. The experts are written in the per-expert layout the published checkpoints use
 (`experts.{e}.w1/w3/w2` under `block_sparse_moe` for Mixtral, `experts.{e}.gate_proj/up_proj/
 down_proj` under `mlp` for Qwen3-MoE), which transformers 5 fuses on load; import reads that
 layout or transformers 5's fused `experts.gate_up_proj` [E, 2f, h] / `experts.down_proj`
@@ -24,17 +29,24 @@ down [E x h, f], so both directions are reshapes, no permutation.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.config import ConfigError, ModelConfig, MoEConfig, moe_layer_pattern
 
-MOE_WEIGHTS = ("mlp.gate_up", "mlp.down", "mlp.router.weight")
+MOE_WEIGHTS = ("mlp.gate_up", "mlp.down", "mlp.router.weight", "mlp.shared_gate",
+               "mlp.shared.gate_up.weight", "mlp.shared.down.weight")
 """Our per-layer suffixes of a MoE layer's weights (megatron_lite/structure.py)."""
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-                 "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+                 "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 """model_type -> (MoE block, gate, up, down) in the published per-expert layout."""
+_SHARED_NAMES = {"mlp.shared_gate": "mlp.shared_expert_gate.weight",
+                 "mlp.shared.down.weight": "mlp.shared_expert.down_proj.weight"}
+"""Our gated shared expert's weights -> Qwen2-MoE's (gate|up is split in two)."""
 
 
 def moe_config(saved: dict) -> MoEConfig | None:
@@ -50,16 +62,19 @@ def moe_layers(model_cfg: ModelConfig, moe: MoEConfig | None) -> list[bool]:
     return moe_layer_pattern(moe.moe_layer_freq, model_cfg.num_layers)
 
 
-def architecture(model_cfg: ModelConfig) -> tuple[str, str]:
-    """(architecture, model_type) of a MoE model: qk-norm is Qwen3-MoE's, else Mixtral's."""
+def architecture(model_cfg: ModelConfig, moe: MoEConfig) -> tuple[str, str]:
+    """(architecture, model_type) of a MoE model: qk-norm is Qwen3-MoE's, a shared expert
+    Qwen2-MoE's, the rest Mixtral's."""
     if model_cfg.qk_layernorm:
         return "Qwen3MoeForCausalLM", "qwen3_moe"
+    if moe.moe_shared_expert_intermediate_size:
+        return "Qwen2MoeForCausalLM", "qwen2_moe"
     return "MixtralForCausalLM", "mixtral"
 
 
 def check_exportable(model_cfg: ModelConfig, moe: MoEConfig) -> None:
     """Refuses, naming the first flag, a MoE model that neither class computes."""
-    name = architecture(model_cfg)[0]
+    name = architecture(model_cfg, moe)[0]
     scaling = moe.moe_router_topk_scaling_factor
     refused = [
         (moe.moe_router_score_function != "softmax",
@@ -70,9 +85,12 @@ def check_exportable(model_cfg: ModelConfig, moe: MoEConfig) -> None:
         (scaling not in (None, 1.0), f"--moe-router-topk-scaling-factor {scaling}"),
         (moe.moe_expert_capacity_factor is not None,
          f"--moe-expert-capacity-factor {moe.moe_expert_capacity_factor}"),
-        (bool(moe.moe_shared_expert_intermediate_size),
+        (bool(moe.moe_shared_expert_intermediate_size) and not moe.moe_shared_expert_gate,
          f"--moe-shared-expert-intermediate-size {moe.moe_shared_expert_intermediate_size} "
-         "(Hugging Face's shared experts, Qwen2-MoE's, are sigmoid-gated; ours is not)"),
+         "without --moe-shared-expert-gate (Qwen2-MoE's shared expert is sigmoid-gated)"),
+        (bool(moe.moe_shared_expert_intermediate_size) and model_cfg.qk_layernorm,
+         "--moe-shared-expert-intermediate-size with --qk-layernorm (Qwen3-MoE has no shared "
+         "expert; Qwen2-MoE, which has, no qk-norm)"),
     ]
     if name == "MixtralForCausalLM":
         refused += [
@@ -107,23 +125,34 @@ def hf_config(model_cfg: ModelConfig, moe: MoEConfig) -> dict:
     ffn = moe.moe_ffn_hidden_size or model_cfg.ffn_hidden_size
     common = {"num_experts_per_tok": moe.moe_router_topk, "output_router_logits": False,
               "router_aux_loss_coef": moe.moe_aux_loss_coeff}
-    if architecture(model_cfg)[1] == "mixtral":
+    model_type = architecture(model_cfg, moe)[1]
+    if model_type == "mixtral":
         return {**common, "num_local_experts": moe.num_experts, "intermediate_size": ffn,
                 "sliding_window": None, "router_jitter_noise": 0.0}
     dense = [i for i, on in enumerate(moe_layers(model_cfg, moe)) if not on]
-    return {**common, "num_experts": moe.num_experts, "moe_intermediate_size": ffn,
-            "intermediate_size": model_cfg.ffn_hidden_size, "decoder_sparse_step": 1,
-            "mlp_only_layers": dense, "norm_topk_prob": not moe.moe_router_pre_softmax}
+    out = {**common, "num_experts": moe.num_experts, "moe_intermediate_size": ffn,
+           "intermediate_size": model_cfg.ffn_hidden_size, "decoder_sparse_step": 1,
+           "mlp_only_layers": dense, "norm_topk_prob": not moe.moe_router_pre_softmax}
+    if model_type == "qwen2_moe":
+        out |= {"shared_expert_intermediate_size": moe.moe_shared_expert_intermediate_size,
+                "qkv_bias": model_cfg.add_qkv_bias}
+    return out
 
 
 def to_hf(prefix: str, rest: str, w: Tensor, model_cfg: ModelConfig, moe: MoEConfig
           ) -> dict[str, Tensor]:
     """One of our MoE weights (`rest` in MOE_WEIGHTS) of layer `prefix` as per-expert
     Hugging Face tensors."""
-    block, gate_name, up_name, down_name = _EXPERT_NAMES[architecture(model_cfg)[1]]
+    block, gate_name, up_name, down_name = _EXPERT_NAMES[architecture(model_cfg, moe)[1]]
     base = f"{prefix}{block}."
     if rest == "mlp.router.weight":
         return {base + "gate.weight": w}
+    if rest in _SHARED_NAMES:
+        return {prefix + _SHARED_NAMES[rest]: w}
+    if rest == "mlp.shared.gate_up.weight":
+        gate, up = w.chunk(2)
+        return {prefix + "mlp.shared_expert.gate_proj.weight": gate,
+                prefix + "mlp.shared_expert.up_proj.weight": up}
     experts, h = moe.num_experts, model_cfg.hidden_size
     if rest == "mlp.down":
         return {base + f"experts.{e}.{down_name}.weight": d
@@ -158,13 +187,22 @@ def from_hf(hf: dict[str, Tensor], prefix: str, ours: str, model_type: str, expe
         except KeyError as e:
             raise CheckpointError(f"the Hugging Face weights lack {e.args[0]} (a {model_type} "
                                   f"MoE layer with {experts} experts)") from None
-    return {ours + "mlp.gate_up": gate_up, ours + "mlp.down": down,
-            ours + "mlp.router.weight": router}
+    out = {ours + "mlp.gate_up": gate_up, ours + "mlp.down": down,
+           ours + "mlp.router.weight": router}
+    if model_type == "qwen2_moe":
+        try:
+            out |= {ours + name: hf[prefix + theirs] for name, theirs in _SHARED_NAMES.items()}
+            out[ours + "mlp.shared.gate_up.weight"] = torch.cat(
+                [hf[prefix + f"mlp.shared_expert.{x}_proj.weight"] for x in ("gate", "up")])
+        except KeyError as e:
+            raise CheckpointError(f"the Hugging Face weights lack {e.args[0]} (a qwen2_moe "
+                                  "layer's shared expert)") from None
+    return out
 
 
 def model_fields_from_hf(config: dict) -> tuple[dict, MoEConfig]:
-    """(ModelConfig fields that differ from the dense reading, our MoEConfig) of a Mixtral or
-    Qwen3-MoE config.json."""
+    """(ModelConfig fields that differ from the dense reading, our MoEConfig) of a Mixtral,
+    Qwen3-MoE or Qwen2-MoE config.json."""
     model_type, layers = config["model_type"], config["num_hidden_layers"]
     # the published configs' names; transformers 5 saves both classes' as num_local_experts
     experts = config.get("num_local_experts", config.get("num_experts"))
@@ -188,4 +226,8 @@ def model_fields_from_hf(config: dict) -> tuple[dict, MoEConfig]:
                     moe_layer_freq=freq,
                     moe_router_pre_softmax=not config.get("norm_topk_prob", False),
                     moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.0))
+    if model_type == "qwen2_moe":  # its shared expert is always there, always gated
+        moe = replace(moe, moe_shared_expert_intermediate_size=config[
+            "shared_expert_intermediate_size"], moe_shared_expert_gate=True)
+        return {"qk_layernorm": False, "add_qkv_bias": config.get("qkv_bias", True)}, moe
     return {"qk_layernorm": True}, moe

@@ -65,14 +65,18 @@ def moe_parameters(model: ModelConfig, moe: MoEConfig, layer: int) -> list[Param
     """A MoE layer's MLP parameters (layers/moe.py), in `named_parameters` order: the E experts
     stacked, gate|up [E·2f, h] (expert e's gate rows then its up rows, each cut over TP on its
     own) and down [E·h, f] (input columns split), the router [E, h] (replicated), then the
-    shared expert's fused gate|up and down when --moe-shared-expert-intermediate-size is set.
+    shared expert's fused gate|up and down when --moe-shared-expert-intermediate-size is set
+    (with --moe-shared-expert-gate its gate [1, h], replicated, before the router: the
+    module's own parameters come before its children's).
     Shapes are those of EP=1: an EP rank holds E/ep of the experts' rows."""
     h, e = model.hidden_size, moe.num_experts or 0
     f = moe.moe_ffn_hidden_size or model.ffn_hidden_size
     p = f"layers.{layer}.mlp."
     out = [Param(p + "gate_up", (e * 2 * f, h), 0, (f,) * (2 * e), expert=True),
-           Param(p + "down", (e * h, f), 1, expert=True),
-           Param(p + "router.weight", (e, h), matmul=True)]
+           Param(p + "down", (e * h, f), 1, expert=True)]
+    if moe.moe_shared_expert_gate:
+        out.append(Param(p + "shared_gate", (1, h), matmul=True))
+    out.append(Param(p + "router.weight", (e, h), matmul=True))
     shared = moe.moe_shared_expert_intermediate_size
     if shared:
         out += [Param(p + "shared.gate_up.weight", (2 * shared, h), 0, (shared, shared),

@@ -161,6 +161,14 @@ class MoE(nn.Module):
         width = moe.moe_shared_expert_intermediate_size
         self.shared = (SwiGLUMLP(cfg, ctx, width, f"layers.{layer}.mlp.shared") if width
                        else None)
+        self.shared_gate = None
+        if moe.moe_shared_expert_gate:  # [1, h], whole on every TP rank, like the router
+            self.shared_gate = tags.mark_replicated(nn.Parameter(init_shard(
+                (1, hidden), None, std=cfg.init_method_std, seed=ctx.seed, tp_size=1,
+                tp_rank=0, name=f"layers.{layer}.mlp.shared_gate", device=ctx.device,
+                dtype=ctx.dtype)))
+            if ctx.sequence_parallel:  # each TP rank's tokens: a partial gradient
+                tags.mark_sequence_parallel_grad(self.shared_gate)
 
     def _expert_weights(self, cfg: ModelConfig, ffn: int, ctx: LayerContext
                         ) -> tuple[nn.Parameter, nn.Parameter]:
@@ -208,7 +216,10 @@ class MoE(nn.Module):
         out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
                else comms.reduce_from_region(out, group))
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:  # sigmoid(x . g) per token
+                shared = shared * torch.sigmoid(x @ self.shared_gate.t())
+            out = out + shared
         return out
 
 

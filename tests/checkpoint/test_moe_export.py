@@ -1,5 +1,5 @@
-"""HF export/import of mixture-of-experts models: `MixtralForCausalLM` and
-`Qwen3MoeForCausalLM` (megatron_lite/export_moe.py).
+"""HF export/import of mixture-of-experts models: `MixtralForCausalLM`, `Qwen3MoeForCausalLM`
+and `Qwen2MoeForCausalLM` (megatron_lite/export_moe.py).
 
 Each import case starts from a random transformers model (every weight redrawn, the router
 included), imports it, compares our logits with transformers' (fp32, max difference <= 1e-4, as
@@ -55,6 +55,13 @@ CASES = {
                                "num_experts": 4, "norm_topk_prob": False,
                                "decoder_sparse_step": 2},
                               {"moe_router_pre_softmax": True, "moe_layer_freq": "[0,1]"}),
+    # a sigmoid-gated shared expert = --moe-shared-expert-gate; q/k/v biases; layer 1 dense
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  {"intermediate_size": 48, "moe_intermediate_size": 16, "num_experts": 4,
+                   "shared_expert_intermediate_size": 24, "norm_topk_prob": True,
+                   "qkv_bias": True, "mlp_only_layers": [1]},
+                  {"moe_shared_expert_intermediate_size": 24, "moe_shared_expert_gate": True,
+                   "moe_router_pre_softmax": False, "moe_layer_freq": "[1,0]"}),
 }
 TOKENS = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(0))
 
@@ -90,7 +97,8 @@ def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
     for flag, value in CASES[case][3].items():
         assert getattr(moe, flag) == value, flag
     cfg, chunk = load_model(ckpt)
-    assert cfg.qk_layernorm == (case != "mixtral")
+    assert cfg.qk_layernorm == case.startswith("qwen3")
+    assert cfg.add_qkv_bias == (case == "qwen2-moe")
     ours = model_logits(chunk, TOKENS, cfg.vocab_size)
     diff = _max_diff(ours, theirs)
     print(f"{case}: max |logit difference| ours vs transformers {diff:.1e}")
@@ -100,7 +108,7 @@ def test_transformers_round_trip(tmp_path: Path, case: str) -> None:
     for i, sparse in enumerate(export_moe.moe_layers(cfg, moe)):
         if sparse:
             prefix, ours_prefix = f"model.layers.{i}.", f"layers.{i}."
-            model_type = export_moe.architecture(cfg)[1]
+            model_type = export_moe.architecture(cfg, moe)[1]
             a = export_moe.from_hf(fused, prefix, ours_prefix, model_type, 4)
             b = export_moe.from_hf(read_safetensors_dir(hf_in), prefix, ours_prefix,
                                    model_type, 4)
@@ -151,8 +159,6 @@ REFUSED = {
                                          "moe_router_group_topk": 1}),
     "--moe-router-topk-scaling-factor 2.5": (BASE, {"moe_router_topk_scaling_factor": 2.5}),
     "--moe-expert-capacity-factor 1.0": (BASE, {"moe_expert_capacity_factor": 1.0}),
-    "--moe-shared-expert-intermediate-size 8": (
-        BASE, {"moe_shared_expert_intermediate_size": 8}),
     "--moe-router-pre-softmax": (BASE, {"moe_router_pre_softmax": True}),
     "--add-qkv-bias": (replace(BASE, add_qkv_bias=True), {}),
     "--moe-layer-freq 2": (BASE, {"moe_layer_freq": "2"}),
@@ -166,6 +172,10 @@ def test_refused_routings_name_their_flag() -> None:
         moe = MoEConfig(num_experts=4, **fields)
         with pytest.raises(ConfigError, match=f"^{re.escape(flag)}.*MixtralForCausalLM"):
             export_moe.check_exportable(model, moe)
+    ungated = MoEConfig(num_experts=4, moe_shared_expert_intermediate_size=8)
+    with pytest.raises(ConfigError, match=r"^--moe-shared-expert-intermediate-size 8 without "
+                                          r"--moe-shared-expert-gate.*Qwen2MoeForCausalLM"):
+        export_moe.check_exportable(BASE, ungated)
     qwen3 = replace(BASE, qk_layernorm=True)
     export_moe.check_exportable(qwen3, MoEConfig(num_experts=4, moe_router_pre_softmax=True,
                                                  moe_layer_freq="2"))

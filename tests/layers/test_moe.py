@@ -30,6 +30,7 @@ VARIANTS = {
                                   moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
                                   moe_router_enable_expert_bias=True),
     "shared": dict(moe_shared_expert_intermediate_size=8),
+    "shared-gated": dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True),
     "capacity-probs": dict(moe_expert_capacity_factor=0.5),
     "capacity-position-padded": dict(moe_expert_capacity_factor=0.75,
                                      moe_token_drop_policy="position",
@@ -103,7 +104,10 @@ def _reference(layer: MoE, x: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
             out[t] += w * (layer.down[H * e:H * (e + 1)] @ (F.silu(gate) * up))
     if layer.shared is not None:
         gate, up = (layer.shared.gate_up.weight @ flat.t()).chunk(2, dim=0)
-        out += (layer.shared.down.weight @ (F.silu(gate) * up)).t()
+        shared = (layer.shared.down.weight @ (F.silu(gate) * up)).t()
+        if moe.moe_shared_expert_gate:  # sigmoid(x . g), one scalar per token
+            shared = shared / (1 + torch.exp(-(flat * layer.shared_gate[0]).sum(-1, True)))
+        out += shared
     return out.view_as(x)
 
 

@@ -23,14 +23,16 @@ from tests.distributed import relayout, run_ranks
 from tests.numerics import EXACT, assert_close
 
 # Layer 0 dense, layers 1-3 MoE; sigmoid routing with a fast-moving expert bias (so that it
-# changes routing within the run), aux and z losses, a shared expert, 4 experts of width 16.
+# changes routing within the run), aux and z losses, a gated shared expert, 4 experts of
+# width 16.
 FLAGS = ["--mock-data", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads",
          "2", "--ffn-hidden-size", "32", "--seq-length", "8", "--vocab-size", "61",
          "--make-vocab-size-divisible-by", "4", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--lr", "1e-2", "--train-iters", "4", "--eval-iters", "0",
          "--peak-tflops", "1", "--fp64", "--log-interval", "1", "--num-experts", "4",
          "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size", "16",
-         "--moe-shared-expert-intermediate-size", "8", "--moe-router-score-function",
+         "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-gate",
+         "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
          "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
 TERMS = ("loss", "grad_norm", "load_balancing_loss", "z_loss", "moe_load_imbalance")
