@@ -1119,6 +1119,9 @@ class MoEConfig:
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output per token by sigmoid(x . g), g a learned [h] vector
     (Qwen2-MoE's shared_expert_gate); needs --moe-shared-expert-intermediate-size."""
+    moe_shared_expert_overlap: bool = False
+    """Compute the shared expert while the alltoall dispatcher's token exchange is in flight
+    (otherwise after the routed experts); the same numbers either way."""
     moe_expert_capacity_factor: float | None = None
     """Capacity of each expert as this factor x tokens x top-k / experts (rounded up); tokens
     over it are dropped (their routed output is zero). None = dropless."""
@@ -1240,6 +1243,11 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
     if moe.moe_shared_expert_gate and not moe.moe_shared_expert_intermediate_size:
         errors.append("--moe-shared-expert-gate gates the shared expert: it needs "
                       "--moe-shared-expert-intermediate-size")
+    if moe.moe_shared_expert_overlap and (not moe.moe_shared_expert_intermediate_size
+                                          or moe.moe_token_dispatcher_type != "alltoall"):
+        errors.append("--moe-shared-expert-overlap overlaps the shared expert with the token "
+                      "all-to-all: it needs --moe-shared-expert-intermediate-size and "
+                      "--moe-token-dispatcher-type alltoall")
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     return errors

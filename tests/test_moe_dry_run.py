@@ -162,3 +162,22 @@ def test_zero3_moe_peak_is_the_planners(ep: int) -> None:
                         "--global-batch-size", "4", "--bf16", "--dry-run"])
     r = run_rank(cfg, 4, 0, time_host=False)
     assert 0.85 <= r.activation_bytes / r.planner_activation_bytes <= 1.3
+
+
+def test_shared_expert_overlap_dry_runs_with_its_collectives_matched() -> None:
+    """EP2 x TP2 + SP with --moe-shared-expert-overlap: the token all-to-all is posted, the
+    shared expert's own TP all-gather runs while it is in flight, then it is waited for;
+    every rank posts them in that order, so the four ranks' collectives match."""
+    cfg = parse_config([*TINY_MOE, "--moe-token-dispatcher-type", "alltoall",
+                        "--moe-shared-expert-intermediate-size", "64",
+                        "--moe-shared-expert-gate", "--moe-shared-expert-overlap",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--global-batch-size", "2", "--dry-run"])
+    results = {r: run_rank(cfg, 4, r, time_host=False) for r in range(4)}
+    assert match({r: res.ops for r, res in results.items()}) is None
+    ops = [(op.op, op.group) for op in results[0].ops]
+    first = ops.index(("all_to_all", (0, 2)))  # the counts, then the rows (EP group {0, 2})
+    # the shared expert's SP gather (TP group {0, 1}) before the combine's all-to-all; without
+    # the overlap the combine comes straight after the rows
+    assert ops[first + 1:first + 4] == [("all_to_all", (0, 2)), ("all_gather", (0, 1)),
+                                        ("reduce_scatter", (0, 1))]

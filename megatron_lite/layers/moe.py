@@ -32,7 +32,7 @@ balanced-load shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -161,6 +161,7 @@ class MoE(nn.Module):
         width = moe.moe_shared_expert_intermediate_size
         self.shared = (SwiGLUMLP(cfg, ctx, width, f"layers.{layer}.mlp.shared") if width
                        else None)
+        self.overlap_shared = moe.moe_shared_expert_overlap
         self.shared_gate = None
         if moe.moe_shared_expert_gate:  # [1, h], whole on every TP rank, like the router
             self.shared_gate = tags.mark_replicated(nn.Parameter(init_shard(
@@ -211,28 +212,39 @@ class MoE(nn.Module):
         else:
             tokens, probs = comms.copy_to_region(x, group), comms.copy_to_region(probs, group)
         full = tokens.shape[0]
-        out = self._dispatch(tokens.reshape(full * b, h), probs.reshape(full * b, -1).to(x.dtype),
-                             routing_map.reshape(full * b, -1)).view(full, b, h)
+        during = (lambda: self._shared_output(x)) if self.overlap_shared else None
+        out, shared = self._dispatch(tokens.reshape(full * b, h),
+                                     probs.reshape(full * b, -1).to(x.dtype),
+                                     routing_map.reshape(full * b, -1), during)
+        out = out.view(full, b, h)
         out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
                else comms.reduce_from_region(out, group))
         if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:  # sigmoid(x . g) per token
-                shared = shared * torch.sigmoid(x @ self.shared_gate.t())
-            out = out + shared
+            out = out + (shared if shared is not None else self._shared_output(x))
         return out
 
+    def _shared_output(self, x: Tensor) -> Tensor:
+        """The shared expert on x, scaled by sigmoid(x . g) per token when gated."""
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = shared * torch.sigmoid(x @ self.shared_gate.t())
+        return shared
 
-    def _dispatch(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+
+    def _dispatch(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
+                  during: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """The experts' summed output for every row of `tokens` [N, h] (a partial sum over TP),
-        this rank's experts run here and the others' on their EP ranks."""
+        this rank's experts run here and the others' on their EP ranks; and what `during`
+        (the shared expert under --moe-shared-expert-overlap) returned, computed while the
+        alltoall dispatcher's tokens are on their way (run first without one)."""
+        if self.dispatcher == "alltoall" and comms.group_size(self.ep_group) > 1:
+            return self._all_to_all(tokens, probs, routing_map, during)
+        extra = during() if during is not None else None
         if comms.group_size(self.ep_group) == 1:
             return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
                                    use_triton=self.use_triton, pairs_per_token=self.topk,
-                                   fp8=self.fp8, tp_group=self.tp_group)
-        if self.dispatcher == "alltoall":
-            return self._all_to_all(tokens, probs, routing_map)
-        return self._all_gather(tokens, probs, routing_map)
+                                   fp8=self.fp8, tp_group=self.tp_group), extra
+        return self._all_gather(tokens, probs, routing_map), extra
 
     def _local(self, x: Tensor) -> Tensor:
         """The columns of this rank's experts in a [N, E] table."""
@@ -253,7 +265,8 @@ class MoE(nn.Module):
                               fp8=self.fp8, tp_group=self.tp_group)
         return comms.reduce_scatter_to_sequence_region(out, group)
 
-    def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor) -> Tensor:
+    def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
+                    during: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """alltoall dispatcher: each (token, expert) pair goes only to its expert's EP rank.
 
         Pairs sorted by global expert are already grouped by destination rank; the per-expert
@@ -266,7 +279,13 @@ class MoE(nn.Module):
         counts = routing_map.sum(0).view(ep, local)
         received = comms.all_to_all_counts(counts, group)  # [source rank, local expert]
         send, recv = self._splits(counts, received, token_ids.numel())
-        rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group)
+        extra = None
+        if during is None:
+            rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group)
+        else:  # the shared expert runs while the rows travel
+            rows, pending = comms.start_all_to_all_rows(tokens[token_ids], send, recv, group)
+            extra = during()
+            rows = pending.wait(rows)
         order = self._by_local_expert(received, rows)
         gate_up, down = self.expert_weights()
         per_expert = received.sum(0)
@@ -274,7 +293,7 @@ class MoE(nn.Module):
                              self.fp8, self.tp_group)
         back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add(0, token_ids, back)
+        return torch.zeros_like(tokens).index_add(0, token_ids, back), extra
 
 
     def _splits(self, counts: Tensor, received: Tensor, pairs: int

@@ -170,6 +170,61 @@ def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group) -
     return x if group_size(group) == 1 else _AllToAll.apply(x, send, recv, group)
 
 
+class PendingRows:
+    """An all-to-all started by `start_all_to_all_rows`: its result may be read only after
+    `wait` (the rows it sends are kept alive until then)."""
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+        self.sent: Tensor | None = None
+
+    def wait(self, rows: Tensor) -> Tensor:
+        """`rows` (the started exchange's output), usable from here on."""
+        return _WaitRows.apply(rows, self) if self.work is not None else rows
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """`_AllToAll` issued asynchronously; the backward exchange is a blocking one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: Group,
+                pending: PendingRows) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        pending.sent = x.contiguous()
+        pending.work = dist.all_to_all_single(out, pending.sent, recv, send, group=group,
+                                              async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+
+
+class _WaitRows(torch.autograd.Function):
+    """Identity that first waits for the pending exchange writing its input."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, pending: PendingRows) -> Tensor:
+        pending.work.wait()
+        pending.work = pending.sent = None
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def start_all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group
+                          ) -> tuple[Tensor, PendingRows]:
+    """`all_to_all_rows` started, not finished: compute what does not need its result, then
+    `pending.wait(rows)` (MoE's shared-expert overlap)."""
+    pending = PendingRows()
+    if group_size(group) == 1:
+        return x, pending
+    return _StartAllToAll.apply(x, send, recv, group, pending), pending
+
+
 def all_to_all_counts(counts: Tensor, group: Group) -> Tensor:
     """Non-differentiable all-to-all of a [n, k] table: row i goes to rank i; row j of the
     result came from rank j (the per-expert token counts an all-to-all dispatch needs)."""

@@ -1,8 +1,8 @@
 """Expert parallelism equals one process in float64: EP2 (allgather and alltoall dispatch,
-and alltoall under full recomputation),
-and over 10 steps EP4, EP2 x TP2 + SP, EP2 x CP2, EP2 x PP2 (interleaved), EP2 with ZeRO-1
-and ZeRO-3 over expert-DP 2, with the weights' norm, per iteration of loss,
-gradient norm, router losses and load imbalance."""
+and alltoall under full recomputation and with --moe-shared-expert-overlap),
+and over 10 steps EP4, EP2 x TP2 + SP (the shared expert overlapped), EP2 x CP2, EP2 x PP2
+(interleaved), EP2 with ZeRO-1 and ZeRO-3 over expert-DP 2, with the weights' norm, per
+iteration of loss, gradient norm, router losses and load imbalance."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
 """Each layer's forward, all-to-alls and router included, rerun in backward: the router
 losses must reach the gradients once and the statistics be counted once."""
 # 4 ranks: (name, tp, cp, pp, extra flags); EP2 folds over the DP x CP = 4 / (tp pp) replicas
-LAYOUTS4 = {"ep2-tp2-sp-alltoall": (2, 1, 1, ["--tensor-model-parallel-size", "2",
-                                              "--sequence-parallel", *ALLTOALL]),
+OVERLAP = ["--moe-shared-expert-overlap"]
+"""The shared expert (its TP all-gather included under SP) runs during the token all-to-all."""
+LAYOUTS4 = {"ep2-tp2-sp-alltoall-overlap": (2, 1, 1, ["--tensor-model-parallel-size", "2",
+                                                      "--sequence-parallel", *ALLTOALL,
+                                                      *OVERLAP]),
             "ep2-cp2-alltoall": (1, 2, 1, ["--context-parallel-size", "2", *ALLTOALL]),
             "ep2-pp2-interleaved": (1, 1, 2, ["--pipeline-model-parallel-size", "2",
                                               "--num-layers-per-virtual-pipeline-stage", "1"]),
@@ -58,7 +61,8 @@ def _two_ranks(world: ParallelState, tmp: str) -> dict[str, dict[str, list[float
     pstate = relayout(world, cfg)
     return {name: _run(pstate, [*FLAGS, *EP2, *flags], Path(tmp) / f"{name}-{world.rank}.jsonl")
             for name, flags in (("ep2-allgather", []), ("ep2-alltoall", ALLTOALL),
-                                ("ep2-alltoall-full-recompute", [*ALLTOALL, *FULL_RECOMPUTE]))}
+                                ("ep2-alltoall-full-recompute", [*ALLTOALL, *FULL_RECOMPUTE]),
+                                ("ep2-alltoall-overlap", [*ALLTOALL, *OVERLAP]))}
 
 
 def _check(got: dict[str, dict[str, list[float]]], ref: dict[str, list[float]]) -> None:
