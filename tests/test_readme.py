@@ -56,6 +56,7 @@ COMMANDS: dict[str, Cheap] = {
     # CI runs `bash scripts/demo.sh --quick` itself, after the suite.
     "bash scripts/demo.sh": Cheap("usage: bash scripts/demo.sh", "--help"),
     "DEMO_ITERS=300 bash scripts/demo.sh --bf16": Cheap("usage: bash scripts/demo.sh", "--help"),
+    "bash scripts/demo.sh --moe": Cheap("usage: bash scripts/demo.sh", "--help"),
     # .venv set-up (a no-op unless the requirements changed), then pytest's --help.
     "bash scripts/test.sh": Cheap("usage: python -m pytest", "--help"),
     "bash scripts/test.sh --quick": Cheap("usage: python -m pytest", "--help"),
