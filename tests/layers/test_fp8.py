@@ -104,9 +104,10 @@ def test_hybrid_training_tracks_bf16() -> None:
     assert hybrid != bf16 and delayed != hybrid  # the FP8 paths ran, and differ
 
 
-def _fp8_config(tp: int):
+def _fp8_config(tp: int, recipe: str = "tensorwise"):
+    """fp32 + FP8 hybrid under `recipe`, with SP at TP > 1."""
     cfg = make_config(tp=tp, fp64=False, sequence_parallel=tp > 1)
-    cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", "tensorwise"
+    cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", recipe
     return cfg
 
 

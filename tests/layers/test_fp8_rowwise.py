@@ -9,13 +9,13 @@ import torch
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import ConfigError, validate
-from megatron_lite.layers.fp8 import Fp8Groups, Fp8RowwiseLinear
+from megatron_lite.layers.fp8 import Fp8Groups, Fp8RowwiseLinear, fp8_matmul
 from megatron_lite.memory import measure_saved_bytes
 from megatron_lite.parallel.state import ParallelState, single_process_state
 from megatron_lite.planner import estimate_memory
 from megatron_lite.training import build_model
 from tests.distributed import run_ranks
-from tests.layers.test_fp8 import _train_fixed_batch
+from tests.layers.test_fp8 import _fp8_config, _train_fixed_batch
 from tests.numerics import assert_all_close
 from tests.optim.common import full_params, make_config, train_ours
 
@@ -62,20 +62,13 @@ def test_each_gemm_within_what_rowwise_e4m3_implies() -> None:
         bound = _gemm_bound(a.detach(), a_dim, b.detach(), b_dim)
         assert (err <= bound).all(), (err / bound).max()
         assert 0.05 < (err / bound).max() < 1  # FP8's error, not bf16's alone
-    from megatron_lite.layers.fp8 import fp8_matmul
     tensorwise = fp8_matmul(x.detach(), w.detach().t()).double()
     exact = x.detach().double() @ w.detach().t().double()
     assert ((tensorwise - exact).abs() > _gemm_bound(x.detach(), 1, w.detach().t(), 0)).any()
 
 
-def _config(tp: int):
-    cfg = make_config(tp=tp, fp64=False, sequence_parallel=tp > 1)
-    cfg.train.fp8_format, cfg.train.fp8_recipe = "hybrid", "rowwise"
-    return cfg
-
-
 def _tp2(pstate: ParallelState) -> dict:
-    return train_ours(pstate, _config(2), 3)
+    return train_ours(pstate, _fp8_config(2, "rowwise"), 3)
 
 
 def test_tp2_sp_rowwise_equals_one_process(tmp_path) -> None:
@@ -85,7 +78,7 @@ def test_tp2_sp_rowwise_equals_one_process(tmp_path) -> None:
     relative per weight, as the tensorwise test does. Planted: dropping the reductions makes
     the weights differ by far more."""
     ranks = run_ranks(_tp2, 2, tmp_path, tp=2)
-    ref = train_ours(single_process_state(), _config(1), 3)
+    ref = train_ours(single_process_state(), _fp8_config(1, "rowwise"), 3)
     assert_all_close(full_params(ranks, tp=2), ref["params"], 5e-3)
 
 
