@@ -1163,10 +1163,14 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias update: bias += rate x sign(mean load - expert load)."""
     expert_model_parallel_size: int = 1
-    """Expert parallelism: the routed experts split over this many ranks, carved out of the
-    DP x CP replicas (Megatron's MoE parallel folding); must divide --num-experts and DP x CP."""
+    """Expert parallelism: the routed experts split over this many ranks, carved out of a
+    pipeline stage's TP x DP x CP ranks with the expert-TP ranks innermost (Megatron's MoE
+    parallel folding); EP x expert-TP must divide them, EP --num-experts."""
     expert_tensor_parallel_size: int | None = None
-    """TP size of the experts; only --tensor-model-parallel-size (the default) for now."""
+    """TP size of the experts (default --tensor-model-parallel-size): each expert's weights
+    split over this many consecutive TP ranks; a divisor of TP, and below TP it needs
+    --sequence-parallel (each TP rank then routes its own tokens; 1 = whole experts, their
+    tokens reaching them over EP instead of TP)."""
     moe_token_dispatcher_type: str = field(
         default="allgather", metadata={"choices": ["allgather", "alltoall"]})
     """How tokens reach the experts of other EP ranks: allgather (every EP rank receives all
@@ -1223,10 +1227,15 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
                     "--num-experts (a dense model has no experts to split)"]
         return []
     errors = _expert_parallel_errors(cfg, world_size)
-    if moe.expert_tensor_parallel_size not in (None, tp):
-        errors.append(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: the "
-                      f"experts are split like the dense MLP, over --tensor-model-parallel-"
-                      f"size {tp}; drop the flag or pass {tp}")
+    etp = moe.expert_tensor_parallel_size or tp
+    if tp % etp:
+        errors.append(f"--expert-tensor-parallel-size {etp} does not divide "
+                      f"--tensor-model-parallel-size {tp}: the experts are split over "
+                      "consecutive TP ranks (a larger expert TP than TP is not implemented)")
+    elif etp < tp and not cfg.parallel.sequence_parallel:
+        errors.append(f"--expert-tensor-parallel-size {etp} below --tensor-model-parallel-size "
+                      f"{tp} needs --sequence-parallel: without it every TP rank holds the "
+                      "same tokens, which the experts would count once per rank")
     try:
         pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
         if not any(pattern):
@@ -1254,21 +1263,24 @@ def moe_errors(cfg: Config, world_size: int = 1) -> list[str]:
 
 
 def _expert_parallel_errors(cfg: Config, world_size: int) -> list[str]:
-    """--expert-model-parallel-size must split the experts and the DP x CP replicas evenly."""
+    """--expert-model-parallel-size must split the experts, and EP x expert-TP a pipeline
+    stage's ranks, evenly."""
     ep, experts = cfg.moe.expert_model_parallel_size, cfg.moe.num_experts
-    if ep == 1:
-        return []
     par = cfg.parallel
-    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-    replicas = world_size // model_parallel if world_size % model_parallel == 0 else 0
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    etp = cfg.moe.expert_tensor_parallel_size or tp
+    if ep == 1 and etp == tp:
+        return []
+    stage = world_size // pp if world_size % (tp * pp) == 0 else 0
     errors = []
     if experts % ep:
         errors.append(f"--expert-model-parallel-size {ep} does not divide --num-experts "
                       f"{experts}; pick a divisor of the experts")
-    if replicas and replicas % ep:
-        errors.append(f"--expert-model-parallel-size {ep} does not divide the {replicas} "
-                      "data x context parallel replicas it is carved out of (world size / "
-                      "(TP x PP)); launch a multiple of EP x TP x PP ranks")
+    if stage and stage % (ep * etp):
+        errors.append(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size "
+                      f"{etp} does not divide the {stage} ranks of a pipeline stage it is "
+                      "carved out of (world size / PP); launch a multiple of EP x expert-TP "
+                      "x PP ranks")
     return errors
 
 

@@ -592,7 +592,7 @@ def _group_lists(cfg: Config, world_size: int) -> dict[str, list[list[int]]]:
     p = cfg.parallel
     return parallel_state.group_lists(parallel_state.rank_grid(
         world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-        p.context_parallel_size), cfg.moe.expert_model_parallel_size)
+        p.context_parallel_size), *parallel_state.expert_sizes(cfg))
 
 
 def group_creations_line(r: RankResult) -> str:

@@ -271,7 +271,7 @@ def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
     """(change to the dense parameters, routed-expert parameters) on one rank of a stage
     holding `layer_ids`: each MoE layer trades the dense MLP for the router and the shared
     expert (TP-split like the dense MLP, the router whole), and holds E/ep experts, each
-    TP-split (structure.moe_parameters)."""
+    split over expert TP (structure.moe_parameters)."""
     pattern = moe_layer_pattern(moe.moe_layer_freq, model.num_layers)
     on = sum(pattern[i] for i in layer_ids)
     if not on:
@@ -279,24 +279,30 @@ def moe_stage_params(model: ModelConfig, moe: MoEConfig, tp: int, ep: int,
     first = pattern.index(True)
     dense = sum(p.local_numel(tp) for p in structure.layer_parameters(model, first))
     mixed = structure.layer_parameters(model, first, moe)
-    routed = sum(p.local_numel(tp, ep) for p in mixed if p.expert)
+    routed = sum(p.local_numel(expert_tp(moe, tp), ep) for p in mixed if p.expert)
     rest = sum(p.local_numel(tp) for p in mixed if not p.expert)
     return on * (rest - dense), on * routed
+
+
+def expert_tp(moe: MoEConfig, tp: int) -> int:
+    """The expert-TP size: --expert-tensor-parallel-size, else the TP size."""
+    return moe.expert_tensor_parallel_size or tp
 
 
 def moe_saved_bytes(model: ModelConfig, moe: MoEConfig, a: ActivationSetup,
                     moe_layers: int, ep: int = 1) -> float:
     """Saved-for-backward bytes that `moe_layers` MoE layers add to one micro-batch beyond
-    dense MLPs. Every TP rank routes all T = b·s/cp tokens (under SP gathered over TP), so
-    with an even load its experts see T·k rows and keep: the rows entering the grouped GEMM,
-    the weighted outputs and the combine's input (3 x h), the SwiGLU's gate|up and the down
-    projection's input (3 x f/t); the shared expert keeps its own 3 x f_s/t per token; the
-    dense MLP's 3 x f/t per token is not there. Router logits (E per token) are neglected."""
-    e = 2 if a.bf16 else 4
+    dense MLPs. Every expert-TP rank routes T·e/t of the T = b·s/cp tokens (under SP
+    gathered over its e expert-TP ranks), so with an even load its experts see T·k·e/t rows
+    and keep: the rows entering the grouped GEMM, the weighted outputs and the combine's
+    input (3 x h), the SwiGLU's gate|up and the down projection's input (3 x f/e); the
+    shared expert keeps its own 3 x f_s/t per token; the dense MLP's 3 x f/t per token is
+    not there. Router logits (E per token) are neglected."""
+    e, etp = 2 if a.bf16 else 4, expert_tp(moe, a.tp)
     tokens = local_seq(model, a) * a.micro_batch
-    h, f = model.hidden_size, (moe.moe_ffn_hidden_size or model.ffn_hidden_size) // a.tp
+    h, f = model.hidden_size, (moe.moe_ffn_hidden_size or model.ffn_hidden_size) // etp
     shared = 3 * (moe.moe_shared_expert_intermediate_size or 0) // a.tp
-    routed = moe.moe_router_topk * (3 * h + 3 * f)
+    routed = moe.moe_router_topk * (3 * h + 3 * f) * etp / a.tp
     plain = moe_layers * e * tokens * (routed + shared - 3 * model.ffn_hidden_size // a.tp)
     return plain + (moe_layers * _moe_fp8_delta(model, moe, a, ep) if a.fp8 else 0.0)
 
@@ -316,8 +322,9 @@ def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: i
              + _fp8_linear_bytes(tokens, f, h, e * tokens * f, a))
     shared = (_fp8_linear_bytes(tokens, h, 2 * fs, 0, a)
               + _fp8_linear_bytes(tokens, fs, h, e * tokens * fs, a) if fs else 0.0)
-    routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / t
-    routed = (1 - e) * tokens * moe.moe_router_topk * (h + routed_f)
+    etp = expert_tp(moe, t)
+    routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / etp
+    routed = (1 - e) * tokens * etp / t * moe.moe_router_topk * (h + routed_f)
     scales = 4 * moe.num_experts // ep * (h + routed_f + 2)
     return shared + routed + scales - dense
 
@@ -431,7 +438,7 @@ def zero3_layer_params(model: ModelConfig, tp: int, moe: MoEConfig | None = None
     for i in range(model.num_layers):
         params = list(reversed(structure.layer_parameters(model, i, moe)))
         out.append(([p.local_numel(tp) for p in params if not p.expert],
-                    [p.local_numel(tp, ep) for p in params if p.expert]))
+                    [p.local_numel(expert_tp(moe, tp), ep) for p in params if p.expert]))
     return out
 
 
@@ -833,7 +840,9 @@ def stage_memory(model: ModelConfig, spec: StageSpec, stage: int, layers: int) -
         else:
             pb += copies - (copies - math.ceil(copies / owners)) * (2 if spec.act.bf16 else 4)
     if routed:  # the experts' own sync group: their replicas over expert-DP
-        epb, egb, eob = state_bytes(routed, spec.dp * spec.act.cp // spec.ep, spec.sharding,
+        etp = expert_tp(spec.moe, spec.tp) if spec.moe else spec.tp
+        edp = spec.dp * spec.act.cp * spec.tp // (spec.ep * etp)
+        epb, egb, eob = state_bytes(routed, edp, spec.sharding,
                                     spec.act.bf16, accumulator, spec.grad_bf16)
         n, pb, gb, ob = n + routed, pb + epb, gb + egb, ob + eob
     per_chunk, recompute_peak = chunk_activation_bytes(model, spec.act, layers // spec.chunks,

@@ -75,8 +75,8 @@ def test_planner_moe_parameters_are_a_meta_builds(tp: int, ep: int, shared: int 
     moe = MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16,
                     moe_shared_expert_intermediate_size=shared, moe_layer_freq="[1,0,1]",
                     expert_model_parallel_size=ep)
-    pstate = replace(single_process_state(torch.device("meta")), tp_size=tp, ep_size=ep,
-                     ep_rank=ep - 1)
+    pstate = replace(single_process_state(torch.device("meta")), tp_size=tp, etp_size=tp,
+                     ep_size=ep, ep_rank=ep - 1)
     ctx = LayerContext.from_state(pstate, seed=0, moe=moe)
     chunk = LlamaChunk(model, ctx, range(3), pre_process=True, post_process=True)
     built = sum(p.numel() for p in chunk.parameters())
@@ -181,3 +181,25 @@ def test_shared_expert_overlap_dry_runs_with_its_collectives_matched() -> None:
     # the overlap the combine comes straight after the rows
     assert ops[first + 1:first + 4] == [("all_to_all", (0, 2)), ("all_gather", (0, 1)),
                                         ("reduce_scatter", (0, 1))]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_tp1_folds_ep_over_the_tp_ranks_in_the_dry_run(ep: int) -> None:
+    """TP2 + SP x DP2 with --expert-tensor-parallel-size 1: the token all-to-all runs over
+    the TP group (EP2) or all four ranks (EP4), every rank's collectives match, and the
+    planner's states (whole experts, sharded over expert-DP) are the meta build's within 1%
+    (measured 0.1-0.2%; activations 1.09)."""
+    cfg = parse_config([*TINY_MOE, "--moe-token-dispatcher-type", "alltoall",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--global-batch-size", "2", "--expert-tensor-parallel-size", "1",
+                        "--expert-model-parallel-size", str(ep), "--dry-run"])
+    results = {r: run_rank(cfg, 4, r, time_host=False) for r in range(4)}
+    assert match({r: res.ops for r, res in results.items()}) is None
+    groups = {op.group for op in results[0].ops if op.op == "all_to_all"}
+    assert groups == ({(0, 1)} if ep == 2 else {(0, 1, 2, 3)})
+    for res in results.values():
+        for measured, planned in ((res.params_bytes, res.planner_params_bytes),
+                                  (res.grads_bytes, res.planner_grads_bytes),
+                                  (res.optimizer_bytes, res.planner_optimizer_bytes)):
+            assert abs(measured / planned - 1) < 0.01
+        assert abs(res.activation_bytes / res.planner_activation_bytes - 1) < 0.15

@@ -40,7 +40,7 @@ VARIANTS = {
 
 def _meta_build(model: ModelConfig, tp: int = 1, moe: MoEConfig | None = None
                 ) -> dict[str, torch.nn.Parameter]:
-    pstate = replace(single_process_state(torch.device("meta")), tp_size=tp)
+    pstate = replace(single_process_state(torch.device("meta")), tp_size=tp, etp_size=tp)
     chunk = LlamaChunk(model, LayerContext.from_state(pstate, seed=0, moe=moe),
                        range(model.num_layers), pre_process=True, post_process=True)
     return dict(chunk.named_parameters())

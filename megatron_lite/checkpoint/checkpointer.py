@@ -308,7 +308,9 @@ class Checkpointer:
             return self.staging.stage(file, tensors) if copy else {
                 k: v.detach() for k, v in tensors.items()}
 
-        split_experts = pstate.ep_size > 1  # each EP rank's experts in its own files
+        # experts laid out apart (EP > 1, or expert TP < TP): each (EP, expert-TP) position's
+        # experts in their own files, written by its expert-DP rank 0
+        split_experts = pstate.experts_apart
 
         def weights_item(file: str, experts: bool) -> tuple[str, dict[str, Tensor], dict]:
             weights, splits, in_optimizer = {}, {}, []
@@ -321,7 +323,7 @@ class Checkpointer:
                         weights[name] = param.detach()
                     splits[name] = tags.tp_split(param)
             weight_meta = {"tp_split": splits, "in_optimizer": in_optimizer,
-                           "tp_rank": pstate.tp_rank,
+                           "tp_rank": pstate.etp_rank if experts else pstate.tp_rank,
                            "pp_rank": pstate.pp_rank, **({"ep_rank": pstate.ep_rank}
                                                          if experts else {})}
             return file, stage(file, weights), weight_meta
@@ -338,12 +340,12 @@ class Checkpointer:
         expert_state = state.pop("expert", None)
         if self.optimizer.sharded or pstate.dp_rank == 0:
             items.append(optim_item(ckpt_files.optim_file(tp, pp, pstate.dp_rank), state))
-        edp = pstate.expert_replicas.rank
+        edp, etp = pstate.expert_replicas.rank, pstate.etp_rank
         if split_experts and edp == 0:
-            items.append(weights_item(ckpt_files.expert_model_file(tp, pp, pstate.ep_rank),
+            items.append(weights_item(ckpt_files.expert_model_file(etp, pp, pstate.ep_rank),
                                       experts=True))
         if expert_state is not None and (self.optimizer.sharded or edp == 0):
-            items.append(optim_item(ckpt_files.expert_optim_file(tp, pp, pstate.ep_rank, edp),
+            items.append(optim_item(ckpt_files.expert_optim_file(etp, pp, pstate.ep_rank, edp),
                                     expert_state))
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -365,7 +367,7 @@ class Checkpointer:
             "config": ckpt_files.redact(self.cfg.to_dict(), ckpt_files.secret_values()),
             "layout": {"world_size": pstate.world_size, "tp": pstate.tp_size, "pp": pstate.pp_size,
                        "dp": pstate.dp_size, "cp": parallel.context_parallel_size,
-                       "ep": pstate.ep_size,
+                       "ep": pstate.ep_size, "etp": pstate.etp_size,
                        "virtual_chunks": len(self.partition[0]),
                        "use_distributed_optimizer": parallel.use_distributed_optimizer,
                        "weights_in_optimizer": self.optimizer.shard_params},
@@ -645,9 +647,12 @@ class Checkpointer:
         pstate = self.pstate
         for name, _local, param in model_parameters(self.chunks, self.tied):
             tensor = None
-            same_ep = name not in reader.experts or reader.ep == pstate.ep_size
-            if reader.tp == pstate.tp_size and same_ep:
-                tp_rank = pstate.tp_rank if reader.where.get(name, (0, None))[1] else 0
+            expert = name in reader.experts
+            same = ((reader.ep, reader.etp) == (pstate.ep_size, pstate.etp_size) if expert
+                    else reader.tp == pstate.tp_size)
+            if same:
+                split = reader.where.get(name, (0, None))[1]
+                tp_rank = (pstate.etp_rank if expert else pstate.tp_rank) if split else 0
                 tensor = reader.local_weight(name, tp_rank, pstate.ep_rank)
             if tensor is None or tensor.shape != param.shape:
                 tensor = local_slice(reader.full_weight(name), param, pstate)

@@ -12,10 +12,12 @@ The tied output layer of the last pipeline stage is a copy of `embedding.weight`
 values, same optimizer state): it is not stored, and filled from the embedding on load.
 
 Routed experts (layers/moe.py: each rank stacks its E/ep experts, `layers.{l}.mlp.gate_up`
-and `.down`) are saved by each EP rank in its own files when EP > 1 (files.py), their
-optimizer state in the expert group's own zero1 format over expert-DP. Their "full" tensor is
-the EP-unsplit stack of all E experts (each EP rank's TP-unsharded stack, in EP-rank order),
-which is exactly what an EP=1 run holds unsharded, so any (EP, TP) layout reads any other.
+and `.down`) are saved by each (EP, expert-TP) position in its own files when they are laid
+out apart from the dense weights (EP > 1 or expert TP < TP; files.py, named by the
+expert-TP rank), their optimizer state in the expert group's own zero1 format over
+expert-DP. Their "full" tensor is the EP-unsplit stack of all E experts (each EP rank's
+expert-TP-unsharded stack, in EP-rank order), which is exactly what an EP=1 run holds
+unsharded, so any (EP, expert-TP, TP) layout reads any other.
 """
 
 from __future__ import annotations
@@ -74,16 +76,18 @@ def model_parameters(chunks: Sequence[nn.Module], tied: bool
 
 def local_slice(full: Tensor, param: nn.Parameter, pstate: ParallelState) -> Tensor:
     """This rank's slice of a full (vocab-unpadded) tensor, shaped like `param`: a routed
-    expert's full stack is first cut to this EP rank's experts."""
-    if tags.is_expert(param) and pstate.ep_size > 1:
+    expert's full stack is first cut to this EP rank's experts, then over expert TP."""
+    tp_size, tp_rank = pstate.tp_size, pstate.tp_rank
+    if tags.is_expert(param):
         full = full.chunk(pstate.ep_size)[pstate.ep_rank]
+        tp_size, tp_rank = pstate.etp_size, pstate.etp_rank
     split = tags.tp_split(param)
     padded_rows = tags.padded_vocab_size(split)
     if padded_rows is not None:
         padded = torch.zeros(padded_rows, *full.shape[1:], dtype=full.dtype)
         padded[:full.shape[0]] = full
         full = padded
-    piece = shard_full(full, split, pstate.tp_size, pstate.tp_rank)
+    piece = shard_full(full, split, tp_size, tp_rank)
     if piece.shape != param.shape:
         raise CheckpointError(f"a checkpoint tensor of full shape {tuple(full.shape)} does not "
                               f"fit a parameter of local shape {tuple(param.shape)}")
@@ -107,13 +111,15 @@ class CheckpointReader:
                             torch.bfloat16 if train_cfg["bf16"] else torch.float32)
         self.tied = not self.model_cfg["untie_embeddings_and_output_weights"]
         self.ep = layout.get("ep", 1)
-        """The EP size saved at; with EP > 1 the routed experts are in per-EP-rank files."""
+        self.etp = layout.get("etp", self.tp)
+        """The EP and expert-TP sizes saved at; with EP > 1 or expert TP < TP the routed
+        experts are in per-(EP, expert-TP)-rank files."""
         self._files: dict[str, TensorFile] = {}
         self._optim: dict[tuple[int, int, int | None], dict[str, dict[str, Tensor]]] = {}
         self.where: dict[str, tuple[int, list | None]] = {}
         """Global name -> (pipeline stage holding it, TP split as saved: JSON lists)."""
         self.experts: set[str] = set()
-        """The names saved per EP rank (empty when saved at EP 1)."""
+        """The names saved per (EP, expert-TP) rank (empty when saved with the dense ones)."""
         self.in_optimizer: set[str] = set()
         """Weights saved as their masters only (--fp8-param-gather's FP8 weights, whose
         values the run kept as owned slices), besides every weight under ZeRO-3."""
@@ -122,7 +128,7 @@ class CheckpointReader:
             self.in_optimizer.update(stage_meta.get("in_optimizer", []))
             for name, split in stage_meta["tp_split"].items():
                 self.where[name] = (stage, split)
-            if self.ep > 1:
+            if self.ep > 1 or self.etp != self.tp:
                 for name, split in self.file(expert_model_file(0, stage, 0)).meta[
                         "tp_split"].items():
                     self.where[name] = (stage, split)
@@ -152,8 +158,8 @@ class CheckpointReader:
         return list(range(self.ep)) if name in self.experts else [None]
 
     def local_weight(self, name: str, tp_rank: int, ep_rank: int | None = None) -> Tensor:
-        """The tensor exactly as saved by TP rank `tp_rank` (and, for a routed expert of an
-        EP > 1 save, EP rank `ep_rank`): the same-layout fast path."""
+        """The tensor exactly as saved by TP rank `tp_rank` (for a routed expert saved apart:
+        expert-TP rank `tp_rank` of EP rank `ep_rank`): the same-layout fast path."""
         stage, _ = self._stage(name)
         if name not in self.experts:
             ep_rank = None
@@ -173,9 +179,15 @@ class CheckpointReader:
             full = full[:self.model_cfg["vocab_size"]]
         return full
 
+    def _slices(self, name: str) -> int:
+        """The (expert-)TP files holding a piece of `name`: 1 for a replicated weight."""
+        if self._stage(name)[1] is None:
+            return 1
+        return self.etp if name in self.experts else self.tp
+
     def full_weight(self, name: str) -> Tensor:
         """The unsharded weight (vocab padding removed), gathered from every TP file."""
-        slices = self.tp if self._stage(name)[1] is not None else 1
+        slices = self._slices(name)
         return torch.cat([self._full(name, [self.local_weight(name, tp_rank, ep)
                                             for tp_rank in range(slices)])
                           for ep in self._ep_ranks(name)])
@@ -184,8 +196,8 @@ class CheckpointReader:
         """Unsharded master weight and Adam moments of one weight, in their saved dtype."""
         if not self.has_optimizer:
             raise CheckpointError(f"{self.dir} holds no optimizer state (saved model-only)")
-        stage, split = self._stage(name)
-        slices = self.tp if split is not None else 1
+        stage = self._stage(name)[0]
+        slices = self._slices(name)
         per_ep = [[self._optim_position(tp_rank, stage, ep)[name] for tp_rank in range(slices)]
                   for ep in self._ep_ranks(name)]
         return {k: torch.cat([self._full(name, [p[k] for p in pieces]) for pieces in per_ep])
@@ -194,8 +206,8 @@ class CheckpointReader:
     def _optim_position(self, tp_rank: int, stage: int, ep_rank: int | None = None
                         ) -> dict[str, dict[str, Tensor]]:
         """Per global name, the (TP-local) optimizer tensors of one (tp, pp) position: its
-        dense group's, or with `ep_rank` that EP rank's expert group's (sharded over the
-        dp / ep expert-DP ranks)."""
+        dense group's, or with `ep_rank` that (EP rank, expert-TP rank `tp_rank`)'s expert
+        group's (sharded over the dp x tp / (ep x etp) expert-DP ranks)."""
         key = (tp_rank, stage, ep_rank)
         if key in self._optim:
             return self._optim[key]
@@ -206,7 +218,8 @@ class CheckpointReader:
 
         partition = self.meta["partition"][stage]
         first = self.file(file_name(0)).meta["state"]
-        replicas = self.dp if ep_rank is None else self.dp // self.ep
+        replicas = (self.dp if ep_rank is None
+                    else self.dp * self.tp // (self.ep * self.etp))
         dp_files = replicas if first["sharded"] else 1
         out: dict[str, dict[str, Tensor]] = {}
         for b, buf in enumerate(first["buffers"]):
@@ -277,7 +290,8 @@ def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: Par
                            partition: list) -> dict | None:
     """This rank's saved optimizer state as-is when the saved layout equals the running one
     (the common resume: read only one's own files), else None."""
-    if ((reader.tp, reader.pp, reader.ep) != (pstate.tp_size, pstate.pp_size, pstate.ep_size)
+    if ((reader.tp, reader.pp, reader.ep, reader.etp)
+            != (pstate.tp_size, pstate.pp_size, pstate.ep_size, pstate.etp_size)
             or reader.meta["partition"] != partition
             or (template["sharded"] and reader.dp != pstate.dp_size)):
         return None
@@ -289,7 +303,7 @@ def direct_optimizer_state(reader: CheckpointReader, template: dict, pstate: Par
     if "expert" in template:
         replicas = pstate.expert_replicas
         edp = replicas.rank if template["sharded"] else 0
-        expert = _saved_state(reader, expert_optim_file(pstate.tp_rank, pstate.pp_rank,
+        expert = _saved_state(reader, expert_optim_file(pstate.etp_rank, pstate.pp_rank,
                                                         pstate.ep_rank, edp), template["expert"])
         if expert is None:
             return None

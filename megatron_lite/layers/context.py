@@ -49,6 +49,11 @@ class LayerContext:
     ep_group: comms.Group
     """Expert parallelism (--expert-model-parallel-size): the group a MoE layer's experts
     are split over and where this rank sits in it."""
+    etp_size: int
+    etp_rank: int
+    etp_group: comms.Group
+    """Expert tensor parallelism (--expert-tensor-parallel-size): the TP ranks each expert's
+    weights are split over (the TP group unless smaller)."""
     device: torch.device
     seed: int
     """Every weight is drawn from (seed, its name): the same model at any TP size."""
@@ -86,6 +91,8 @@ class LayerContext:
                    cp_size=pstate.cp_size, cp_rank=pstate.cp_rank, cp_group=pstate.cp_group,
                    ring=ring,
                    ep_size=pstate.ep_size, ep_rank=pstate.ep_rank, ep_group=pstate.ep_group,
+                   etp_size=pstate.etp_size, etp_rank=pstate.etp_rank,
+                   etp_group=pstate.etp_group,
                    device=pstate.device, seed=seed, dtype=dtype, use_triton=use_triton,
                    recompute_granularity=recompute_granularity,
                    recompute_method=recompute_method,

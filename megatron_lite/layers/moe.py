@@ -15,12 +15,14 @@ checks both against a per-token loop. Under --fp8-format (outside the --first-la
 layers) each projection is `Fp8GroupedLinear` instead: e4m3 operands, rowwise current scaling
 (layers/fp8.py), whatever the dtype and widths.
 
-Under TP each rank holds gate/up rows [E x 2f/t, h] (each expert's gate and up split like
-the dense column layer) and down [E x h, f/t] (each expert's input columns split), so the
-experts' output is a partial sum: under SP the router runs on this rank's sequence slice,
-then tokens, weights and map are all-gathered over TP and the output reduce-scattered back
-(Megatron's allgather dispatcher with expert-TP = TP); without SP every rank routes all
-tokens and the output is all-reduced.
+Under expert TP (--expert-tensor-parallel-size e, by default the TP size t) each rank holds
+gate/up rows [E x 2f/e, h] (each expert's gate and up split like the dense column layer) and
+down [E x h, f/e] (each expert's input columns split), so the experts' output is a partial
+sum: under SP the router runs on this rank's sequence slice, then tokens, weights and map
+are all-gathered over the expert-TP group (e consecutive TP ranks) and the output
+reduce-scattered back (Megatron's allgather dispatcher); without SP (e = t) every rank routes
+all tokens and the output is all-reduced. At e = 1 nothing is gathered: each TP rank's own
+tokens reach whole experts, over EP when the EP group takes TP ranks (parallel folding).
 
 On the meta device (the rank dry run) no routing decision has a value, so which rows go where
 cannot be read: `routed_pairs` and the alltoall splits then take a stand-in, the dropless
@@ -146,10 +148,11 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, ctx: LayerContext, layer: int) -> None:
         super().__init__()
         ctx = replace(ctx, weight_grads=None)  # expert weights get plain-autograd gradients
-        experts, hidden, t = moe.num_experts, cfg.hidden_size, ctx.tp_size
+        experts, hidden, t = moe.num_experts, cfg.hidden_size, ctx.etp_size
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
-        self.tp_group, self.sequence_parallel = ctx.tp_group, ctx.sequence_parallel
+        # the experts' TP group: tokens gathered and outputs reduced over it, weights split
+        self.tp_group, self.sequence_parallel = ctx.etp_group, ctx.sequence_parallel
         self.use_triton, self.topk = ctx.use_triton, moe.moe_router_topk
         self.fp8 = ctx.fp8  # None in the --first-last-layers-bf16 layers (ctx.for_layer)
         self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
@@ -173,11 +176,11 @@ class MoE(nn.Module):
 
     def _expert_weights(self, cfg: ModelConfig, ffn: int, ctx: LayerContext
                         ) -> tuple[nn.Parameter, nn.Parameter]:
-        """This rank's experts, stacked: gate/up [E_local x 2f/t, h] (each expert's gate and
-        up column-split over TP) and down [E_local x h, f/t] (row-split). Each expert is drawn
-        on its own name, so every EP and TP size starts from the same experts."""
+        """This rank's experts, stacked: gate/up [E_local x 2f/e, h] (each expert's gate and
+        up column-split over expert TP) and down [E_local x h, f/e] (row-split). Each expert is
+        drawn on its own name, so every EP and TP size starts from the same experts."""
         hidden, layer = cfg.hidden_size, self.layer
-        shard = dict(tp_size=ctx.tp_size, tp_rank=ctx.tp_rank, device=ctx.device,
+        shard = dict(tp_size=ctx.etp_size, tp_rank=ctx.etp_rank, device=ctx.device,
                      dtype=ctx.dtype, seed=ctx.seed)
         down_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
         ids = range(self.first_expert, self.first_expert + self.local_experts)

@@ -121,9 +121,10 @@ def _group_specs(pstate: ParallelState, sharded: bool) -> list[tuple]:
     """(name, which parameters, replicas, norm group, count-once) per sync group: the dense
     parameters' norm is summed over the model-parallel ranks when the replicas hold the same
     gradient; the experts' over every rank (EP ranks hold different experts), counted on
-    expert-replica 0 only when not sharded."""
+    expert-replica 0 only when not sharded. The experts have their own group when they are
+    laid out apart (EP > 1 or an expert-TP size other than TP)."""
     dense_norm = pstate.world_group if sharded else pstate.mp_group
-    if pstate.ep_size == 1:
+    if not pstate.experts_apart:
         return [("dense", lambda p: True, pstate.replicas, dense_norm, False)]
     return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, dense_norm, False),
             ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, True)]

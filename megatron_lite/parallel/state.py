@@ -92,12 +92,19 @@ class ParallelState:
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     """Expert parallel: the ranks that split the routed experts of a MoE layer between them
-    and exchange tokens (Megatron's MoE parallel folding: the stage's dp x cp x tp ranks
-    re-read as edp x ep x etp with etp = tp innermost, so an EP group holds consecutive
-    DP x CP replicas of one TP rank)."""
+    and exchange tokens (Megatron's MoE parallel folding: a stage's ranks, indexed
+    (dp·cp + c)·tp + t, re-read as edp x ep x etp with etp innermost; at etp = tp an EP group
+    holds consecutive DP x CP replicas of one TP rank, at etp < tp it takes TP ranks too)."""
+    etp_size: int | None = None
+    etp_rank: int | None = None
+    etp_group: dist.ProcessGroup | None = None
+    """Expert tensor parallel (--expert-tensor-parallel-size): the ranks that split each
+    expert's weights, consecutive TP ranks; not given (None), the TP group itself."""
+    edp_size: int = 1
+    edp_rank: int = 0
     edp_group: dist.ProcessGroup | None = None
-    """Expert data parallel: the ranks holding the same experts (DP x CP / EP of them); expert
-    gradients are summed, and their optimizer state sharded, over it."""
+    """Expert data parallel: the ranks holding the same experts (tp·dp·cp / (ep·etp) of them);
+    expert gradients are summed, and their optimizer state sharded, over it."""
     group_creations: int = 0
     """Group creations this rank took part in at start-up (the dry run prints it)."""
 
@@ -116,13 +123,25 @@ class ParallelState:
         return ReplicaGroup(self.dp_cp_group if self.cp_size > 1 else self.dp_group,
                             self.dp_cp_size, self.dp_cp_rank, self.device)
 
+    def __post_init__(self) -> None:
+        if self.etp_size is None:  # experts split like the dense weights
+            object.__setattr__(self, "etp_size", self.tp_size)
+            object.__setattr__(self, "etp_rank", self.tp_rank)
+            object.__setattr__(self, "etp_group", self.tp_group)
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts are laid out otherwise than the dense weights (EP > 1, or an
+        expert-TP size other than TP): then they have their own gradient-sync group and
+        checkpoint files."""
+        return self.ep_size > 1 or self.etp_size != self.tp_size
+
     @property
     def expert_replicas(self) -> ReplicaGroup:
-        """The expert-DP group expert gradients are summed over (DP x CP without EP)."""
-        if self.ep_size == 1:
+        """The expert-DP group expert gradients are summed over (DP x CP when not apart)."""
+        if not self.experts_apart:
             return self.replicas
-        return ReplicaGroup(self.edp_group, self.dp_cp_size // self.ep_size,
-                            self.dp_cp_rank // self.ep_size, self.device)
+        return ReplicaGroup(self.edp_group, self.edp_size, self.edp_rank, self.device)
 
     def gradient_replicas(self) -> ParallelState:
         """This state seen by the optimizer and the checkpoint files: the data-parallel
@@ -271,7 +290,7 @@ def initialize(cfg: Config, env: LaunchEnv | None = None, init_method: str | Non
     if use_cuda:
         device = torch.device("cuda", _device_index(backend, env.local_rank))
         torch.cuda.set_device(device)
-    common = _coordinates(env, grid, device, cfg.moe.expert_model_parallel_size)
+    common = _coordinates(env, grid, device, *expert_sizes(cfg))
     if world == 1 and init_method is None:
         return ParallelState(backend=None, **common)
 
@@ -323,7 +342,7 @@ def initialize_fake(cfg: Config, world_size: int, rank: int) -> ParallelState:
                     num_nodes=max(1, world_size // 8))
     tp, pp, cp = _sizes(cfg)
     grid = rank_grid(world_size, tp, pp, cp)
-    common = _coordinates(env, grid, torch.device("meta"), cfg.moe.expert_model_parallel_size)
+    common = _coordinates(env, grid, torch.device("meta"), *expert_sizes(cfg))
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -339,17 +358,36 @@ def _sizes(cfg: Config) -> tuple[int, int, int]:
             p.context_parallel_size)
 
 
+def expert_sizes(cfg: Config) -> tuple[int, int | None]:
+    """(EP size, expert-TP size or None for the TP size) of `cfg`."""
+    moe = cfg.moe
+    return moe.expert_model_parallel_size, moe.expert_tensor_parallel_size
+
+
+def expert_coordinates(local: int, ep: int, etp: int) -> tuple[int, int, int]:
+    """(edp, ep, etp) ranks of a stage's rank `local` = (d·cp + c)·tp + t, read with the
+    expert-TP index innermost, then EP, then expert-DP."""
+    rest, etp_rank = divmod(local, etp)
+    edp_rank, ep_rank = divmod(rest, ep)
+    return edp_rank, ep_rank, etp_rank
+
+
 def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torch.device,
-                 ep: int = 1) -> dict:
-    """The ParallelState fields that follow from the rank grid (and the EP size) alone."""
+                 ep: int = 1, etp: int | None = None) -> dict:
+    """The ParallelState fields that follow from the rank grid (and the EP and expert-TP
+    sizes) alone."""
     pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
+    etp = etp or tp
     p_idx, rem = divmod(env.rank, dp * cp * tp)
     d_idx, rem = divmod(rem, cp * tp)
     c_idx, t_idx = divmod(rem, tp)
+    edp_rank, ep_rank, etp_rank = expert_coordinates((d_idx * cp + c_idx) * tp + t_idx, ep,
+                                                     etp)
     return dict(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                 tp_size=tp, tp_rank=t_idx, pp_size=pp, pp_rank=p_idx, dp_size=dp,
                 dp_rank=d_idx, cp_size=cp, cp_rank=c_idx, device=device, ep_size=ep,
-                ep_rank=(d_idx * cp + c_idx) % ep,
+                ep_rank=ep_rank, etp_size=etp, etp_rank=etp_rank,
+                edp_size=dp * cp * tp // (ep * etp), edp_rank=edp_rank,
                 pp_ranks=tuple(grid[s][d_idx][c_idx][t_idx] for s in range(pp)),
                 cp_ranks=tuple(grid[p_idx][d_idx][c][t_idx] for c in range(cp)),
                 grid=tuple(tuple(tuple(tuple(r) for r in dp_row) for dp_row in stage)
@@ -357,16 +395,19 @@ def _coordinates(env: LaunchEnv, grid: list[list[list[list[int]]]], device: torc
 
 
 GROUP_KINDS = ("tp_group", "dp_group", "pp_group", "mp_group", "embedding_group", "cp_group",
-               "dp_cp_group", "ep_group", "edp_group")
+               "dp_cp_group", "ep_group", "edp_group", "etp_group")
 """The ParallelState group fields, in the order every rank creates them."""
 
 
-def group_lists(grid: list[list[list[list[int]]]], ep: int = 1) -> dict[str, list[list[int]]]:
+def group_lists(grid: list[list[list[list[int]]]], ep: int = 1, etp: int | None = None
+                ) -> dict[str, list[list[int]]]:
     """Every group of every kind: kind -> rank lists (a partition of the world, or of the first
     and last stages for `embedding_group`), each in rank order; single-rank lists included.
-    Without CP there are no CP kinds: no ring, and DP x CP is DP; without EP (`ep` = 1) no
-    expert kinds: the expert-DP group is DP x CP."""
+    Without CP there are no CP kinds: no ring, and DP x CP is DP; without EP (`ep` = 1) and
+    with the expert-TP size `etp` the TP size (None) no expert kinds: the expert-DP group is
+    DP x CP, the expert-TP group TP."""
     pp, dp, cp, tp = len(grid), len(grid[0]), len(grid[0][0]), len(grid[0][0][0])
+    etp = etp or tp
     cells = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
              for t in range(tp)]
 
@@ -385,9 +426,14 @@ def group_lists(grid: list[list[list[list[int]]]], ep: int = 1) -> dict[str, lis
     if cp > 1:
         out.update(cp_group=lists(lambda x: (x[0], x[1], x[3])),
                    dp_cp_group=lists(lambda x: (x[0], x[3])))
-    if ep > 1:  # replica index q = d·cp + c read as (edp, ep): q // ep, q % ep
-        out.update(ep_group=lists(lambda x: (x[0], (x[1] * cp + x[2]) // ep, x[3])),
-                   edp_group=lists(lambda x: (x[0], (x[1] * cp + x[2]) % ep, x[3])))
+    if ep > 1 or etp != tp:  # a stage's rank (d·cp + c)·tp + t read as (edp, ep, etp)
+        def expert(x: tuple[int, int, int, int]) -> tuple[int, int, int]:
+            return expert_coordinates((x[1] * cp + x[2]) * tp + x[3], ep, etp)
+
+        out.update(ep_group=lists(lambda x: (x[0], expert(x)[0], expert(x)[2])),
+                   edp_group=lists(lambda x: (x[0], expert(x)[1], expert(x)[2])))
+        if etp != tp:
+            out.update(etp_group=lists(lambda x: (x[0], expert(x)[:2])))
     return out
 
 
@@ -465,12 +511,14 @@ def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_s
 def _with_groups(backend: str, timeout: timedelta, common: dict,
                  grid: list[list[list[list[int]]]]) -> ParallelState:
     """Create this rank's groups once the default group exists (see `_create_groups`)."""
-    groups, count = _create_groups(group_lists(grid, common["ep_size"]), common["rank"],
+    groups, count = _create_groups(group_lists(grid, common["ep_size"], common["etp_size"]),
+                                   common["rank"],
                                    common["world_size"], timeout)
     groups.setdefault("cp_group", None)
     groups.setdefault("dp_cp_group", groups["dp_group"])
     groups.setdefault("ep_group", None)
     groups.setdefault("edp_group", groups["dp_cp_group"])
+    groups.setdefault("etp_group", groups["tp_group"])
     return ParallelState(backend=backend, world_group=dist.group.WORLD, group_creations=count,
                          **groups, **common)
 

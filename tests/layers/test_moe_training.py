@@ -119,8 +119,24 @@ def test_expert_parallel_sizes_that_do_not_divide_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide "
                                           "--num-experts 4"):
         validate(parse_config([*FLAGS, *ep]), 3)
-    with pytest.raises(ConfigError, match="does not divide the 2 data x context parallel"):
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 x "
+                                          "--expert-tensor-parallel-size 1 does not divide "
+                                          "the 2 ranks of a pipeline stage"):
         validate(parse_config([*FLAGS, "--num-experts", "6", *ep]), 2)
+    tp4 = ["--tensor-model-parallel-size", "4", "--num-attention-heads", "4"]
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 3 does not divide "
+                                          "--tensor-model-parallel-size 4"):
+        validate(parse_config([*FLAGS, *tp4, "--sequence-parallel",
+                               "--expert-tensor-parallel-size", "3"]), 4)
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 below "
+                                          "--tensor-model-parallel-size 4 needs "
+                                          "--sequence-parallel"):
+        validate(parse_config([*FLAGS, *tp4, "--expert-tensor-parallel-size", "2"]), 4)
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 4 x "
+                                          "--expert-tensor-parallel-size 2 does not divide "
+                                          "the 4 ranks"):
+        validate(parse_config([*FLAGS, *tp4, "--sequence-parallel", "--expert-model-parallel-"
+                               "size", "4", "--expert-tensor-parallel-size", "2"]), 4)
     dense = FLAGS[:FLAGS.index("--num-experts")]
     with pytest.raises(ConfigError, match="needs --num-experts"):
         validate(parse_config([*dense, "--expert-model-parallel-size", "2"]), 2)

@@ -37,6 +37,7 @@ def _expected(pstate: ParallelState) -> dict[str, list[int] | None]:
     out.setdefault("dp_cp_group", out["dp_group"])
     out.setdefault("ep_group", None)
     out.setdefault("edp_group", out["dp_cp_group"])
+    out.setdefault("etp_group", out["tp_group"])  # expert TP = TP unless set smaller
     return out
 
 
