@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from megatron_lite import export_moe
-from megatron_lite.config import ConfigError, ModelConfig, MoEConfig
+from megatron_lite.checkpoint import files as ckpt_files
+from megatron_lite.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig
 from megatron_lite.export import load_model, main, model_logits, read_safetensors_dir
 from tests.checkpoint.common import HF_FLOOR, run_train
 from tests.checkpoint.test_export_variants import assert_exports_back
-from tests.distributed import run_ranks
+from tests.distributed import relayout, run_ranks
 from tests.numerics import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -126,15 +127,26 @@ TRAIN = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
          "--tensor-model-parallel-size", "2"]
 
 
-def _train_tp2(pstate, save: str) -> None:
-    run_train(pstate, ["--save", save], TRAIN)
+def _train_tp2(pstate, save: str, expert_tp: int | None) -> None:
+    if expert_tp is None:
+        run_train(pstate, ["--save", save], TRAIN)
+        return
+    pstate = relayout(pstate, Config(parallel=ParallelConfig(tensor_model_parallel_size=2),
+                                     moe=MoEConfig(num_experts=4,
+                                                   expert_tensor_parallel_size=expert_tp)))
+    run_train(pstate, ["--save", save, "--sequence-parallel", "--expert-tensor-parallel-size",
+                       str(expert_tp)], TRAIN)
 
 
-def test_a_tp2_checkpoint_exports_to_mixtral(tmp_path: Path) -> None:
-    """Trained and saved at TP=2 (each expert's gate and up rows split on their own): the
-    export loads completely into MixtralForCausalLM, whose float64 logits are ours."""
+@pytest.mark.parametrize("expert_tp", [None, 1])
+def test_a_tp2_checkpoint_exports_to_mixtral(tmp_path: Path, expert_tp: int | None) -> None:
+    """Trained and saved at TP=2 (each expert's gate and up rows split on their own over TP,
+    or whole, in their own files, under --expert-tensor-parallel-size 1): the export loads
+    completely into MixtralForCausalLM, whose float64 logits are ours."""
     ckpt = tmp_path / "ck"
-    run_ranks(_train_tp2, 2, tmp_path, tp=2, save=str(ckpt))
+    run_ranks(_train_tp2, 2, tmp_path, tp=2, save=str(ckpt), expert_tp=expert_tp)
+    saved = {f.name for f in next(ckpt.glob("iter_*")).iterdir()}
+    assert (ckpt_files.expert_model_file(0, 0, 0) in saved) == (expert_tp == 1)
     hf = tmp_path / "hf"
     assert main(["--load", str(ckpt), "--output", str(hf)]) == 0
     cfg, chunk = load_model(ckpt)
