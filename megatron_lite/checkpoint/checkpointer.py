@@ -308,9 +308,7 @@ class Checkpointer:
             return self.staging.stage(file, tensors) if copy else {
                 k: v.detach() for k, v in tensors.items()}
 
-        # experts laid out apart (EP > 1, or expert TP < TP): each (EP, expert-TP) position's
-        # experts in their own files, written by its expert-DP rank 0
-        split_experts = pstate.experts_apart
+        split_experts = pstate.experts_apart  # own files per (EP, expert-TP) position
 
         def weights_item(file: str, experts: bool) -> tuple[str, dict[str, Tensor], dict]:
             weights, splits, in_optimizer = {}, {}, []
@@ -341,7 +339,7 @@ class Checkpointer:
         if self.optimizer.sharded or pstate.dp_rank == 0:
             items.append(optim_item(ckpt_files.optim_file(tp, pp, pstate.dp_rank), state))
         edp, etp = pstate.expert_replicas.rank, pstate.etp_rank
-        if split_experts and edp == 0:
+        if split_experts and edp == 0:  # one writer per position: its expert-DP rank 0
             items.append(weights_item(ckpt_files.expert_model_file(etp, pp, pstate.ep_rank),
                                       experts=True))
         if expert_state is not None and (self.optimizer.sharded or edp == 0):
