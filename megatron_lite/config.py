@@ -427,7 +427,8 @@ class TrainConfig:
     layer (Transformer Engine adds one per micro-batch), so scales do not depend on the DP or
     micro-batch split; the first step uses current amaxes. rowwise (ours, as torchao's float8
     rowwise; not in Megatron): current scaling with one scale per row or column along each
-    GEMM's contraction, every operand e4m3, bf16 GEMM outputs; no --fp8-param-gather.
+    GEMM's contraction, every operand e4m3, outputs in the model's dtype; no
+    --fp8-param-gather.
     mxfp8, blockwise, custom: refused."""
     fp8_margin: int = 0
     """With --fp8-format: scale = fp8_max / amax / 2^margin (headroom against overflow)."""

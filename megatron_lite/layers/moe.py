@@ -151,8 +151,8 @@ class MoE(nn.Module):
         experts, hidden, t = moe.num_experts, cfg.hidden_size, ctx.etp_size
         ffn = moe.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.experts, self.local_ffn, self.layer = experts, ffn // t, layer
-        # the experts' TP group: tokens gathered and outputs reduced over it, weights split
-        self.tp_group, self.sequence_parallel = ctx.etp_group, ctx.sequence_parallel
+        # tokens gathered, outputs reduced and expert weights split over expert TP
+        self.etp_group, self.sequence_parallel = ctx.etp_group, ctx.sequence_parallel
         self.use_triton, self.topk = ctx.use_triton, moe.moe_router_topk
         self.fp8 = ctx.fp8  # None in the --first-last-layers-bf16 layers (ctx.for_layer)
         self.router = Router(hidden, moe, ctx, std=cfg.init_method_std,
@@ -206,7 +206,7 @@ class MoE(nn.Module):
         """x [s(/t), b, h] -> [s(/t), b, h]."""
         s, b, h = x.shape
         probs, routing_map = self.router(x.reshape(s * b, h), s)
-        group = self.tp_group
+        group = self.etp_group
         if self.sequence_parallel:
             tokens = comms.gather_from_sequence_region(x, group)
             probs = comms.gather_from_sequence_region(probs.view(s, b, -1), group)
@@ -246,7 +246,7 @@ class MoE(nn.Module):
         if comms.group_size(self.ep_group) == 1:
             return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
                                    use_triton=self.use_triton, pairs_per_token=self.topk,
-                                   fp8=self.fp8, tp_group=self.tp_group), extra
+                                   fp8=self.fp8, tp_group=self.etp_group), extra
         return self._all_gather(tokens, probs, routing_map), extra
 
     def _local(self, x: Tensor) -> Tensor:
@@ -265,7 +265,7 @@ class MoE(nn.Module):
         out = experts_forward(tokens, self._local(probs), self._local(routing_map),
                               *self.expert_weights(), use_triton=self.use_triton,
                               pairs_per_token=self.topk * self.local_experts / self.experts,
-                              fp8=self.fp8, tp_group=self.tp_group)
+                              fp8=self.fp8, tp_group=self.etp_group)
         return comms.reduce_scatter_to_sequence_region(out, group)
 
     def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
@@ -293,7 +293,7 @@ class MoE(nn.Module):
         gate_up, down = self.expert_weights()
         per_expert = received.sum(0)
         out = swiglu_experts(rows[order], gate_up, down, per_expert, self.use_triton,
-                             self.fp8, self.tp_group)
+                             self.fp8, self.etp_group)
         back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add(0, token_ids, back), extra

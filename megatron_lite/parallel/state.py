@@ -511,9 +511,8 @@ def _create_groups(lists_by_kind: dict[str, list[list[int]]], rank: int, world_s
 def _with_groups(backend: str, timeout: timedelta, common: dict,
                  grid: list[list[list[list[int]]]]) -> ParallelState:
     """Create this rank's groups once the default group exists (see `_create_groups`)."""
-    groups, count = _create_groups(group_lists(grid, common["ep_size"], common["etp_size"]),
-                                   common["rank"],
-                                   common["world_size"], timeout)
+    lists = group_lists(grid, common["ep_size"], common["etp_size"])
+    groups, count = _create_groups(lists, common["rank"], common["world_size"], timeout)
     groups.setdefault("cp_group", None)
     groups.setdefault("dp_cp_group", groups["dp_group"])
     groups.setdefault("ep_group", None)
