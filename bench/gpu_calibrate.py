@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_lite import plan_time  # noqa: E402
-from megatron_lite.metrics import detect_peak_tflops  # noqa: E402
+from megatron_lite.devices import device_peak  # noqa: E402
 from megatron_lite.planner import PRESETS, model_shape  # noqa: E402
 
 FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.seq_length * args.micro_batch_size
     gemms = time_gemms(gemm_shapes(args.preset, tokens, tuple(args.tp)), device, dtype,
                        args.seconds)
-    peak, source = detect_peak_tflops(device, None) if device.type == "cuda" else (
+    peak, source = device_peak(device, dtype) if device.type == "cuda" else (
         max(g["tflops"] for g in gemms), "the fastest GEMM timed here")
     gbps, op_us = time_memory(device, args.copy_mib * 2**20, args.seconds)
     core = time_attention(args.preset, tokens, device, dtype, args.seconds)

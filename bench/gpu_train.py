@@ -223,7 +223,7 @@ def child_plain(flags: list[str], result: Path, backend: str, peak: float | None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    peak_tflops, peak_source = detect_peak_tflops(device, peak)
+    peak_tflops, peak_source = detect_peak_tflops(device, cfg.train, peak)
     record: dict = {}
     start = time.perf_counter()
 

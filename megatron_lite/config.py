@@ -880,7 +880,8 @@ class LoggingConfig:
     log_jsonl: str | None = None
     """Write one JSON object per logged iteration and per evaluation to this file."""
     peak_tflops: float | None = None
-    """Device peak TFLOP/s for MFU; default from the GPU name, or measured on CPU."""
+    """Device peak TFLOP/s for MFU, in the model's GEMM dtype; default: the GPU's datasheet
+    (megatron_lite/devices.py), or that dtype's matmul measured on a CPU."""
     wandb_project: str | None = None
     """Log to this wandb project (offline when no API key is set)."""
     wandb_exp_name: str | None = None

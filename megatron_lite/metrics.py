@@ -16,7 +16,6 @@ import os
 import resource
 import socket
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,48 +23,43 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError, LoggingConfig
+from megatron_lite.config import Config, ConfigError, LoggingConfig, TrainConfig
+from megatron_lite.devices import EMULATED_BF16_SLOWDOWN, device_peak, measure_cpu_peak_tflops
 from megatron_lite.parallel import comms
 from megatron_lite.parallel.audit import op_identity
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
 from megatron_lite.unattended import job_id
 
-# Dense bf16 peak TFLOP/s by device-name fragment (first match wins, so variants come first).
-PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
-               ("A100", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("V100", 125.0))
 JSONL_TRAIN_KEYS = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "iter_time_ms",
                     "tokens_per_sec", "tflops_per_device", "mfu", "data_wait_ms", "comm_wait_ms",
                     "tokens_seen", "epoch")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def measure_cpu_peak_tflops(n: int = 1024, seconds: float = 0.3) -> float:
-    """Achievable bf16 matmul TFLOP/s of this CPU, the MFU denominator when no GPU is present.
-    The fastest single matmul counts, not the mean: a process sharing its cores (other ranks,
-    a build) is descheduled for part of the window, which would lower the peak and lift MFU."""
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
-    a @ b  # warm-up (oneDNN kernel selection)
-    best, start = math.inf, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
+def gemm_dtype(train: TrainConfig) -> torch.dtype:
+    """The dtype the model's GEMMs run in, whose peak MFU divides by. FP8 GEMMs are counted
+    against the bf16 peak (torchtitan's and Megatron's convention), and `peak_line` says so."""
+    if train.fp64:
+        return torch.float64
+    return torch.bfloat16 if train.bf16 else torch.float32
 
 
-def detect_peak_tflops(device: torch.device, given: float | None) -> tuple[float, str]:
-    """(peak TFLOP/s, where it came from)."""
-    if given:
-        return given, "--peak-tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peak in PEAK_TFLOPS:
-            if fragment in name:
-                return peak, f"bf16 dense, table ({name})"
-        return 989.0, f"bf16 dense, unknown GPU {name!r}: assuming 989; pass --peak-tflops"
-    return measure_cpu_peak_tflops(), "bf16 dense, measured bf16 matmul on this CPU"
+def detect_peak_tflops(device: torch.device, train: TrainConfig,
+                       given: float | None) -> tuple[float, str]:
+    """(MFU's denominator, where it came from): the table's peak on a GPU, the measured matmul
+    of the model's GEMM dtype on a CPU; a CPU whose bf16 matmul is emulated says so, with
+    the slowdown measured, when the run asks for --bf16."""
+    dtype = gemm_dtype(train)
+    if device.type == "cuda" and dtype == torch.float64:
+        return math.nan, "fp64: no fp64 peak in megatron_lite/devices.py; pass --peak-tflops"
+    peak, source = device_peak(device, dtype, given)
+    if device.type == "cpu" and train.bf16 and not given:
+        slowdown = measure_cpu_peak_tflops(torch.float32) / peak
+        if slowdown > EMULATED_BF16_SLOWDOWN:
+            source += (f"; bf16 matmul is emulated on this CPU ({slowdown:.0f}x slower than "
+                       "fp32): drop --bf16 for speed")
+    return peak, source
 
 
 def peak_line(peak: tuple[float, str], fp8: bool) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from megatron_lite import structure
 from megatron_lite.config import ModelConfig, MoEConfig, moe_layer_pattern
+from megatron_lite.devices import by_name
 from megatron_lite.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
@@ -83,25 +84,29 @@ Megatron-LM's H100 table (README@d98e8a6, images/model_table.png: seq 4096, voca
 bf16, DP/TP overlap), d_half taken from `A100_FIT`; residuals in tests/test_plan_time.py.
 H200 reuses it (the same GH100 compute). gpu_check's calibration file replaces both."""
 
+_A100, _H100, _H200 = (by_name(name) for name in ("A100", "H100 SXM", "H200"))
 PRESETS: dict[str, Hardware] = {
     # 312 TF fp16/bf16 dense; HBM2e 2,039 GB/s, ~91% achieved by streaming kernels; NVLink3
     # 300 GB/s per direction, NCCL all-reduce bus bandwidth ~230 GB/s on DGX A100;
     # 8 x 200 Gb/s HDR per node = 25 GB/s per GPU, ~80% achieved.
-    "a100-80gb": Hardware(312.0, **A100_FIT, hbm_gbps=1850.0, intra_node_gbps=230.0,
+    "a100-80gb": Hardware(_A100.bf16, **A100_FIT, hbm_gbps=1850.0, intra_node_gbps=230.0,
                           inter_node_gbps=20.0, latency_us=20.0, op_us=4.0,
-                          gpu_memory_gib=80.0),
+                          gpu_memory_gib=_A100.memory_gib),
     # 989 TF bf16 dense; HBM3 3.35 TB/s, ~80%; NVLink4 450 GB/s per direction, ~360 achieved;
     # 400 Gb/s NDR per GPU = 50 GB/s, ~80%.
-    "h100-sxm": Hardware(989.0, **H100_FIT, hbm_gbps=2700.0, intra_node_gbps=360.0,
-                         inter_node_gbps=40.0, latency_us=20.0, op_us=4.0, gpu_memory_gib=80.0),
+    "h100-sxm": Hardware(_H100.bf16, **H100_FIT, hbm_gbps=2700.0, intra_node_gbps=360.0,
+                         inter_node_gbps=40.0, latency_us=20.0, op_us=4.0,
+                         gpu_memory_gib=_H100.memory_gib),
     # the H100 SXM's GH100 compute and links; HBM3e 4.8 TB/s, 141 GB
-    "h200": Hardware(989.0, **H100_FIT, hbm_gbps=3900.0, intra_node_gbps=360.0,
-                     inter_node_gbps=40.0, latency_us=20.0, op_us=4.0, gpu_memory_gib=141.0),
+    "h200": Hardware(_H200.bf16, **H100_FIT, hbm_gbps=3900.0, intra_node_gbps=360.0,
+                     inter_node_gbps=40.0, latency_us=20.0, op_us=4.0,
+                     gpu_memory_gib=_H200.memory_gib),
     # ANCHORS.md §7 (2-core Xeon, fp32): ~0.25 TFLOP/s, until `measure_cpu` measures this one
     "cpu": Hardware(0.25, 1.0, 0.0, hbm_gbps=10.0, intra_node_gbps=5.0, inter_node_gbps=5.0,
                     latency_us=50.0, op_us=8.0, gpu_memory_gib=16.0, host_bound=True),
 }
-"""--hardware presets; vendor datasheet numbers (ANCHORS.md §6.4), achieved fractions as said."""
+"""--hardware presets: peaks and memory from megatron_lite/devices.py's datasheets, achieved
+bandwidths as said."""
 
 CPU_GEMM_HALF_DIM = 0.0
 """d_half of fp32 torch.mm on the 2-core Xeon here: none. GEMMs of 2048 x d x d, d = 16 to

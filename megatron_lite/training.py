@@ -105,9 +105,7 @@ def run(cfg: Config) -> TrainResult:
     if cfg.train.deterministic_mode:  # before the first cuBLAS handle and NCCL communicator
         determinism.enable()
     if cfg.reliability.preflight == "quick":  # a bad node is named before it joins
-        peak = detect_peak_tflops(torch.device("cuda", env.local_rank), cfg.logging.peak_tflops
-                                  )[0] if torch.cuda.is_available() else None
-        preflight.check_rank(env.local_rank, peak)
+        preflight.check_rank(env.local_rank)
     startup = StartupTimes()
     with startup.timed("rendezvous"):  # launch checks first: refused by name, not a hang
         pstate = parallel_state.initialize(cfg, env)
@@ -172,7 +170,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
             start_iteration = checkpointer.load()
         journal = RunJournal(cfg.logging.log_jsonl, pstate.rank)  # before the logger writes
         journal.start_iteration = start_iteration
-        peak = detect_peak_tflops(pstate.device, cfg.logging.peak_tflops)
+        peak = detect_peak_tflops(pstate.device, cfg.train, cfg.logging.peak_tflops)
         log_startup(cfg, pstate, chunks, peak, launch_source)
         log_memory(cfg, pstate, chunks, optimizer, amax_history)
         logger = MetricsLogger(cfg, pstate, peak_tflops=peak[0])

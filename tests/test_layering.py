@@ -20,6 +20,8 @@ ALLOWED: dict[str, set[str]] = {
     "layout": {"schedules"},
     "config": {"errors", "schedules", "layout", "sharding"},
     "provenance": set(),
+    # the accelerators' datasheets and the CPU's measured peaks: a leaf
+    "devices": set(),
     "arguments": {"config", "errors"},
     "parallel": {"config", "errors"},
     "kernels": set(),
@@ -32,18 +34,18 @@ ALLOWED: dict[str, set[str]] = {
     # the model's parameter list (names, shapes, TP splits): read by the planner and export
     "structure": {"config"},
     "planner": {"config", "plan_time", "schedules", "structure", "sharding"},
-    "plan_time": {"errors", "config", "structure"},
+    "plan_time": {"errors", "config", "structure", "devices"},
     "memory": {"config", "parallel", "pipeline", "planner", "data"},
     # the run across Slurm jobs (stdlib only: the launch scripts call it between launches)
     "unattended": set(),
-    "metrics": {"config", "parallel", "planner", "unattended"},
+    "metrics": {"config", "parallel", "planner", "unattended", "devices"},
     "checkpoint": {"config", "parallel", "layers", "model", "optim", "data", "pipeline",
                    "provenance", "errors"},
     "export": {"config", "parallel", "layers", "model", "checkpoint", "kernels", "errors",
                "structure", "export_moe"},
     # export's Mixtral / Qwen3-MoE naming, config and refusals
     "export_moe": {"config", "checkpoint"},
-    "reliability": {"config", "parallel", "errors"},
+    "reliability": {"config", "parallel", "errors", "devices"},
     "profiling": {"config"},
     "startup_paths": {"config", "errors"},
     # distillation: a teacher model from a checkpoint and its losses, used by training
