@@ -16,6 +16,7 @@
 #             to the repo); when it is missing the script says so and exits 0.
 #   --out     work directory (default: runs/shakespeare_char, gitignored); the tokenizer and
 #             shards are reused on a rerun.
+#   --fp32    train in fp32 (default: the CPU's fastest matmul dtype, bf16 where it is native)
 #   Any other flags go to pretrain.py after ours, so they override them, e.g.
 #   `--bf16 --compile` (the fastest CPU setting, see bench/shakespeare.py) or
 #   `--train-iters 100` for a quick look.
@@ -30,10 +31,12 @@ fi
 INPUT="$REPO/../shared/data/tinyshakespeare/input.txt"
 OUT="$REPO/runs/shakespeare_char"
 EXTRA=()
+DTYPE=auto
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --input) INPUT=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
+        --fp32) DTYPE=fp32; shift ;;
         *) EXTRA+=("$1"); shift ;;
     esac
 done
@@ -43,6 +46,12 @@ if [[ ! -f "$INPUT" ]]; then
     exit 0
 fi
 mkdir -p "$OUT"
+if [[ $DTYPE == auto && " ${EXTRA[*]} " != *" --bf16 "* ]]; then
+    # the CPU's fastest matmul dtype: bf16 where it is native, fp32 where it is emulated
+    DTYPE_FLAG=$("$PYTHON" -m megatron_lite.devices --cpu-dtype-flag)
+    echo "dtype: ${DTYPE_FLAG:-fp32} (this CPU's fastest matmul; --fp32 for fp32)"
+    if [[ -n $DTYPE_FLAG ]]; then EXTRA=("$DTYPE_FLAG" "${EXTRA[@]}"); fi
+fi
 
 if [[ ! -f "$OUT/char.model" ]]; then
     # char pieces for every character of the text (coverage 1.0), so each character is one

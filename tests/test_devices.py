@@ -88,3 +88,22 @@ def test_the_cpu_peak_is_measured_within_half_a_second() -> None:
         start = time.perf_counter()
         assert devices.measure_cpu_peak_tflops(dtype) > 0
         assert time.perf_counter() - start < 0.5
+
+
+def test_the_demo_picks_bf16_only_where_this_cpu_multiplies_it_natively(monkeypatch) -> None:
+    rates = {torch.float32: 0.2, torch.bfloat16: 0.8}  # AVX-512 BF16: 4x fp32
+    monkeypatch.setattr(devices, "measure_cpu_peak_tflops", lambda dtype, seconds: rates[dtype])
+    assert devices.cpu_fastest_dtype() == torch.bfloat16
+    rates[torch.bfloat16] = 0.00075  # AVX2 only: emulated
+    assert devices.cpu_fastest_dtype() == torch.float32
+
+
+def test_the_tiny_cpu_script_refuses_an_unknown_dtype(tmp_path) -> None:
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_llama_tiny_cpu.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "DTYPE": "fp16", "HOME": str(tmp_path),
+                               "RUN_DIR": str(tmp_path / "run")}, timeout=60)
+    assert proc.returncode == 2 and "DTYPE=fp16: use auto, fp32 or bf16" in proc.stderr
