@@ -164,9 +164,8 @@ def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[
             ("all_gather_async", lambda: all_gather(True)),
             ("reduce_scatter", lambda: reduce_scatter(False)),
             ("reduce_scatter_async", lambda: reduce_scatter(True)),
-            ("all_gather_objects",
-             lambda: comms.all_gather_objects(f"r{rank}", group, dev, kind="world")
-             == ["r0", "r1"]),
+            ("all_gather_objects", lambda: comms.all_gather_objects(
+                f"r{rank}", group, dev, kind="world") == ["r0", "r1"]),
             ("all_gather_list", all_gather_list),
             ("host_tensor", host_tensor),
             ("barrier", barrier),

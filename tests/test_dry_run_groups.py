@@ -44,7 +44,7 @@ def _plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, owner: object, n
     assert source.count(old) == 1, f"the plant's target {old!r} is not in {name}"
     code = compile("\n" * (first - 1) + source.replace(old, new), inspect.getfile(func), "exec")
     space: dict = {}
-    exec(code, vars(module), space)  # noqa: S102 - a test's plant of a known source line
+    exec(code, vars(module), space)  # a test's plant of one known source line
     monkeypatch.setattr(owner, name, space[name])  # the source keeps its decorators
 
 

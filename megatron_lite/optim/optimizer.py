@@ -72,9 +72,13 @@ class SyncGroup:
 
     def reduced_terms(self, carry: Tensor | None, dtype: torch.dtype) -> Tensor:
         """[squared gradient norm, *carry] of this group, summed over its norm group."""
-        return reduced_square_sum([g for s in self.bufs.shards for g in s.norm_pieces()],
-                                  carry, self.norm_group, dtype, self.ctx.replicas.device,
-                                  kind=self.norm_kind)
+        return self.reduced([g for s in self.bufs.shards for g in s.norm_pieces()], carry, dtype)
+
+    def reduced(self, pieces: list[Tensor], carry: Tensor | None, dtype: torch.dtype
+                ) -> Tensor:
+        """[squared sum of `pieces`, *carry], summed over the norm group."""
+        return reduced_square_sum(pieces, carry, self.norm_group, dtype,
+                                  self.ctx.replicas.device, kind=self.norm_kind)
 
 
 @dataclass
@@ -278,8 +282,7 @@ class Optimizer:
             if (carry is not None and not norm.is_meta
                     and not group.check.passes(terms[1:], norm_value)):
                 return self._skipped(norm_value, group.check.culprits(
-                    carry, norm_value, rates, self.pstate.rank, group.norm_group,
-                    group.norm_kind))
+                    carry, norm_value, rates, self.pstate.rank, group.norm_group, group.norm_kind))
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
@@ -299,10 +302,8 @@ class Optimizer:
 
     def params_norm(self) -> float:
         """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""
-        squares = [reduced_square_sum(
-            [s.buffer.param[r.start:r.end] for s in g.bufs.shards for r in s.norm_ranges],
-            None, g.norm_group, self.math_dtype, self.pstate.device, kind=g.norm_kind)
-            for g in self.groups]
+        squares = [g.reduced([s.buffer.param[r.start:r.end] for s in g.bufs.shards
+                              for r in s.norm_ranges], None, self.math_dtype) for g in self.groups]
         return comms.host_scalar(torch.cat(squares).sum().sqrt())
 
     def num_zeros_in_grad(self) -> int | float:
