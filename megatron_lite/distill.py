@@ -238,17 +238,17 @@ def vocab_parallel_kl(student: Tensor, teacher: Tensor, vocab_start: int, vocab_
         t = upcast(teacher[..., :n_valid]) / temperature
         t_max, s_max = _global_max(t, group), _global_max(s.detach(), group)
         t = t - t_max[..., None]
-        t_sum = comms.all_reduce_(t.exp().sum(-1), group)
+        t_sum = comms.all_reduce_(t.exp().sum(-1), group, kind="tp")
         log_p = t - t_sum.log()[..., None]
         p = log_p.exp()
     z = s - s_max[..., None]
-    cross = comms.reduce_from_region((p * (log_p - z)).sum(-1), group)
-    return cross + comms.reduce_from_region(z.exp().sum(-1), group).log()
+    cross = comms.reduce_from_region((p * (log_p - z)).sum(-1), group, kind="tp")
+    return cross + comms.reduce_from_region(z.exp().sum(-1), group, kind="tp").log()
 
 
 def _global_max(x: Tensor, group: comms.Group) -> Tensor:
     local = x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))
-    return comms.all_reduce_(local, group, torch.distributed.ReduceOp.MAX)
+    return comms.all_reduce_(local, group, torch.distributed.ReduceOp.MAX, kind="tp")
 
 
 def pair_loss(student: Tensor, teacher: Tensor, kind: str) -> Tensor:
@@ -306,7 +306,7 @@ class DistillationChunk(nn.Module):
         for kind in self.dcfg.intermediate_losses:
             per_token = pair_loss(hidden, t_hidden, kind)  # [s(/t), b]: SP splits the tokens
             if out.sequence_parallel:
-                per_token = comms.gather_from_region(per_token, 0, out.tp_group)
+                per_token = comms.gather_from_region(per_token, 0, out.tp_group, kind="tp")
             inter = inter + per_token.t() / len(self.dcfg.intermediate_losses)
         return torch.stack([lm.to(kl.dtype), kl, inter])
 

@@ -446,7 +446,9 @@ def run_rank(cfg: Config, world_size: int, rank: int, *, time_host: bool = True
     validate(cfg, world_size)
     pstate = parallel_state.initialize_fake(cfg, world_size, rank)
     try:
-        audit, live = CommAudit(pstate.device), LiveBytes(pstate.device)
+        # every op's group is checked against this rank's group of the kind its call site names
+        audit = CommAudit(pstate.device, pstate.ranks_by_kind())
+        live = LiveBytes(pstate.device)
         # Syncs are counted (comms.host_scalar's reads, the ones a meta run skips); any other
         # read-back of a meta tensor fails and the audit names its line.
         with tempfile.TemporaryDirectory(prefix="dry-run-save-") as scratch, \

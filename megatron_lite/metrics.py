@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_lite.config import Config, ConfigError, LoggingConfig, TrainConfig
 from megatron_lite.devices import EMULATED_BF16_SLOWDOWN, device_peak, measure_cpu_peak_tflops
 from megatron_lite.parallel import comms
-from megatron_lite.parallel.audit import op_identity
+from megatron_lite.parallel.audit import group_kind, op_identity
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import ModelShape, matmul_params, training_flops_per_token
 from megatron_lite.unattended import job_id
@@ -153,7 +153,7 @@ def _gather_floats(values: list[float], pstate: ParallelState) -> list[list[floa
         return [values]
     local = torch.tensor(values, dtype=torch.float64, device=pstate.device)
     out = [torch.empty_like(local) for _ in range(pstate.world_size)]
-    with op_identity("rank_values"):
+    with op_identity("rank_values"), group_kind("world"):
         dist.all_gather(out, local, group=pstate.world_group)
     # a dry run: no values come back; each rank reads its own as everyone's
     return comms.host_value(torch.stack(out), [list(values) for _ in out])
@@ -163,7 +163,7 @@ def _gather_hosts(pstate: ParallelState) -> list[str]:
     host = socket.gethostname()
     if not pstate.distributed:
         return [host]
-    return comms.all_gather_objects(host, pstate.world_group, pstate.device)
+    return comms.all_gather_objects(host, pstate.world_group, pstate.device, kind="world")
 
 
 def resolve_wandb_mode(flag: str | None, environ: dict[str, str] | os._Environ

@@ -477,7 +477,7 @@ def loss_normalization(batches: list[dict[str, Tensor]], pstate: ParallelState,
     counts = torch.stack([b["loss_mask"].sum() for b in batches]).to(pstate.device,
                                                                     torch.float32)
     if pstate.cp_size > 1:
-        counts = comms.all_reduce_(counts, pstate.cp_group)
+        counts = comms.all_reduce_(counts, pstate.cp_group, kind="cp")
     return MicroBatchMeans(counts.clamp(min=1) * (len(batches) * pstate.dp_size), tokens)
 
 
@@ -485,7 +485,8 @@ def global_token_count(batches: list[dict[str, Tensor]], pstate: ParallelState) 
     """Valid (loss-masked) tokens in the whole global batch, summed over DP ranks (and CP
     ranks, each of which counts its own chunks)."""
     count = sum(b["loss_mask"].sum() for b in batches).to(pstate.device, torch.float32)
-    return comms.all_reduce_(count, pstate.dp_cp_group if pstate.cp_size > 1 else pstate.dp_group)
+    return comms.all_reduce_(count, pstate.dp_cp_group if pstate.cp_size > 1 else pstate.dp_group,
+                             kind="dp_cp")
 
 
 def _to_device(batch: dict[str, Tensor], pstate: ParallelState) -> dict:
@@ -509,7 +510,7 @@ def reduce_loss(local: Tensor, pstate: ParallelState) -> float:
     last one; the first under ZBV), on every rank. Other stages hold exact zeros."""
     owner = pstate.tp_rank == 0
     value = local.clone() if owner else torch.zeros_like(local)
-    return comms.host_scalar(comms.all_reduce_(value, pstate.world_group))
+    return comms.host_scalar(comms.all_reduce_(value, pstate.world_group, kind="world"))
 
 
 def _learning_rates(trainer: Trainer, scale: float) -> tuple[float, float | None]:
@@ -589,7 +590,7 @@ def plan_epochs(cfg: Config, pstate: ParallelState, loader: MicroBatchLoader) ->
     if node_local:
         row = torch.zeros(pstate.dp_size, dtype=torch.float64, device=pstate.device)
         row[pstate.dp_rank] = local
-        per_rank = [int(x) for x in comms.all_reduce_(row, pstate.dp_group).tolist()]
+        per_rank = [int(x) for x in comms.all_reduce_(row, pstate.dp_group, kind="dp").tolist()]
     total = sum(per_rank)
     planned = planned_samples(cfg, loader.global_batch_size)
     epochs = planned / total
@@ -739,7 +740,7 @@ def reduced_parameter_count(chunks: list[nn.Module], pstate: ParallelState) -> T
                 seen.add(id(p))
                 local += p.numel()
     count = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
-    return comms.all_reduce_(count, pstate.mp_group)
+    return comms.all_reduce_(count, pstate.mp_group, kind="mp")
 
 
 STARTUP_PHASES = ("rendezvous", "data validation", "index", "model build", "checkpoint load",
@@ -767,7 +768,7 @@ class StartupTimes:
         """Collective (every rank calls it, after the first step)."""
         values = torch.tensor([self.seconds[p] for p in STARTUP_PHASES], dtype=torch.float64,
                               device=pstate.device)
-        comms.all_reduce_(values, pstate.world_group, op=dist.ReduceOp.MAX)
+        comms.all_reduce_(values, pstate.world_group, op=dist.ReduceOp.MAX, kind="world")
         if pstate.rank != 0:
             return
         parts = ", ".join(f"{phase} {comms.host_scalar(values[i]):.2f} s"
@@ -790,12 +791,14 @@ def data_coordinator(cfg: Config, pstate: ParallelState) -> Coordinator:
 
     def wait(error: str | None) -> str | None:
         try:
-            failed = comms.barrier(pstate.world_group, pstate.device, status=0 if error is None
-                                   else pstate.rank + 1, timeout_s=minutes * 60)
+            failed = comms.barrier(pstate.world_group, pstate.device, kind="world",
+                                   status=0 if error is None else pstate.rank + 1,
+                                   timeout_s=minutes * 60)
             if not failed:
                 return None
             # only when a rank failed: every rank learns what, so each can name the file
-            errors = comms.all_gather_objects(error, pstate.world_group, pstate.device)
+            errors = comms.all_gather_objects(error, pstate.world_group, pstate.device,
+                                              kind="world")
             return f"rank {failed - 1} could not prepare the data: {errors[failed - 1]}"
         except TimeoutError as e:
             whom = ("the other ranks" if preparer == pstate.rank else

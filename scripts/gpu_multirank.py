@@ -118,18 +118,18 @@ def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[
 
     def all_reduce(op: dist.ReduceOp.RedOpType, expect: float) -> bool:
         x = torch.full((8,), float(rank + 1), device=dev)
-        return bool((comms.all_reduce_(x, group, op) == expect).all())
+        return bool((comms.all_reduce_(x, group, op, kind="world") == expect).all())
 
     def all_gather(async_op: bool) -> bool:
         x = torch.full((3, 5), float(rank), device=dev)
-        out, work = comms.all_gather_dim0(x, group, async_op=async_op)
+        out, work = comms.all_gather_dim0(x, group, kind="world", async_op=async_op)
         if work is not None:
             work.wait()
         return bool((out == torch.arange(2, device=dev).repeat_interleave(3)[:, None]).all())
 
     def reduce_scatter(async_op: bool) -> bool:
         x = torch.arange(24.0, device=dev).view(4, 6) * (rank + 1)
-        out, work = comms.reduce_scatter_dim0(x, group, async_op=async_op)
+        out, work = comms.reduce_scatter_dim0(x, group, kind="world", async_op=async_op)
         if work is not None:
             work.wait()
         return bool((out == 3 * torch.arange(24.0, device=dev).view(4, 6)[2 * rank:][:2]).all())
@@ -147,7 +147,7 @@ def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[
         return True
 
     def barrier() -> bool:  # what checkpoint saves wait on
-        comms.barrier(group, dev)
+        comms.barrier(group, dev, kind="world")
         return True
 
     def send_recv() -> bool:  # what pipeline/p2p.py posts for one boundary exchange
@@ -164,8 +164,8 @@ def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[
             ("all_gather_async", lambda: all_gather(True)),
             ("reduce_scatter", lambda: reduce_scatter(False)),
             ("reduce_scatter_async", lambda: reduce_scatter(True)),
-            ("all_gather_objects",
-             lambda: comms.all_gather_objects(f"r{rank}", group, dev) == ["r0", "r1"]),
+            ("all_gather_objects", lambda: comms.all_gather_objects(
+                f"r{rank}", group, dev, kind="world") == ["r0", "r1"]),
             ("all_gather_list", all_gather_list),
             ("host_tensor", host_tensor),
             ("barrier", barrier),

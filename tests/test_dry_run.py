@@ -135,7 +135,7 @@ def test_a_host_tensor_in_a_collective_is_refused(monkeypatch) -> None:
     """The bug class NCCL finds at start-up: a count built on the host and all-reduced."""
     def host_count(batches, pstate):
         count = sum(b["loss_mask"].sum() for b in batches).to(torch.float32)  # stays on host
-        return comms.all_reduce_(count, pstate.dp_group)
+        return comms.all_reduce_(count, pstate.dp_group, kind="dp")
 
     monkeypatch.setattr(training, "global_token_count", host_count)
     world, extra = LAYOUTS["dp4-zero1-full-recompute"]

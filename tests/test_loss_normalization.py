@@ -67,7 +67,7 @@ def step(pstate: ParallelState, cfg: Config) -> dict:
     batches = _batches(pstate)
     norm = loss_normalization(batches, pstate, cfg.train.calculate_per_token_loss)
     local = StepRunner(cfg, pstate, chunks)(batches, norm)
-    grads = {n: comms.all_reduce_(g, pstate.dp_cp_group) if pstate.dp_cp_group else g
+    grads = {n: comms.all_reduce_(g, pstate.dp_cp_group, kind="dp_cp") if pstate.dp_cp_group else g
              for n, g in _named_grads(chunks).items()}
     return {"loss": reduce_loss(local, pstate), "grads": grads, "dp": pstate.dp_rank,
             "cp": pstate.cp_rank}

@@ -121,7 +121,7 @@ def _gather_then_linear(x: torch.Tensor, weight: torch.Tensor, group: comms.Grou
                         sequence_parallel: bool, weight_grads: object = None) -> torch.Tensor:
     """The column linear before it saved its input shard: autograd keeps the gathered input."""
     assert sequence_parallel and weight_grads is None
-    return F.linear(comms.gather_from_sequence_region(x, group), weight)
+    return F.linear(comms.gather_from_sequence_region(x, group, kind="tp"), weight)
 
 
 def _tp2_sp_saved_as(pstate: ParallelState, b: int, dtype: torch.dtype) -> tuple[int, ...]:

@@ -282,15 +282,17 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.pstate.distributed:
-            comms.barrier(self.pstate.world_group, self.pstate.device)
+            comms.barrier(self.pstate.world_group, self.pstate.device, kind="world")
 
     def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
         scalar = torch.tensor([value], dtype=torch.float64 if self.pstate.device.type == "cpu"
                               else torch.float32, device=self.pstate.device)
-        return comms.host_scalar(comms.all_reduce_(scalar, self.pstate.world_group, op=op))
+        return comms.host_scalar(comms.all_reduce_(scalar, self.pstate.world_group, op=op,
+                                                    kind="world"))
 
     def _gather(self, obj: object) -> list:
-        return comms.all_gather_objects(obj, self.pstate.world_group, self.pstate.device)
+        return comms.all_gather_objects(obj, self.pstate.world_group, self.pstate.device,
+                                        kind="world")
 
     # ---- saving --------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ from torch import Tensor
 
 from megatron_lite.kernels._precision import math_dtype, upcast
 from megatron_lite.parallel import host_syncs
-from megatron_lite.parallel.audit import batch_identity, identity
+from megatron_lite.parallel.audit import batch_identity, group_kind, identity
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,7 @@ class _Posted:
         ops += [dist.P2POp(dist.irecv, t, ring.prev, ring.group, tag + i) for i, t in
                 enumerate(self.received)]
         with batch_identity(lambda: [(op.tensor, identity(n, ring_step=step))
-                                     for op, n in zip(ops, names * 2)]):
+                                     for op, n in zip(ops, names * 2)]), group_kind("cp"):
             self.works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[Tensor]:

@@ -26,6 +26,7 @@ from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.init import init_shard
 from megatron_lite.layers.linear import DeferredWeight, column_parallel_linear
 from megatron_lite.parallel import comms
+from megatron_lite.parallel.audit import group_kind
 
 
 def init_vocab_weight(vocab_size: int, padded_size: int, hidden: int, ctx: LayerContext, *,
@@ -91,8 +92,8 @@ class VocabParallelEmbedding(nn.Module):
             out = self._lookup(local.masked_fill(outside, 0))
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return comms.reduce_scatter_to_sequence_region(out, self.tp_group)
-        return comms.reduce_from_region(out, self.tp_group)
+            return comms.reduce_scatter_to_sequence_region(out, self.tp_group, kind="tp")
+        return comms.reduce_from_region(out, self.tp_group, kind="tp")
 
 
 class VocabParallelOutput(nn.Module):
@@ -134,7 +135,8 @@ class VocabParallelOutput(nn.Module):
 
     def token_losses(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Per-token loss [b, s] of this rank's logits [s, b, V/t] (distillation keeps them)."""
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.vocab_start, self.vocab_size, self.tp_group,
-            use_triton=self.use_triton)
+        with group_kind("tp"):  # the kernel's all-reduces (kernels/ cannot name kinds)
+            loss = vocab_parallel_cross_entropy(
+                logits, labels.t(), self.vocab_start, self.vocab_size, self.tp_group,
+                use_triton=self.use_triton)
         return loss.t()

@@ -69,15 +69,16 @@ class Fp8Recipe:
 
 
 def quantize(x: Tensor, dtype: torch.dtype, margin: int = 0,
-             group: comms.Group = None) -> tuple[Tensor, Tensor]:
+             group: comms.Group = None, kind: str = "tp") -> tuple[Tensor, Tensor]:
     """(x in fp8, its inverse scale as a 0-dim fp32 tensor). The amax is reduced over `group`
-    (the TP group of a sharded operand) so every rank uses the whole tensor's scale."""
-    return cast(x, dtype, _reduced(x.detach().abs().amax().float(), group), margin)
+    (the TP group of a sharded operand; `kind` names it, audit.group_kind) so every rank uses
+    the whole tensor's scale."""
+    return cast(x, dtype, _reduced(x.detach().abs().amax().float(), group, kind), margin)
 
 
-def _reduced(amax: Tensor, group: comms.Group) -> Tensor:
+def _reduced(amax: Tensor, group: comms.Group, kind: str) -> Tensor:
     if group is not None and comms.group_size(group) > 1:
-        comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX)
+        comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX, kind=kind)
     return amax
 
 
@@ -111,14 +112,15 @@ def fp8_matmul(a: Tensor, b: Tensor, a_dtype: torch.dtype = FWD_DTYPE,
                b_dtype: torch.dtype = FWD_DTYPE, *, margin: int = 0,
                a_group: comms.Group = None, b_group: comms.Group = None) -> Tensor:
     """a [m, k] @ b [k, n] with both operands quantized tensorwise to fp8, in a's dtype."""
-    a8, a_inv = quantize(a, a_dtype, margin, a_group)
-    b8, b_inv = quantize(b, b_dtype, margin, b_group)
+    a8, a_inv = quantize(a, a_dtype, margin, a_group, kind="tp")
+    b8, b_inv = quantize(b, b_dtype, margin, b_group, kind="tp")
     return scaled_mm(a8, b8, a_inv, b_inv, a.dtype)
 
 
 @dataclass(frozen=True)
 class Fp8Groups:
-    """The TP group each operand of one linear is sharded over (None: whole on every rank)."""
+    """The TP group each operand of one linear is sharded over (None: whole on every rank);
+    the linears' collectives name them kind "tp" (a dry run checks each is the TP group)."""
 
     x: comms.Group = None
     weight: comms.Group = None
@@ -132,7 +134,7 @@ class Fp8Groups:
 
 def gather_fp8(x8: Tensor, group: comms.Group) -> Tensor:
     """All-gather an fp8 tensor's dim-0 slices as uint8 (gloo has no float8 types)."""
-    full, _ = comms.all_gather_dim0(x8.contiguous().view(torch.uint8), group)
+    full, _ = comms.all_gather_dim0(x8.contiguous().view(torch.uint8), group, kind="tp")
     return full.view(x8.dtype)
 
 
@@ -167,11 +169,12 @@ def _quantize_operand(x: Tensor, dtype: torch.dtype, recipe: Fp8Recipe, group: c
     """Tensorwise without `state`; else scaled from the history (from the current TP-reduced
     amax before the first fold), the local amax recorded for the step when `record`."""
     if state is None:
-        return quantize(x, dtype, recipe.margin, group)
+        return quantize(x, dtype, recipe.margin, group, kind="tp")
     local = x.detach().abs().amax().float()
     if record:
         state.observe(operand, local)
-    amax = state.history_amax(operand) if state.started else _reduced(local.clone(), group)
+    amax = (state.history_amax(operand) if state.started
+            else _reduced(local.clone(), group, kind="tp"))
     return cast(x, dtype, amax, recipe.margin)
 
 
@@ -241,7 +244,7 @@ class Fp8Linear(torch.autograd.Function):
                                       GRAD, True)
         grad_x = scaled_mm(g8, w8, g_inv, w_inv, x_dtype)
         if groups.sequence is not None:  # the whole input's gradient back to this shard
-            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
+            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence, kind="tp")[0]
         grad_x = grad_x.reshape(ctx.x_shape)
         if ctx.defer is not None:  # a zero-bubble B step: the W step runs this GEMM
             ctx.defer(lambda: scaled_mm(g8.t(), x8, g_inv, x_inv, w_dtype))
@@ -287,14 +290,14 @@ class Fp8RowwiseLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, margin: int, groups: Fp8Groups,
                 defer: Callable[[Callable[[], Tensor]], None] | None = None) -> Tensor:
         x2 = x.reshape(-1, x.size(-1))
-        x8, x_inv = quantize_rowwise(x2, 1, margin, groups.x)
+        x8, x_inv = quantize_rowwise(x2, 1, margin, groups.x, kind="tp")
         if groups.sequence is not None:  # rows [s/t * b] per rank, in rank order
             x8 = gather_fp8(x8, groups.sequence)
-            x_inv = comms.all_gather_dim0(x_inv.contiguous(), groups.sequence)[0]
-        w8, w_inv = quantize_rowwise(weight, 1, margin, groups.x)
+            x_inv = comms.all_gather_dim0(x_inv.contiguous(), groups.sequence, kind="tp")[0]
+        w8, w_inv = quantize_rowwise(weight, 1, margin, groups.x, kind="tp")
         out = scaled_mm(x8, w8.t(), x_inv, w_inv.t(), x.dtype)
         del x8, w8  # before the saved copy: one gathered e4m3 input at a time
-        xc8, xc_inv = quantize_rowwise(x2, 0, margin, groups.sequence)
+        xc8, xc_inv = quantize_rowwise(x2, 0, margin, groups.sequence, kind="tp")
         if groups.sequence is not None:
             xc8 = gather_fp8(xc8, groups.sequence)
         ctx.margin, ctx.groups, ctx.defer, ctx.x_shape = margin, groups, defer, x.shape
@@ -307,12 +310,12 @@ class Fp8RowwiseLinear(torch.autograd.Function):
         xc8, xc_inv, weight = ctx.saved_tensors
         margin, groups = ctx.margin, ctx.groups
         g2 = grad.reshape(-1, grad.size(-1))
-        g8, g_inv = quantize_rowwise(g2, 1, margin, groups.grad)
-        wc8, wc_inv = quantize_rowwise(weight, 0, margin, groups.grad)
+        g8, g_inv = quantize_rowwise(g2, 1, margin, groups.grad, kind="tp")
+        wc8, wc_inv = quantize_rowwise(weight, 0, margin, groups.grad, kind="tp")
         grad_x = scaled_mm(g8, wc8, g_inv, wc_inv, ctx.x_dtype)
         del g8, wc8
         if groups.sequence is not None:  # the whole input's gradient back to this shard
-            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence)[0]
+            grad_x = comms.reduce_scatter_dim0(grad_x, groups.sequence, kind="tp")[0]
         grad_x = grad_x.reshape(ctx.x_shape)
         gc8, gc_inv = quantize_rowwise(g2, 0, margin)
 
@@ -368,7 +371,8 @@ class Fp8History:
         """The step's amaxes become each history's newest entry (the oldest drops out)."""
         if self.pstate.world_group is not None and dist.get_world_size(
                 self.pstate.world_group) > 1:
-            comms.all_reduce_(self.amax, self.pstate.world_group, op=dist.ReduceOp.MAX)
+            comms.all_reduce_(self.amax, self.pstate.world_group, op=dist.ReduceOp.MAX,
+                              kind="world")
         self.history.copy_(torch.roll(self.history, 1, dims=1))
         self.history[:, 0] = self.amax
         self._start(True)
@@ -417,13 +421,13 @@ def history(cfg: Config, pstate: ParallelState, chunks: Sequence[torch.nn.Module
 # range) and scaled by current amaxes only (no delayed scaling for the experts).
 
 
-def quantize_rowwise(x: Tensor, dim: int, margin: int = 0, group: comms.Group = None
-                     ) -> tuple[Tensor, Tensor]:
+def quantize_rowwise(x: Tensor, dim: int, margin: int = 0, group: comms.Group = None,
+                     kind: str = "tp") -> tuple[Tensor, Tensor]:
     """(x in e4m3, inverse scales): one scale per slice along every dim but `dim` (the amax is
-    taken over `dim`, reduced over `group` when that dim is sharded over TP)."""
+    taken over `dim`, reduced over `group`, of `kind`, when that dim is sharded over TP)."""
     amax = x.detach().abs().amax(dim, keepdim=True).float()
     if group is not None and comms.group_size(group) > 1:
-        comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX)
+        comms.all_reduce_(amax, group, op=dist.ReduceOp.MAX, kind=kind)
     scale = _scale(amax, margin)
     return cast_scaled(x, scale), scale.reciprocal()
 
@@ -493,7 +497,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
     """x [N, k] (rows sorted by expert, `counts` per expert) @ w [G, k, n] per expert, with
     the forward, input-gradient and weight-gradient grouped GEMMs in e4m3, rowwise scaled.
 
-    `k_group` / `n_group`: the TP group k / n is sharded over (None: whole here); the amax of
+    `k_group` / `n_group`: the expert-TP group k / n is sharded over (None: whole here;
+    collectives of kind "etp"); the amax of
     a row or column that runs along a sharded dim is reduced over it, so the scales are the
     one-process ones. Backward quantizes the weight afresh along its other dim; the saved
     activation is x in e4m3 scaled per expert and column (1 byte per element), the operand
@@ -504,8 +509,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, counts: Tensor, margin: int,
                 k_group: comms.Group, n_group: comms.Group) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        x8, x_inv = quantize_rowwise(x, 1, margin, k_group)
-        w8, w_inv = quantize_rowwise(w, 1, margin, k_group)
+        x8, x_inv = quantize_rowwise(x, 1, margin, k_group, kind="etp")
+        w8, w_inv = quantize_rowwise(w, 1, margin, k_group, kind="etp")
         xg8, xg_inv = quantize_per_group(x, counts, margin)
         ctx.save_for_backward(xg8, xg_inv, w, counts, offs)
         ctx.margin, ctx.n_group, ctx.x_dtype = margin, n_group, x.dtype
@@ -515,8 +520,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         xg8, xg_inv, w, counts, offs = ctx.saved_tensors
         margin = ctx.margin
-        g8, g_inv = quantize_rowwise(grad, 1, margin, ctx.n_group)
-        wt8, wt_inv = quantize_rowwise(w.transpose(1, 2), 1, margin, ctx.n_group)
+        g8, g_inv = quantize_rowwise(grad, 1, margin, ctx.n_group, kind="etp")
+        wt8, wt_inv = quantize_rowwise(w.transpose(1, 2), 1, margin, ctx.n_group, kind="etp")
         grad_x = scaled_grouped_mm(g8, wt8, g_inv.view(-1), wt_inv.squeeze(1), offs,
                                    ctx.x_dtype)
         gg8, gg_inv = quantize_per_group(grad, counts, margin)

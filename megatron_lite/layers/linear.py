@@ -56,7 +56,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
         x = x.contiguous()
         ctx.group = group
         ctx.save_for_backward(x, weight)
-        x_full, _ = comms.all_gather_dim0(x, group)
+        x_full, _ = comms.all_gather_dim0(x, group, kind="tp")
         return F.linear(x_full, weight)
 
     @staticmethod
@@ -65,11 +65,12 @@ class _SequenceGatherLinear(torch.autograd.Function):
         # Dynamo cannot trace async_op=True; its functional collectives are asynchronous
         # anyway and the compiler places their waits.
         async_op = not torch.compiler.is_compiling()
-        x_full, gather = comms.all_gather_dim0(x, ctx.group, async_op=async_op)
+        x_full, gather = comms.all_gather_dim0(x, ctx.group, kind="tp", async_op=async_op)
         grad_input = grad.matmul(weight)  # [s, b, in], contiguous
         if gather is not None:
             gather.wait()
-        grad_x, scatter = comms.reduce_scatter_dim0(grad_input, ctx.group, async_op=async_op)
+        grad_x, scatter = comms.reduce_scatter_dim0(grad_input, ctx.group, kind="tp",
+                                                  async_op=async_op)
         grad_weight = grad.reshape(-1, grad.size(-1)).t().matmul(
             x_full.reshape(-1, x_full.size(-1)))
         if scatter is not None:
@@ -152,7 +153,7 @@ class DeferredWeight:
 
 
 def _gather(x: Tensor, group: comms.Group) -> Tensor:
-    return x if group is None else comms.all_gather_dim0(x.contiguous(), group)[0]
+    return x if group is None else comms.all_gather_dim0(x.contiguous(), group, kind="tp")[0]
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
@@ -171,7 +172,8 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
         ctx.save_for_backward(x)
         out = F.linear(_gather(x, deferred.gather_group), deferred.weight)
         if deferred.scatter_group is not None:
-            out = comms.reduce_scatter_dim0(out.contiguous(), deferred.scatter_group)[0]
+            out = comms.reduce_scatter_dim0(out.contiguous(), deferred.scatter_group,
+                                            kind="tp")[0]
         return out
 
     @staticmethod
@@ -188,7 +190,7 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
 
         deferred.queue.push(deferred.weight, weight_grad)
         if deferred.gather_group is not None:
-            grad_x = comms.reduce_scatter_dim0(grad_x, deferred.gather_group)[0]
+            grad_x = comms.reduce_scatter_dim0(grad_x, deferred.gather_group, kind="tp")[0]
         return grad_x, None
 
 
@@ -203,11 +205,11 @@ def column_parallel_linear(x: Tensor, weight: Tensor, group: comms.Group,
     if weight_grads is not None:
         if sequence_parallel:
             return _DeferredWeightGradLinear.apply(x, DeferredWeight(weight, weight_grads, group))
-        return _DeferredWeightGradLinear.apply(comms.copy_to_region(x, group),
+        return _DeferredWeightGradLinear.apply(comms.copy_to_region(x, group, kind="tp"),
                                                DeferredWeight(weight, weight_grads))
     if sequence_parallel:
         return _SequenceGatherLinear.apply(x, weight, group)
-    return F.linear(comms.copy_to_region(x, group), weight)
+    return F.linear(comms.copy_to_region(x, group, kind="tp"), weight)
 
 
 def _deferred_push(queue: WeightGradQueue | None, weight: nn.Parameter
@@ -259,7 +261,7 @@ class ColumnParallelLinear(nn.Module):
             # TP. A sequence-parallel input is quantized as a shard and gathered in fp8.
             sequence = self.tp_group if self.sequence_parallel else None
             if sequence is None:
-                x = comms.copy_to_region(x, self.tp_group)
+                x = comms.copy_to_region(x, self.tp_group, kind="tp")
             out = fp8_linear(x, self.weight, self.fp8, Fp8Groups(
                 weight=self.tp_group, grad=self.tp_group, sequence=sequence), self.fp8_state,
                 self.fp8_weight, _deferred_push(self.weight_grads, self.weight))
@@ -309,9 +311,9 @@ class RowParallelLinear(nn.Module):
                     self.weight, self.weight_grads, scatter_group=self.tp_group))
             partial = _DeferredWeightGradLinear.apply(
                 x, DeferredWeight(self.weight, self.weight_grads))
-            return comms.reduce_from_region(partial, self.tp_group)
+            return comms.reduce_from_region(partial, self.tp_group, kind="tp")
         else:
             partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            return comms.reduce_scatter_to_sequence_region(partial, self.tp_group)
-        return comms.reduce_from_region(partial, self.tp_group)
+            return comms.reduce_scatter_to_sequence_region(partial, self.tp_group, kind="tp")
+        return comms.reduce_from_region(partial, self.tp_group, kind="tp")

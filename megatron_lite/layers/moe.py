@@ -208,20 +208,22 @@ class MoE(nn.Module):
         probs, routing_map = self.router(x.reshape(s * b, h), s)
         group = self.etp_group
         if self.sequence_parallel:
-            tokens = comms.gather_from_sequence_region(x, group)
-            probs = comms.gather_from_sequence_region(probs.view(s, b, -1), group)
+            tokens = comms.gather_from_sequence_region(x, group, kind="etp")
+            probs = comms.gather_from_sequence_region(probs.view(s, b, -1), group, kind="etp")
             routing_map = comms.all_gather_dim0(
-                routing_map.view(s, b, -1).to(torch.uint8).contiguous(), group)[0].bool()
+                routing_map.view(s, b, -1).to(torch.uint8).contiguous(), group,
+                kind="etp")[0].bool()
         else:
-            tokens, probs = comms.copy_to_region(x, group), comms.copy_to_region(probs, group)
+            tokens = comms.copy_to_region(x, group, kind="etp")
+            probs = comms.copy_to_region(probs, group, kind="etp")
         full = tokens.shape[0]
         during = (lambda: self._shared_output(x)) if self.overlap_shared else None
         out, shared = self._dispatch(tokens.reshape(full * b, h),
                                      probs.reshape(full * b, -1).to(x.dtype),
                                      routing_map.reshape(full * b, -1), during)
         out = out.view(full, b, h)
-        out = (comms.reduce_scatter_to_sequence_region(out, group) if self.sequence_parallel
-               else comms.reduce_from_region(out, group))
+        out = (comms.reduce_scatter_to_sequence_region(out, group, kind="etp")
+               if self.sequence_parallel else comms.reduce_from_region(out, group, kind="etp"))
         if self.shared is not None:
             out = out + (shared if shared is not None else self._shared_output(x))
         return out
@@ -258,15 +260,15 @@ class MoE(nn.Module):
         experts on the ones routed to them, and the partial outputs are reduce-scattered back
         (gradients: the reverse collectives)."""
         group = self.ep_group
-        tokens = comms.gather_from_sequence_region(tokens, group)
-        probs = comms.gather_from_sequence_region(probs, group)
+        tokens = comms.gather_from_sequence_region(tokens, group, kind="ep")
+        probs = comms.gather_from_sequence_region(probs, group, kind="ep")
         routing_map = comms.all_gather_dim0(routing_map.to(torch.uint8).contiguous(),
-                                            group)[0].bool()
+                                            group, kind="ep")[0].bool()
         out = experts_forward(tokens, self._local(probs), self._local(routing_map),
                               *self.expert_weights(), use_triton=self.use_triton,
                               pairs_per_token=self.topk * self.local_experts / self.experts,
                               fp8=self.fp8, tp_group=self.etp_group)
-        return comms.reduce_scatter_to_sequence_region(out, group)
+        return comms.reduce_scatter_to_sequence_region(out, group, kind="ep")
 
     def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
                     during: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
@@ -280,13 +282,14 @@ class MoE(nn.Module):
         group, ep, local = self.ep_group, comms.group_size(self.ep_group), self.local_experts
         expert_ids, token_ids = routed_pairs(routing_map, self.topk)
         counts = routing_map.sum(0).view(ep, local)
-        received = comms.all_to_all_counts(counts, group)  # [source rank, local expert]
+        received = comms.all_to_all_counts(counts, group, kind="ep")  # [source, local expert]
         send, recv = self._splits(counts, received, token_ids.numel())
         extra = None
         if during is None:
-            rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group)
+            rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group, kind="ep")
         else:  # the shared expert runs while the rows travel
-            rows, pending = comms.start_all_to_all_rows(tokens[token_ids], send, recv, group)
+            rows, pending = comms.start_all_to_all_rows(tokens[token_ids], send, recv, group,
+                                                        kind="ep")
             extra = during()
             rows = pending.wait(rows)
         order = self._by_local_expert(received, rows)
@@ -294,7 +297,7 @@ class MoE(nn.Module):
         per_expert = received.sum(0)
         out = swiglu_experts(rows[order], gate_up, down, per_expert, self.use_triton,
                              self.fp8, self.etp_group)
-        back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group)
+        back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group, kind="ep")
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add(0, token_ids, back), extra
 
@@ -368,7 +371,7 @@ class MoEStep:
                 table[layer, :experts] = stats.tokens_per_expert
                 table[layer, experts] = stats.aux_loss
                 table[layer, experts + 1] = stats.z_loss
-        rows = comms.all_reduce_(table, self.pstate.world_group)[self.moe_layers]
+        rows = comms.all_reduce_(table, self.pstate.world_group, kind="world")[self.moe_layers]
         counts = rows[:, :experts]
         mean = counts.mean(-1, keepdim=True)
         if update_bias and self.bias is not None:

@@ -180,9 +180,10 @@ class Router(nn.Module):
         self.experts = moe.num_experts
         self.splits_over_tp = ctx.sequence_parallel
         """Each TP rank routes its own slice of the sequence (SP), not a copy of all tokens."""
-        self.token_groups = [g for g, on in ((ctx.tp_group, self.splits_over_tp),
-                                             (ctx.cp_group, ctx.cp_size > 1)) if on]
-        """The groups the micro-batch's tokens are split over: TP under SP, and CP."""
+        self.token_groups = [(g, kind) for g, kind, on in (
+            (ctx.tp_group, "tp", self.splits_over_tp), (ctx.cp_group, "cp", ctx.cp_size > 1)) if on]
+        """The groups (and their kinds) the micro-batch's tokens are split over: TP under SP,
+        and CP."""
         self.sp_size = (ctx.tp_size if self.splits_over_tp else 1) * ctx.cp_size
         self.weight = tags.mark_replicated(nn.Parameter(init_shard(
             (moe.num_experts, hidden), None, std=std, seed=ctx.seed, name=name, tp_size=1,
@@ -253,6 +254,6 @@ class Router(nn.Module):
 
     def _summed(self, counts: Tensor) -> Tensor:
         """Token counts of the whole micro-batch (summed over the ranks splitting it)."""
-        for group in self.token_groups:
-            counts = comms.all_reduce_(counts, group)
+        for group, kind in self.token_groups:
+            counts = comms.all_reduce_(counts, group, kind=kind)
         return counts

@@ -27,13 +27,15 @@ def counts_toward_norm(param: nn.Parameter, pstate: ParallelState) -> bool:
 
 
 def reduced_square_sum(grads: Iterable[Tensor], carry: Tensor | None, group: comms.Group,
-                       dtype: torch.dtype, device: torch.device) -> Tensor:
+                       dtype: torch.dtype, device: torch.device, *, kind: str
+                       ) -> Tensor:
     """[sum of squares of the given (already de-duplicated) pieces, *carry] summed over
-    `group` in one all-reduce: other per-step numbers ride along at no extra collective or
-    sync. A 1-D tensor of `dtype` (fp32, or float64 under --fp64); NaN/Inf propagates."""
+    `group` (of `kind`) in one all-reduce: other per-step numbers ride along at no extra
+    collective or sync. A 1-D tensor of `dtype` (fp32, or float64 under --fp64); NaN/Inf
+    propagates."""
     sq = _local_square_sum(grads, dtype, device).reshape(1)
     both = sq if carry is None else torch.cat([sq, carry])
-    return comms.all_reduce_(both, group)
+    return comms.all_reduce_(both, group, kind=kind)
 
 
 def _local_square_sum(grads: Iterable[Tensor], dtype: torch.dtype, device: torch.device

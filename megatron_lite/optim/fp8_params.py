@@ -108,9 +108,10 @@ class Fp8Params:
             index = torch.tensor([w for w, _, _ in self._pieces], device=device)
             amax.scatter_reduce_(0, index, local, "amax")
         with op_identity("fp8_weight_amax", group=0):
-            comms.all_reduce_(amax, self.replicas.group, op=dist.ReduceOp.MAX)
+            comms.all_reduce_(amax, self.replicas.group, op=dist.ReduceOp.MAX,
+                              kind=self.replicas.kind)
         with op_identity("fp8_weight_amax", group=1):
-            comms.all_reduce_(amax, self.tp_group, op=dist.ReduceOp.MAX)
+            comms.all_reduce_(amax, self.tp_group, op=dist.ReduceOp.MAX, kind="tp")
         scales = []
         for w, module in enumerate(self.linears):
             cached = module.fp8_weight
@@ -134,7 +135,8 @@ class Fp8Params:
             zero3.allocate(full)
         with op_identity(kind, buffer=key[0], bucket=key[1]):
             return comms.all_gather_flat(full, self.wire[key[0]][own.start:own.end],
-                                         self.replicas.group, async_op=async_op,
+                                         self.replicas.group, kind=self.replicas.kind,
+                                         async_op=async_op,
                                          traffic=traffic)
 
     def release(self, key: BucketKey) -> None:

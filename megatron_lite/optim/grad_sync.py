@@ -201,7 +201,8 @@ class ParamGather:
             with op_identity("param_gather", buffer=key[0], bucket=key[1]):
                 self._gathers[key] = comms.all_gather_flat(
                     buffer.bucket_param(bucket), buffer.param[own.start:own.end],
-                    replicas.group, async_op=async_op, traffic=self.ctx.traffic)
+                    replicas.group, kind=replicas.kind, async_op=async_op,
+                    traffic=self.ctx.traffic)
 
     def _start_fp8(self, async_op: bool, kind: str = "fp8_param_gather") -> None:
         """Cast and gather the fp8 buckets; `kind` names the gathers for the dry run (the

@@ -66,12 +66,19 @@ class SyncGroup:
     sync: GradSync
     ctx: SyncContext
     norm_group: dist.ProcessGroup | None
+    norm_kind: str
+    """`norm_group`'s kind (mp or world)."""
     check: UpdateCheck | None
 
     def reduced_terms(self, carry: Tensor | None, dtype: torch.dtype) -> Tensor:
         """[squared gradient norm, *carry] of this group, summed over its norm group."""
-        return reduced_square_sum([g for s in self.bufs.shards for g in s.norm_pieces()],
-                                  carry, self.norm_group, dtype, self.ctx.replicas.device)
+        return self.reduced([g for s in self.bufs.shards for g in s.norm_pieces()], carry, dtype)
+
+    def reduced(self, pieces: list[Tensor], carry: Tensor | None, dtype: torch.dtype
+                ) -> Tensor:
+        """[squared sum of `pieces`, *carry], summed over the norm group."""
+        return reduced_square_sum(pieces, carry, self.norm_group, dtype,
+                                  self.ctx.replicas.device, kind=self.norm_kind)
 
 
 @dataclass
@@ -118,21 +125,23 @@ class MemoryReport:
 
 
 def _group_specs(pstate: ParallelState, sharded: bool) -> list[tuple]:
-    """(name, which parameters, replicas, norm group, count-once) per sync group: the dense
-    parameters' norm is summed over the model-parallel ranks when the replicas hold the same
-    gradient; the experts' over every rank (EP ranks hold different experts), counted on
-    expert-replica 0 only when not sharded. The experts have their own group when they are
-    laid out apart (EP > 1 or an expert-TP size other than TP)."""
-    dense_norm = pstate.world_group if sharded else pstate.mp_group
+    """(name, which parameters, replicas, norm group and its kind, count-once) per sync
+    group: the dense parameters' norm is summed over the model-parallel ranks when the
+    replicas hold the same gradient; the experts' over every rank (EP ranks hold different
+    experts), counted on expert-replica 0 only when not sharded. The experts have their own
+    group when they are laid out apart (EP > 1 or an expert-TP size other than TP)."""
+    dense_norm = (pstate.world_group, "world") if sharded else (pstate.mp_group, "mp")
     if not pstate.experts_apart:
-        return [("dense", lambda p: True, pstate.replicas, dense_norm, False)]
-    return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, dense_norm, False),
-            ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, True)]
+        return [("dense", lambda p: True, pstate.replicas, *dense_norm, False)]
+    return [("dense", lambda p: not tags.is_expert(p), pstate.replicas, *dense_norm, False),
+            ("expert", tags.is_expert, pstate.expert_replicas, pstate.world_group, "world",
+             True)]
 
 
 def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
                 select: Callable[[nn.Parameter], bool], replicas: ReplicaGroup,
-                norm_group: dist.ProcessGroup | None, norm_once: bool) -> SyncGroup:
+                norm_group: dist.ProcessGroup | None, norm_kind: str, norm_once: bool
+                ) -> SyncGroup:
     """One group's buffers and strategy instance, sharing the optimizer's clocks."""
     cfg = opt.cfg
     bufs = ParamBuffers.build(chunks, select, opt.pstate, cfg.parallel, opt.strategy,
@@ -140,13 +149,13 @@ def _sync_group(opt: Optimizer, chunks: Sequence[nn.Module], name: str,
     # a partial, not a bound method: the optimizer must not be reachable from its own hooks'
     # state, or it (and the process groups it holds) outlives `close` until a cyclic
     # collection, possibly at interpreter shutdown (see `Optimizer.close`)
-    reduce_tied = partial(comms.all_reduce_, group=opt.pstate.embedding_group)
+    reduce_tied = partial(comms.all_reduce_, group=opt.pstate.embedding_group, kind="embedding")
     ctx = SyncContext(replicas, cfg.parallel, reduce_tied, opt.traffic, opt.wait_clock,
                       tp_group=opt.pstate.tp_group)
     check = (UpdateCheck(bufs.shards, cfg.optim, opt.math_dtype, opt.pstate.device)
              if cfg.reliability.check_for_nan_in_loss_and_grad else None)
     return SyncGroup(name, bufs, STRATEGIES[opt.strategy.name](chunks, bufs, ctx), ctx,
-                     norm_group, check)
+                     norm_group, norm_kind, check)
 
 
 class Optimizer:
@@ -238,7 +247,7 @@ class Optimizer:
                 group.sync.finish()
             if self._sp_pieces and self.pstate.tp_size > 1:
                 grads = [shard.grad_at(r) for shard, r in self._sp_pieces]
-                flat = comms.all_reduce_(torch.cat(grads), self.pstate.tp_group)
+                flat = comms.all_reduce_(torch.cat(grads), self.pstate.tp_group, kind="tp")
                 for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(reduced)
         self._finalized = True
@@ -273,7 +282,7 @@ class Optimizer:
             if (carry is not None and not norm.is_meta
                     and not group.check.passes(terms[1:], norm_value)):
                 return self._skipped(norm_value, group.check.culprits(
-                    carry, norm_value, rates, self.pstate.rank, group.norm_group))
+                    carry, norm_value, rates, self.pstate.rank, group.norm_group, group.norm_kind))
         coeff = clip_coefficient(norm, self.cfg.optim.clip_grad)
         self._step += 1
         for shard in self.shards:
@@ -293,9 +302,8 @@ class Optimizer:
 
     def params_norm(self) -> float:
         """Global L2 norm of the weights, each element once (--log-params-norm; collective)."""
-        squares = [reduced_square_sum(
-            [s.buffer.param[r.start:r.end] for s in g.bufs.shards for r in s.norm_ranges],
-            None, g.norm_group, self.math_dtype, self.pstate.device) for g in self.groups]
+        squares = [g.reduced([s.buffer.param[r.start:r.end] for s in g.bufs.shards
+                              for r in s.norm_ranges], None, self.math_dtype) for g in self.groups]
         return comms.host_scalar(torch.cat(squares).sum().sqrt())
 
     def num_zeros_in_grad(self) -> int | float:
@@ -307,7 +315,7 @@ class Optimizer:
             for s in group.bufs.shards:
                 for r in s.norm_ranges:
                     count += (s.grad_at(r) == 0).sum()
-            total += comms.all_reduce_(count, group.norm_group)
+            total += comms.all_reduce_(count, group.norm_group, kind=group.norm_kind)
         value = comms.host_scalar(total)
         return int(value) if math.isfinite(value) else value
 

@@ -80,7 +80,8 @@ class AllReduce(GradSync):
             self._handles[key] = self._reduce(key, grad)
 
     def _reduce(self, key: BucketKey, grad: Tensor) -> dist.Work | None:
-        return comms.all_reduce_flat(grad, self.ctx.replicas.group, async_op=True,
+        return comms.all_reduce_flat(grad, self.ctx.replicas.group,
+                                     kind=self.ctx.replicas.kind, async_op=True,
                                      traffic=self.ctx.traffic)
 
 
@@ -98,7 +99,8 @@ class Zero1(AllReduce):
         replicas = self.ctx.replicas
         own = buffer.layout.buckets[key[1]].shard(replicas.size, replicas.rank)
         return comms.reduce_scatter_flat(buffer.grad[own.start:own.end], grad, replicas.group,
-                                         async_op=True, traffic=self.ctx.traffic)
+                                         kind=replicas.kind, async_op=True,
+                                         traffic=self.ctx.traffic)
 
     def after_step(self, async_op: bool) -> None:
         self.gather.start(async_op)

@@ -137,7 +137,8 @@ class Zero2(GradSync):
             own = bucket.shard(replicas.size, replicas.rank).relative_to(bucket.range.start)
             send[own.start:own.end].add_(out)
         with op_identity("grad_reduce_scatter", buffer=key[0], bucket=key[1]):
-            handle = comms.reduce_scatter_flat(out, send, replicas.group, async_op=True,
+            handle = comms.reduce_scatter_flat(out, send, replicas.group, kind=replicas.kind,
+                                               async_op=True,
                                                traffic=self.ctx.traffic)
         self._inflight[key] = (handle, send)
         self._scattered.add(key)

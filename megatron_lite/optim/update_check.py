@@ -74,7 +74,7 @@ class UpdateCheck:
         return all(math.isfinite(b) and b <= self.limit for b in bounds)
 
     def culprits(self, mine: torch.Tensor, norm: float, rates: list[float], rank: int,
-                 group: dist.ProcessGroup | None) -> str:
+                 group: dist.ProcessGroup | None, kind: str) -> str:
         """The rare path after a failed check: the ranks whose own terms `mine` fail it, and
         their numbers (collective over the norm's `group`, which every member joins: they
         all skip)."""
@@ -84,6 +84,6 @@ class UpdateCheck:
             found = (f"rank {rank} (largest |weight| {p:.3g}, |Adam m| {m:.3g}, "
                      f"Adam v {v:.3g}, LR {', '.join(f'{r:.3g}' for r in rates)}, --adam-eps "
                      f"{self.optim.adam_eps:g}, gradient norm {norm:.3g})")
-        every = [x for x in comms.all_gather_objects(found, group, self.device) if x]
+        every = [x for x in comms.all_gather_objects(found, group, self.device, kind=kind) if x]
         where = "; ".join(every) if every else "no single rank (only the summed bound overflows)"
         return f"the update would not be finite on {where}"

@@ -300,7 +300,8 @@ class FullyShardedParams:
             allocate(full)
             with op_identity("unit_gather", unit=u, buffer=key[0], bucket=key[1]):
                 works.append(comms.all_gather_flat(full, buffer.param.bucket(key[1]),
-                                                   self.replicas.group, async_op=async_op,
+                                                   self.replicas.group,
+                                                   kind=self.replicas.kind, async_op=async_op,
                                                    traffic=self.traffic))
         self._gathers[u] = works
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())

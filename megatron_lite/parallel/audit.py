@@ -17,6 +17,14 @@ pipeline's tensor kind, micro-batch and sending chunk; a bucket index; a ring st
 its call site with `op_identity` / `batch_identity`, and `match` compares identities too.
 Outside an audit both return a shared no-op context without building anything.
 
+Equal ops on every member are no proof of the right group either: expert gradients summed
+over dense DP, or MoE counts exchanged over TP, match perfectly when every rank makes the same
+mistake. So every op also names the logical group it means (`group_kind`: tp, cp, dp, ep, ...;
+the comms helpers take it as `kind=`), and an audit given this rank's groups by kind
+(`ParallelState.ranks_by_kind`) refuses an op whose group is not this rank's group of that kind
+(a p2p op: whose peer is not in it), or that names no kind, naming the call site and both
+groups.
+
 `match` is pure Python over the records, so it is tested without processes.
 """
 
@@ -25,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
@@ -73,6 +81,7 @@ _recording = 0
 """How many `CommAudit`s are active: identities are built only while one is."""
 _current: ContextVar[_Labels | None] = ContextVar("megatron_lite_op_identity", default=None)
 _NOTHING = nullcontext()
+_kind: ContextVar[str | None] = ContextVar("megatron_lite_group_kind", default=None)
 
 
 class _Labels(AbstractContextManager):
@@ -116,6 +125,32 @@ def batch_identity(make: Callable[[], Iterable[tuple[torch.Tensor, Identity]]]
     return _Labels(None, {id(t): ident for t, ident in make()})
 
 
+class _Kind(AbstractContextManager):
+    """The group kind of the ops issued inside one `with`."""
+
+    __slots__ = ("kind", "token")
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.token = kind, None
+
+    def __enter__(self) -> None:
+        self.token = _kind.set(self.kind)
+
+    def __exit__(self, *_: object) -> None:
+        _kind.reset(self.token)
+
+
+def group_kind(kind: str) -> AbstractContextManager[None]:
+    """Every collective or p2p op issued inside means this rank's group of `kind` (a
+    `ParallelState.ranks_by_kind` key); checked while an audit runs, otherwise a shared
+    no-op. The comms helpers wrap their torch.distributed call in it."""
+    return _Kind(kind) if _recording else _NOTHING
+
+
+class WrongGroupError(RuntimeError):
+    """A collective or p2p op was handed a group other than the one its call site names."""
+
+
 def recording() -> bool:
     """A `CommAudit` is active (identities are being collected)."""
     return _recording > 0
@@ -142,6 +177,8 @@ class CommOp:
     comms helpers)."""
     identity: Identity | None = None
     """What the call site meant by it (`op_identity`); None where no call site said."""
+    kind: str | None = None
+    """The logical group its call site names (`group_kind`)."""
 
     def describe(self) -> str:
         where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
@@ -181,11 +218,15 @@ def _call_site() -> str:
 
 
 class CommAudit(TorchDispatchMode):
-    """While active: refuse off-device tensors in communication, record every op in `ops`."""
+    """While active: refuse off-device tensors in communication, record every op in `ops`;
+    given `groups` (this rank's group ranks by kind), refuse an op over a group other than
+    the one its call site names."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 groups: Mapping[str, tuple[int, ...]] | None = None) -> None:
         super().__init__()
         self.device = torch.device(device)
+        self.groups = groups
         self.ops: list[CommOp] = []
 
     def __enter__(self) -> CommAudit:
@@ -227,12 +268,33 @@ class CommAudit(TorchDispatchMode):
         peer = None
         if name in P2P_OPS:
             peer = group[next(a for a in args if isinstance(a, int))]
+        kind = _kind.get()
+        if self.groups is not None:
+            _check_group(self.groups, kind, name, group, peer, site)
         biggest = max(tensors, key=lambda t: t.numel(), default=None)
         labels = _current.get()
         return CommOp(name, group, str(tensors[0].dtype).removeprefix("torch.") if tensors
                       else "-", tuple(tuple(t.shape) for t in tensors),
                       biggest.numel() * biggest.element_size() if biggest is not None else 0,
-                      peer, site, labels.take(tensors) if labels is not None else None)
+                      peer, site, labels.take(tensors) if labels is not None else None, kind)
+
+
+def _check_group(groups: Mapping[str, tuple[int, ...]], kind: str | None, name: str,
+                 group: tuple[int, ...], peer: int | None, site: str) -> None:
+    """Refuse an op whose group (a p2p op: whose peer) is not this rank's group of `kind`."""
+    passed = f"ranks {list(group)}" + (f" (peer {peer})" if peer is not None else "")
+    if kind is None:
+        raise WrongGroupError(f"{name} over {passed} at {site} names no group kind: pass kind= "
+                              "to the comms helper, or wrap the torch.distributed call in "
+                              "audit.group_kind")
+    if kind not in groups:
+        raise WrongGroupError(f"{name} at {site} names group kind {kind!r}, which this rank "
+                              f"does not have (kinds: {', '.join(groups)})")
+    expected = groups[kind]
+    wrong = peer not in expected if peer is not None else group != expected
+    if wrong:
+        raise WrongGroupError(f"{name} at {site} means this rank's {kind} group, ranks "
+                              f"{list(expected)}, but was passed {passed}")
 
 
 def _device_problem(error: BaseException, device: torch.device) -> str | None:

@@ -4,7 +4,9 @@ Each region is an autograd Function whose backward is the conjugate of its forwa
 (copy <-> all-reduce, split <-> all-gather, all-gather <-> reduce-scatter), so a layer only
 states where its input and output live and the gradients follow. Every op takes the group
 explicitly and is a no-op for a group of one (or None), which is how one model file runs at
-TP=1 in a single process and at TP=8 on a node.
+TP=1 in a single process and at TP=8 on a node. Every op also takes `kind`, the logical group
+its caller means (tp, ep, edp, world, ...: `ParallelState.ranks_by_kind`): a dry run checks
+the group is this rank's group of that kind (`audit.group_kind`; otherwise nothing is built).
 
 Sequence-parallel ops split and gather along dim 0 (activations are sequence-first [s, b, h],
 so each rank's slice is contiguous).
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_lite.parallel import host_syncs
-from megatron_lite.parallel.audit import op_identity
+from megatron_lite.parallel.audit import group_kind, op_identity
 
 Group = dist.ProcessGroup | None
 
@@ -37,11 +39,12 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: Tensor, group: Group) -> Tensor:
+def _all_reduce(x: Tensor, group: Group, kind: str) -> Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with group_kind(kind):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -54,17 +57,18 @@ def _split(x: Tensor, dim: int, group: Group) -> Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _gather(x: Tensor, dim: int, group: Group) -> Tensor:
+def _gather(x: Tensor, dim: int, group: Group, kind: str) -> Tensor:
     n = group_size(group)
     if n == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x, group=group)
+    with group_kind(kind):
+        dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
+def _reduce_scatter(x: Tensor, group: Group, kind: str) -> Tensor:
     """Sum over the group, each rank keeping its dim-0 slice."""
     n = group_size(group)
     if n == 1:
@@ -73,75 +77,76 @@ def _reduce_scatter(x: Tensor, group: Group) -> Tensor:
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.size(0)} over {n} ranks")
     x = x.contiguous()
     out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, x, group=group)
+    with group_kind(kind):
+        dist.reduce_scatter_single(out, x, group=group)
     return out
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x: Tensor, group: Group, kind: str) -> Tensor:
+        ctx.group, ctx.kind = group, kind
         return x
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad.clone(), ctx.group), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _all_reduce(grad.clone(), ctx.group, ctx.kind), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x: Tensor, group: Group, kind: str) -> Tensor:
+        return _all_reduce(x.clone(), group, kind)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x: Tensor, dim: int, group: Group, kind: str) -> Tensor:
+        ctx.dim, ctx.group, ctx.kind = dim, group, kind
         return _split(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.group), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, ctx.kind), None, None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:
+    def forward(ctx, x: Tensor, dim: int, group: Group, kind: str) -> Tensor:
         ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+        return _gather(x, dim, group, kind)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _split(grad, ctx.dim, ctx.group), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _split(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     """All-gather along the sequence; backward reduce-scatters (each rank used the full seq)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return _gather(x, 0, group)
+    def forward(ctx, x: Tensor, group: Group, kind: str) -> Tensor:
+        ctx.group, ctx.kind = group, kind
+        return _gather(x, 0, group, kind)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _reduce_scatter(grad, ctx.group), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.group, ctx.kind), None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, group)
+    def forward(ctx, x: Tensor, group: Group, kind: str) -> Tensor:
+        ctx.group, ctx.kind = group, kind
+        return _reduce_scatter(x, group, kind)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather(grad, 0, ctx.group), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _gather(grad, 0, ctx.group, ctx.kind), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -149,25 +154,29 @@ class _AllToAll(torch.autograd.Function):
     `recv[i]` from it; the backward sends the gradients back the same way (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: Group, kind: str
+                ) -> Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.kind = send, recv, group, kind
+        return _all_to_all(x, send, recv, group, kind)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.kind), None, None, None, None
 
 
-def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: Group, kind: str
+                ) -> Tensor:
     out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    with group_kind(kind):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
 
 
-def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group, *, kind: str
+                    ) -> Tensor:
     """Differentiable all-to-all of `x`'s rows: `send[i]` consecutive rows go to rank i, the
     result holds `recv[i]` rows from each rank i in rank order (MoE token dispatch)."""
-    return x if group_size(group) == 1 else _AllToAll.apply(x, send, recv, group)
+    return x if group_size(group) == 1 else _AllToAll.apply(x, send, recv, group, kind)
 
 
 class PendingRows:
@@ -188,17 +197,19 @@ class _StartAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: Group,
-                pending: PendingRows) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+                pending: PendingRows, kind: str) -> Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.kind = send, recv, group, kind
         out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
         pending.sent = x.contiguous()
-        pending.work = dist.all_to_all_single(out, pending.sent, recv, send, group=group,
-                                              async_op=True)
+        with group_kind(kind):
+            pending.work = dist.all_to_all_single(out, pending.sent, recv, send, group=group,
+                                                  async_op=True)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
+        return (_all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.kind),
+                None, None, None, None, None)
 
 
 class _WaitRows(torch.autograd.Function):
@@ -215,57 +226,58 @@ class _WaitRows(torch.autograd.Function):
         return grad, None
 
 
-def start_all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group
-                          ) -> tuple[Tensor, PendingRows]:
+def start_all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: Group, *,
+                          kind: str) -> tuple[Tensor, PendingRows]:
     """`all_to_all_rows` started, not finished: compute what does not need its result, then
     `pending.wait(rows)` (MoE's shared-expert overlap)."""
     pending = PendingRows()
     if group_size(group) == 1:
         return x, pending
-    return _StartAllToAll.apply(x, send, recv, group, pending), pending
+    return _StartAllToAll.apply(x, send, recv, group, pending, kind), pending
 
 
-def all_to_all_counts(counts: Tensor, group: Group) -> Tensor:
+def all_to_all_counts(counts: Tensor, group: Group, *, kind: str) -> Tensor:
     """Non-differentiable all-to-all of a [n, k] table: row i goes to rank i; row j of the
     result came from rank j (the per-expert token counts an all-to-all dispatch needs)."""
     if group_size(group) == 1:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    with group_kind(kind):
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
 
-def copy_to_region(x: Tensor, group: Group) -> Tensor:
+def copy_to_region(x: Tensor, group: Group, *, kind: str) -> Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group, kind)
 
 
-def reduce_from_region(x: Tensor, group: Group) -> Tensor:
+def reduce_from_region(x: Tensor, group: Group, *, kind: str) -> Tensor:
     """Leave a TP region by summing partial outputs: all-reduce forward, identity backward."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group, kind)
 
 
-def scatter_to_region(x: Tensor, dim: int, group: Group) -> Tensor:
+def scatter_to_region(x: Tensor, dim: int, group: Group, *, kind: str) -> Tensor:
     """Keep this rank's slice along `dim`; backward all-gathers."""
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, dim, group)
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, dim, group, kind)
 
 
-def gather_from_region(x: Tensor, dim: int, group: Group) -> Tensor:
+def gather_from_region(x: Tensor, dim: int, group: Group, *, kind: str) -> Tensor:
     """All-gather slices along `dim`; backward keeps this rank's slice of the gradient."""
-    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, dim, group)
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, dim, group, kind)
 
 
-def gather_from_sequence_region(x: Tensor, group: Group) -> Tensor:
+def gather_from_sequence_region(x: Tensor, group: Group, *, kind: str) -> Tensor:
     """SP -> TP region: all-gather dim 0 forward, reduce-scatter backward."""
-    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
+    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group, kind)
 
 
-def reduce_scatter_to_sequence_region(x: Tensor, group: Group) -> Tensor:
+def reduce_scatter_to_sequence_region(x: Tensor, group: Group, *, kind: str) -> Tensor:
     """TP region -> SP: reduce-scatter dim 0 forward, all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group, kind)
 
 
-def all_gather_dim0(x: Tensor, group: Group, *, async_op: bool = False
+def all_gather_dim0(x: Tensor, group: Group, *, kind: str, async_op: bool = False
                     ) -> tuple[Tensor, dist.Work | None]:
     """Non-differentiable all-gather of a contiguous `x`'s dim-0 slices, for autograd Functions
     that place their own collectives. With `async_op` the output is valid only after the
@@ -274,10 +286,11 @@ def all_gather_dim0(x: Tensor, group: Group, *, async_op: bool = False
         return x, None
     out = torch.empty((group_size(group) * x.size(0), *x.shape[1:]), dtype=x.dtype,
                       device=x.device)
-    return out, dist.all_gather_single(out, x, group=group, async_op=async_op)
+    with group_kind(kind):
+        return out, dist.all_gather_single(out, x, group=group, async_op=async_op)
 
 
-def reduce_scatter_dim0(x: Tensor, group: Group, *, async_op: bool = False
+def reduce_scatter_dim0(x: Tensor, group: Group, *, kind: str, async_op: bool = False
                         ) -> tuple[Tensor, dist.Work | None]:
     """Non-differentiable sum of a contiguous `x` over `group`, keeping this rank's dim-0 slice.
     With `async_op`, `x` must stay alive and unmodified, and the output unread, until the
@@ -288,14 +301,16 @@ def reduce_scatter_dim0(x: Tensor, group: Group, *, async_op: bool = False
     if x.size(0) % n:
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.size(0)} over {n} ranks")
     out = torch.empty((x.size(0) // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with group_kind(kind):
+        return out, dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
-def all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-                ) -> Tensor:
+def all_reduce_(x: Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                *, kind: str) -> Tensor:
     """In-place, non-differentiable all-reduce (gradients, statistics); no-op for one rank."""
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        with group_kind(kind):
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -318,7 +333,7 @@ def host_value(x: Tensor, dry_run: Any) -> Any:
     return dry_run if x.is_meta else x.tolist()
 
 
-def barrier(group: Group, device: torch.device, *, status: int = 0,
+def barrier(group: Group, device: torch.device, *, kind: str, status: int = 0,
             timeout_s: float | None = None) -> int:
     """Wait until every member of `group` gets here, with a one-element all-reduce on `device`;
     returns the largest `status` any member brought (so a failure reported at the barrier
@@ -334,9 +349,11 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
         return status
     value = torch.full((1,), status, dtype=torch.int64, device=device)
     if timeout_s is None:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        with group_kind(kind):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return int(host_value(value[0], status))
-    work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    with group_kind(kind):
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():  # polled: Work.wait(timeout) is not honoured by every backend
         if time.monotonic() > deadline:
@@ -350,7 +367,7 @@ def barrier(group: Group, device: torch.device, *, status: int = 0,
     return int(host_value(value[0], status))
 
 
-def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
+def all_gather_objects(obj: object, group: Group, device: torch.device, *, kind: str) -> list:
     """Every group member's picklable `obj`, in group-rank order, over tensors on `device`.
 
     Unlike torch's all_gather_object (which picks the device from the backend name), the
@@ -362,21 +379,21 @@ def all_gather_objects(obj: object, group: Group, device: torch.device) -> list:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
-    with op_identity("object_sizes"):
+    with op_identity("object_sizes"), group_kind(kind):
         dist.all_gather_into_tensor(sizes, size, group=group)
     if payload.is_meta:
         # A dry run: the longest payload is a value meta cannot read back. Every rank sends
         # the same one-byte stand-in (the ops still match as a real run's would) and reads
         # its own object as every member's.
         gathered = torch.empty(n, dtype=torch.uint8, device=device)
-        with op_identity("object_bytes"):
+        with op_identity("object_bytes"), group_kind(kind):
             dist.all_gather_into_tensor(gathered, payload[:1], group=group)
         return [obj] * n
     longest = int(sizes.max().item())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:payload.numel()] = payload
     gathered = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    with op_identity("object_bytes"):
+    with op_identity("object_bytes"), group_kind(kind):
         dist.all_gather_into_tensor(gathered, padded, group=group)
     host = gathered.cpu().view(n, longest)
     return [pickle.loads(host[r, :int(k)].numpy().tobytes()) for r, k in enumerate(sizes.tolist())]
@@ -466,7 +483,7 @@ def _ring_share(nbytes: int, n: int) -> int:
     return nbytes * (n - 1) // n
 
 
-def all_reduce_flat(x: Tensor, group: Group, *, async_op: bool = False,
+def all_reduce_flat(x: Tensor, group: Group, *, kind: str, async_op: bool = False,
                     traffic: Traffic | None = None) -> dist.Work | None:
     """In-place sum of a contiguous buffer over `group`; returns the Work when async."""
     n = group_size(group)
@@ -474,10 +491,12 @@ def all_reduce_flat(x: Tensor, group: Group, *, async_op: bool = False,
         return None
     if traffic is not None:
         traffic.record("all_reduce", 2 * _ring_share(x.numel() * x.element_size(), n))
-    return dist.all_reduce(x, group=group, async_op=async_op)
+    with group_kind(kind):
+        return dist.all_reduce(x, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool = False,
+def reduce_scatter_flat(out: Tensor, x: Tensor, group: Group, *, kind: str,
+                        async_op: bool = False,
                         traffic: Traffic | None = None) -> dist.Work | None:
     """Sum `x` over `group` and keep this rank's 1/n slice in `out` (may be a view of `x`)."""
     n = group_size(group)
@@ -487,10 +506,11 @@ def reduce_scatter_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool 
         return None
     if traffic is not None:
         traffic.record("reduce_scatter", _ring_share(x.numel() * x.element_size(), n))
-    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with group_kind(kind):
+        return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
-def all_gather_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool = False,
+def all_gather_flat(out: Tensor, x: Tensor, group: Group, *, kind: str, async_op: bool = False,
                     traffic: Traffic | None = None) -> dist.Work | None:
     """Concatenate every rank's `x` into `out` in rank order (`x` may be a view of `out`)."""
     n = group_size(group)
@@ -500,4 +520,5 @@ def all_gather_flat(out: Tensor, x: Tensor, group: Group, *, async_op: bool = Fa
         return None
     if traffic is not None:
         traffic.record("all_gather", _ring_share(out.numel() * out.element_size(), n))
-    return dist.all_gather_single(out, x, group=group, async_op=async_op)
+    with group_kind(kind):
+        return dist.all_gather_single(out, x, group=group, async_op=async_op)

@@ -48,6 +48,9 @@ class ReplicaGroup:
     rank: int
     """This rank's index in `group` (dp-major, as the grid orders global ranks)."""
     device: torch.device
+    kind: str
+    """`group`'s kind (`ranks_by_kind`): dp_cp for the dense parameters, edp for experts laid
+    out apart; the gradient sync's collectives name it, and a dry run checks the group."""
 
 
 @dataclass(frozen=True)
@@ -121,13 +124,22 @@ class ParallelState:
     def replicas(self) -> ReplicaGroup:
         """The DP x CP group gradients are summed over (see `ReplicaGroup`)."""
         return ReplicaGroup(self.dp_cp_group if self.cp_size > 1 else self.dp_group,
-                            self.dp_cp_size, self.dp_cp_rank, self.device)
+                            self.dp_cp_size, self.dp_cp_rank, self.device, "dp_cp")
 
     def __post_init__(self) -> None:
         if self.etp_size is None:  # experts split like the dense weights
             object.__setattr__(self, "etp_size", self.tp_size)
             object.__setattr__(self, "etp_rank", self.tp_rank)
             object.__setattr__(self, "etp_group", self.tp_group)
+
+    def ranks_by_kind(self) -> dict[str, tuple[int, ...]]:
+        """Global ranks of this rank's group of each kind (tp, dp, ..., world; `(rank,)` for
+        a group of one): what a dry run checks each op's group against (audit.group_kind)."""
+        def ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+            return (self.rank,) if group is None else tuple(dist.get_process_group_ranks(group))
+
+        return {kind: ranks(getattr(self, f"{kind}_group")) for kind in (
+            "tp", "cp", "dp", "dp_cp", "ep", "edp", "etp", "pp", "mp", "embedding", "world")}
 
     @property
     def experts_apart(self) -> bool:
@@ -141,7 +153,7 @@ class ParallelState:
         """The expert-DP group expert gradients are summed over (DP x CP when not apart)."""
         if not self.experts_apart:
             return self.replicas
-        return ReplicaGroup(self.edp_group, self.edp_size, self.edp_rank, self.device)
+        return ReplicaGroup(self.edp_group, self.edp_size, self.edp_rank, self.device, "edp")
 
     def gradient_replicas(self) -> ParallelState:
         """This state seen by the optimizer and the checkpoint files: the data-parallel

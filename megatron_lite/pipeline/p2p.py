@@ -19,7 +19,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel.audit import Identity, batch_identity, identity
+from megatron_lite.parallel.audit import Identity, batch_identity, group_kind, identity
 from megatron_lite.parallel.comms import WaitClock
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.pipeline.partition import stage_and_chunk, virtual_stage
@@ -127,6 +127,6 @@ class StageComm:
         works = []
         if p2p_ops:
             with batch_identity(lambda: [(p.tensor, self.identity(op))
-                                         for p, op in zip(p2p_ops, remote)]):
+                                         for p, op in zip(p2p_ops, remote)]), group_kind("pp"):
                 works = dist.batch_isend_irecv(p2p_ops)
         return PostedBatch(works, received, sent, self.wait_clock)

@@ -353,7 +353,7 @@ class Guard:
             if self._local_loss is not None:
                 shares[self.pstate.rank] = self._local_loss.to(torch.float32)
             flags = torch.cat([flags, shares])
-        comms.all_reduce_(flags, self.pstate.world_group)
+        comms.all_reduce_(flags, self.pstate.world_group, kind="world")
         # a dry run: the reduction ran, its flags have no value: nothing was raised
         values = comms.host_value(flags, [0.0] * 4)
         signals, timed_out, loss_bad, grads_bad = values[:4]
@@ -378,7 +378,8 @@ class Guard:
                                   is not None else False)) if bad]
         local = f"rank {self.pstate.rank} (host {self.host}): {' and '.join(mine)}" if mine \
             else None
-        gathered = comms.all_gather_objects(local, self.pstate.world_group, self.pstate.device)
+        gathered = comms.all_gather_objects(local, self.pstate.world_group, self.pstate.device,
+                                            kind="world")
         return [g for g in gathered if g]
 
     def _non_finite(self, iteration: int, decision: Decision) -> None:
@@ -477,7 +478,7 @@ class Guard:
                 self.decision.exit_reason.startswith(_SIGNAL_EXIT):
             got = torch.tensor([float(self.exits.received is not None)],
                                device=self.pstate.device)
-            comms.all_reduce_(got, self.pstate.world_group)
+            comms.all_reduce_(got, self.pstate.world_group, kind="world")
             count = int(comms.host_value(got[0], 0))
             reason = f"{_SIGNAL_EXIT} by {count} of {self.pstate.world_size} ranks"
         saved = (f"checkpoint of iteration {iteration} in {self.cfg.checkpoint.save}"

@@ -176,7 +176,7 @@ def _sp_gather_both_ways(pstate: ParallelState) -> dict:
             y = Fp8Linear.apply(x, w, recipe, Fp8Groups(weight=group, grad=group,
                                                         sequence=group))
         else:
-            y = Fp8Linear.apply(comms.gather_from_sequence_region(x, group), w, recipe,
+            y = Fp8Linear.apply(comms.gather_from_sequence_region(x, group, kind="tp"), w, recipe,
                                 Fp8Groups(weight=group, grad=group))
         y.backward(grad)
         out[way] = (y.detach(), x.grad, w.grad)

@@ -28,7 +28,7 @@ from tests.numerics import assert_all_close, assert_close, rel_err, within_floor
 
 
 def _gather_then_linear(x: torch.Tensor, w: torch.Tensor, group: comms.Group) -> torch.Tensor:
-    return F.linear(comms.gather_from_sequence_region(x, group), w)
+    return F.linear(comms.gather_from_sequence_region(x, group, kind="tp"), w)
 
 
 def _both_paths(pstate: ParallelState, dtype: torch.dtype, paths, source: torch.dtype | None

@@ -97,7 +97,7 @@ def loss_and_grads(pstate: ParallelState, config: Config) -> dict:
     local = StepRunner(config, pstate, chunks)(batches, global_token_count(batches, pstate))
     grads = {}
     for name, p in chunks[0].named_parameters():
-        grads[name] = comms.all_reduce_(p.grad.clone(), pstate.cp_group)
+        grads[name] = comms.all_reduce_(p.grad.clone(), pstate.cp_group, kind="cp")
     return {"loss": reduce_loss(local, pstate), "grads": grads, **_coords(pstate)}
 
 

@@ -48,7 +48,8 @@ def _members_and_sums(pstate: ParallelState) -> tuple[dict, dict, int]:
         group = getattr(pstate, kind)
         members[kind] = None if group is None else dist.get_process_group_ranks(group)
         value = torch.tensor([float(pstate.rank)])
-        sums[kind] = comms.all_reduce_(value, group).item()  # None: a no-op, no collective
+        # None: a no-op, no collective
+        sums[kind] = comms.all_reduce_(value, group, kind=kind.removesuffix("_group")).item()
     return members, sums, pstate.group_creations
 
 

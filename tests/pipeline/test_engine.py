@@ -77,9 +77,9 @@ def _unique_params(chunks: list[nn.Module]) -> list[nn.Parameter]:
 def _finalize(params: list[nn.Parameter], pstate: ParallelState) -> None:
     for p in params:
         if tags.is_sequence_parallel_grad(p):
-            comms.all_reduce_(p.grad, pstate.tp_group)
+            comms.all_reduce_(p.grad, pstate.tp_group, kind="tp")
         if tags.is_shared_embedding(p) and pstate.pp_size > 1:
-            comms.all_reduce_(p.grad, pstate.embedding_group)
+            comms.all_reduce_(p.grad, pstate.embedding_group, kind="embedding")
 
 
 def _build_chunks(cfg: ModelConfig, pstate: ParallelState, v: int, kind: str | None,
@@ -166,7 +166,7 @@ def _train(pstate: ParallelState, run: Run, steps: int = STEPS) -> dict:
         for p in chunks[chunk].parameters():
             ready[id(p)] += 1
             if ready[id(p)] % uses[id(p)] == 0:
-                comms.all_reduce_(p.grad, pstate.dp_group)
+                comms.all_reduce_(p.grad, pstate.dp_group, kind="dp")
 
     losses, grads = [], {}
     for step in range(steps):
@@ -181,7 +181,7 @@ def _train(pstate: ParallelState, run: Run, steps: int = STEPS) -> dict:
         _finalize(params, pstate)
         owner = any(c.post_process for c in chunks) and pstate.tp_rank == 0
         loss = torch.stack(out).sum() if owner else torch.zeros((), dtype=DTYPE)
-        losses.append(comms.all_reduce_(loss, pstate.world_group).item())
+        losses.append(comms.all_reduce_(loss, pstate.world_group, kind="world").item())
         if step == 0:
             grads = {_canonical(n, s.layer_ids): (p.grad.clone(), tags.tp_split(p))
                      for c, s in zip(chunks, specs) for n, p in c.named_parameters()}
