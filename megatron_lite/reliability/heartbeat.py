@@ -42,9 +42,18 @@ MAX_NAMED = 8
 """Ranks named in full in one message; the rest are counted."""
 
 
+PEER_LOST_EXIT_CODE = 5
+"""Exit status after a peer rank was lost (a dead node or process): not 2, a user mistake,
+nor 3, this rank's own hang (watchdog), nor 4, a failed preflight; the launch scripts restart
+or resubmit on it, where a 2 would only repeat."""
+
+
 class PeerLostError(UserError):
     """A collective failed because a peer rank stopped answering. Not the user's mistake, but
-    like one it is reported as one `error:` line: the traceback would only show gloo's C++."""
+    like one it is reported as one `error:` line: the traceback would only show gloo's C++.
+    It exits with PEER_LOST_EXIT_CODE."""
+
+    exit_code = PEER_LOST_EXIT_CODE
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,25 @@ from megatron_lite import unattended
 from megatron_lite.arguments import build_parser, parse_with_notes
 from megatron_lite.checkpoint import checkpointer
 from megatron_lite.checkpoint.files import CheckpointError
+from megatron_lite.config import ConfigError
+from megatron_lite.errors import run_cli
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.reliability import preflight
+from megatron_lite.reliability.heartbeat import (
+    PEER_LOST_EXIT_CODE,
+    Beat,
+    PeerLostError,
+    Verdict,
+    lost_peer,
+)
 from megatron_lite.training import evaluate, run
-from megatron_lite.unattended import decide, goodput, hosts_named
+from megatron_lite.unattended import (
+    STRAGGLER_EXCLUDE_FRACTION,
+    STRAGGLER_EXCLUDE_INTERVALS,
+    decide,
+    goodput,
+    hosts_named,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "slurm_stubs"
@@ -54,12 +69,78 @@ def test_hosts_named_by_hang_nan_straggler_and_preflight():
         "hang watchdog: rank 3 on host gpu-07, iteration 12: phase 'x' has run for 9 s",
         "NaN/Inf at iteration 5, found before any reduction in rank 1 (host gpu-02): the loss; "
         "rank 6 (host gpu-09): a gradient; step skipped on every rank",
-        "warning: straggler: rank 4 on host gpu-05 has been 40% slower than the median",
+        "warning: straggler: rank 4 on host gpu-05 has been 40% slower than the median rank "
+        "for 6 log intervals (forward-backward 1.4 ms vs 1.0 ms; threshold 10%)",
         "preflight: FAILED on host gpu-11: local rank 0, cuda:0: GEMM on cuda:0 is wrong",
         "hang watchdog: rank 2 on host gpu-07, iteration 12: again",
         "iter 12 | loss 3.0 | on host gpu-99 (not a health message)",
     ])
     assert hosts_named(log) == ["gpu-07", "gpu-02", "gpu-09", "gpu-05", "gpu-11"]
+
+
+def test_a_hang_is_blamed_on_the_stale_rank_not_the_rank_reporting_it():
+    """nodeA's watchdog fires because rank 1 on nodeB stopped: nodeB is excluded, not nodeA
+    (a live rank stuck in a phase is not blamed); with no stale rank named, the reporter is."""
+    line = ("hang watchdog: rank 0 on host nodeA, iteration 3: phase 'forward-backward' has run "
+            "for 31.0 s, more than --hang-timeout-seconds 30. Heartbeats: rank 1 (host nodeB, "
+            "pid 4242) stopped answering 29.5 s ago, last heard from in phase 'forward-backward' "
+            "of iteration 3; rank 2 (host nodeC, pid 77) is alive but has been in phase "
+            "'forward-backward' of iteration 3 for 31.0 s. Stacks of every thread follow.")
+    assert hosts_named(line) == ["nodeB"]
+    alone = ("hang watchdog: rank 0 on host nodeA, iteration 3: phase 'checkpoint save' has run "
+             "for 31.0 s. Heartbeats: every other rank's heartbeat is current.")
+    assert hosts_named(alone) == ["nodeA"]
+
+
+def test_a_dead_peer_is_named_with_its_host_and_excluded(tmp_path):
+    """The lost-peer error (`heartbeat.lost_peer`) names the dead rank's host from its last
+    heartbeat; the launch then resubmits without that host instead of restarting in place."""
+    beat = Beat(rank=1, seq=9, iteration=3, phase="forward-backward", phase_s=0.2,
+                time=0.0, host="nodeB", pid=4242)
+    verdict = Verdict(stale=[(1, beat, 12.0)], stuck=[])
+
+    class _Beats:
+        def verdict(self):
+            return verdict
+
+    err = lost_peer(_Beats(), RuntimeError("[pair.cc:537] Connection reset by peer. more"), 3,
+                    "forward-backward")
+    assert isinstance(err, PeerLostError)
+    assert hosts_named(f"error: rank 0: {err}") == ["nodeB"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text(f"error: rank 0: {err}\n")
+    decision, _ = _decide(run_dir, rc=PEER_LOST_EXIT_CODE, restarts=0, max_restarts=1)
+    assert decision == "resubmit nodeB"
+
+
+def test_a_lost_peer_exits_with_its_own_code_not_a_user_mistakes(capsys):
+    """2 stays for user mistakes; a lost peer keeps its one-line report but exits
+    PEER_LOST_EXIT_CODE."""
+    def lose(_: list[str]) -> int:
+        raise PeerLostError("a collective failed because rank 1 never sent a heartbeat")
+
+    def mistake(_: list[str]) -> int:
+        raise ConfigError("--bad: not a flag")
+
+    assert PEER_LOST_EXIT_CODE not in (0, 1, 2, 3, 4)
+    assert run_cli(lose, []) == PEER_LOST_EXIT_CODE
+    assert run_cli(mistake, []) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
+
+
+def test_only_a_persistent_straggler_is_excluded():
+    """A warning (10% for 3 intervals) is noise; STRAGGLER_EXCLUDE_FRACTION for
+    STRAGGLER_EXCLUDE_INTERVALS excludes the host."""
+    def line(pct: int, intervals: int) -> str:
+        return (f"warning: straggler: rank 3 on host gpu-04 has been {pct}% slower than the "
+                f"median rank for {intervals} log intervals (forward-backward 1 ms vs 1 ms)")
+    pct = round(100 * STRAGGLER_EXCLUDE_FRACTION)
+    assert hosts_named(line(12, 3)) == []
+    assert hosts_named(line(52, STRAGGLER_EXCLUDE_INTERVALS - 1)) == []
+    assert hosts_named(line(pct - 1, 30)) == []
+    assert hosts_named(line(pct, STRAGGLER_EXCLUDE_INTERVALS)) == ["gpu-04"]
+    assert hosts_named(line(52, 12)) == ["gpu-04"]
 
 
 def _decide(run_dir: Path, **kw):
