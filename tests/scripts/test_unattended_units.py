@@ -8,9 +8,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +26,7 @@ from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.config import ConfigError
 from megatron_lite.errors import run_cli
 from megatron_lite.parallel.state import single_process_state
-from megatron_lite.reliability import preflight
+from megatron_lite.reliability import preflight, watchdog
 from megatron_lite.reliability.heartbeat import (
     PEER_LOST_EXIT_CODE,
     Beat,
@@ -318,3 +320,42 @@ def test_preflight_failure_names_the_host_that_gets_excluded(capsys):
     err = capsys.readouterr().err
     assert "ran at" in err and "under 30% of the expected 1e+09" in err
     assert hosts_named(err) == [socket.gethostname()]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_watchdog_kills_a_frozen_rank_under_srun_and_torchrun(launcher, monkeypatch):
+    """The stale rank's process on this host is SIGKILLed when its environment says it is that
+    rank of this launch: srun sets only SLURM_PROCID (no RANK/MASTER_PORT), torchrun RANK. A
+    process of another job step with the same rank number is left alone."""
+    if launcher == "srun":
+        ours = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
+        rank_var, other = "SLURM_PROCID", {**ours, "SLURM_STEP_ID": "1"}
+    else:
+        ours = {"WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+        rank_var, other = "RANK", {**ours, "MASTER_PORT": "29512"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "SLURM_PROCID",
+                 "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**ours, rank_var: "0"}.items():
+        monkeypatch.setenv(name, value)
+    clean = {k: v for k, v in os.environ.items() if k not in ours and k != rank_var}
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    frozen = subprocess.Popen(sleep, env={**clean, **ours, rank_var: "1"})
+    stranger = subprocess.Popen(sleep, env={**clean, **other, rank_var: "1"})
+    try:
+        time.sleep(0.5)  # the children's /proc environ is readable once they exec
+
+        def stale(pid: int) -> Verdict:
+            beat = Beat(rank=1, seq=3, iteration=2, phase="forward-backward", phase_s=9.0,
+                        time=0.0, host=socket.gethostname(), pid=pid)
+            return Verdict(stale=[(1, beat, 9.0)], stuck=[])
+
+        assert watchdog._kill_local_stale(stale(stranger.pid)) == ""
+        said = watchdog._kill_local_stale(stale(frozen.pid))
+        assert f"killed stale rank 1 (pid {frozen.pid})" in said
+        assert frozen.wait(timeout=10) == -signal.SIGKILL
+        assert stranger.poll() is None
+    finally:
+        for proc in (frozen, stranger):
+            proc.kill()
+            proc.wait()
