@@ -26,6 +26,7 @@ from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.config import ConfigError
 from megatron_lite.errors import run_cli
 from megatron_lite.parallel.state import single_process_state
+from megatron_lite.planner import estimate_memory
 from megatron_lite.reliability import preflight, watchdog
 from megatron_lite.reliability.heartbeat import (
     PEER_LOST_EXIT_CODE,
@@ -193,6 +194,31 @@ def test_plan_tp_wider_than_a_node_and_young_daly_interval(tmp_path, capsys):
                         "--save-seconds", str(jsonl), "--mtbf-hours", "168")
     # Daly for C = 40 s (the median save), M = 7 days: 1.92 h (RELIABILITY.md 1.6)
     assert "every 115.5 min = --save-interval" in out, out[-2000:] + err
+
+
+def test_plan_grad_reduce_in_bf16_counts_16_bit_gradients_as_the_dry_run(capsys):
+    """scripts/plan.py --grad-reduce-in-bf16 stores the gradients in 2 bytes, as
+    `estimate_memory` (the dry run's planner figure) does for the flags it prints: Llama-7B
+    ZeRO-1 on 8 GPUs holds 2 + 2 + 12/8 bytes per parameter (33.8 GiB), not 2 + 4 + 12/8
+    (46.2 GiB: the gradients' bytes went only into the DP time before)."""
+    shape = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+             "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "32000",
+             "--global-batch-size", "64", "--gpus", "8", "--tp", "1", "--pp", "1",
+             "--sharding", "optim", "--top", "1"]
+    states = {}
+    for extra in ([], ["--grad-reduce-in-bf16"]):
+        code, out, err = _plan(capsys, *shape, *extra)
+        assert code == 0, err
+        lines = out.splitlines()
+        row = lines[lines.index("fitting layouts, fastest first:") + 2].split()
+        flags = lines[lines.index("pretrain.py flags for #1:") + 1].split()
+        assert ("--grad-reduce-in-bf16" in flags) == bool(extra)
+        est = estimate_memory(parse_with_notes(flags)[0], 8)
+        states[bool(extra)] = float(row[12])
+        assert states[bool(extra)] == round(est.state_bytes / 2**30, 1), (row, est)
+    params = 6_607_343_616
+    assert states[False] == round(params * (2 + 4 + 12 / 8) / 2**30, 1) == 46.2
+    assert states[True] == round(params * (2 + 2 + 12 / 8) / 2**30, 1) == 33.8
 
 
 def test_torchrun_launcher_command(tmp_path):
