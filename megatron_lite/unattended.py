@@ -48,8 +48,11 @@ HOST_PATTERNS = (
 )
 HANG_LINE = re.compile(r"hang watchdog: rank \d+ on host ([^\s,]+)(.*)")
 """The watchdog's line: the reporting rank's host, then (with heartbeats) the peers it names."""
-STALE_HOST = re.compile(r"rank \d+ \(host ([^,]+), pid \d+\) (?:stopped answering|has exited)")
+STALE_HOST = re.compile(r"rank \d+ \(host ([^,)]+)(?:, pid \d+)?\) "
+                        r"(?:stopped answering|has exited|never sent a heartbeat)")
 """A stale rank in a heartbeat verdict (`Verdict.describe`): its host is the one to blame."""
+NO_BEAT = re.compile(r"rank \d+ (?:\([^)]*\) )?(?:stopped answering|has exited|never sent)")
+"""Any stale rank, host known or not: then the rank reporting the hang is not blamed."""
 PEER_LOST_LINE = re.compile(r"a collective failed because (.*)")
 """`heartbeat.lost_peer`'s message: the dead or stale ranks it names carry their hosts."""
 STRAGGLER_LINE = re.compile(r"straggler: rank \d+ on host (\S+) has been (\d+)% slower than "
@@ -184,7 +187,8 @@ def hosts_named(log_text: str) -> list[str]:
     for line in log_text.splitlines():
         names = [m.group(1) for p in HOST_PATTERNS if (m := p.search(line))]
         if (m := HANG_LINE.search(line)) is not None:
-            names += STALE_HOST.findall(m.group(2)) or [m.group(1)]
+            stale = NO_BEAT.search(m.group(2)) is not None
+            names += STALE_HOST.findall(m.group(2)) if stale else [m.group(1)]
         elif (m := PEER_LOST_LINE.search(line)) is not None:
             names += STALE_HOST.findall(m.group(1))
         if (m := STRAGGLER_LINE.search(line)) is not None and \

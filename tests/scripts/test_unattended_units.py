@@ -93,6 +93,9 @@ def test_a_hang_is_blamed_on_the_stale_rank_not_the_rank_reporting_it():
     alone = ("hang watchdog: rank 0 on host nodeA, iteration 3: phase 'checkpoint save' has run "
              "for 31.0 s. Heartbeats: every other rank's heartbeat is current.")
     assert hosts_named(alone) == ["nodeA"]
+    unknown = ("hang watchdog: rank 0 on host nodeA, iteration 0: phase 'start-up' has run for "
+               "31.0 s. Heartbeats: rank 1 never sent a heartbeat. Stacks follow.")
+    assert hosts_named(unknown) == []  # the stale rank's host is unknown: nodeA is not it
 
 
 def test_a_dead_peer_is_named_with_its_host_and_excluded(tmp_path):
@@ -115,6 +118,11 @@ def test_a_dead_peer_is_named_with_its_host_and_excluded(tmp_path):
     (run_dir / "train.log").write_text(f"error: rank 0: {err}\n")
     decision, _ = _decide(run_dir, rc=PEER_LOST_EXIT_CODE, restarts=0, max_restarts=1)
     assert decision == "resubmit nodeB"
+    # lost before its first heartbeat: the host comes from the ranks' start-up gather
+    never = Verdict(stale=[(1, None, 0.0)], stuck=[], hosts=("nodeA", "nodeB"))
+    assert "rank 1 (host nodeB) never sent a heartbeat" in never.describe()
+    assert hosts_named(f"error: rank 0: a collective failed because {never.describe()}") \
+        == ["nodeB"]
 
 
 def test_a_lost_peer_exits_with_its_own_code_not_a_user_mistakes(capsys):
