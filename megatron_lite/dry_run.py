@@ -13,8 +13,11 @@ seconds and no memory. Each record's `phases` says which of those parts ran.
 
 Before any rank, the run's summary (`Summary`: iterations, accumulation steps, tokens per step,
 the planner's largest rank against the device's memory) and a check of the data flags that reads
-no shard (`data_problems`: each path and tokenizer file exists, --split and the blends parse); a
-problem there ends the dry run with every one listed.
+no shard (`data_problems`: each path and tokenizer file exists, --split and the blends parse)
+and of the paths the run writes, without writing them (`output_problems`: --save, --log-jsonl,
+TensorBoard and wandb directories writable or creatable); a problem there ends the dry run
+with every one listed. The checkpoint flags (--async-save included) take part in the rank's
+iteration: its save is assembled on meta into a scratch directory.
 
 What it shows per rank: the bytes of the real allocations (parameters, gradients, optimizer
 state, peak activations of the step) beside the planner's, every collective and p2p op
@@ -28,6 +31,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import tempfile
 import time
 from collections import Counter
@@ -135,7 +139,8 @@ class Summary:
     device: str
     fits: bool
     data_errors: list[str]
-    """`data_problems`: what a run would refuse in the data flags."""
+    """`data_problems` and `output_problems`: what a run would refuse in the data flags, or
+    fail to write (checkpoint and logging paths)."""
     iters_source: str = "--train-iters"
     stage: int = 0
 
@@ -145,7 +150,7 @@ class Summary:
 
 def summarize(cfg: Config, world_size: int, teacher: ModelConfig | None = None) -> Summary:
     """The run's iterations, batch, tokens and memory (with a distillation `teacher`'s)
-    against the device; the data check."""
+    against the device; the data and output-path checks."""
     t = cfg.train
     mbs_per_step = num_microbatches(cfg, world_size)
     varies = t.rampup_batch_size or t.step_batch_size_schedule is not None
@@ -161,7 +166,7 @@ def summarize(cfg: Config, world_size: int, teacher: ModelConfig | None = None) 
         t.train_iters, mbs_per_step, first // per_micro if first else mbs_per_step,
         gbs * cfg.model.seq_length, round(need, 2), device_gib,
         "--dry-run-device-memory-gb" if given else DEFAULT_DEVICE, need <= device_gib,
-        data_problems(cfg),
+        data_problems(cfg) + output_problems(cfg),
         f"from --train-samples {t.train_samples:,}" if t.train_samples is not None
         else "--train-iters", est.stage)
 
@@ -265,8 +270,48 @@ def data_problems(cfg: Config) -> list[str]:
     return problems + ([split] if split else [])
 
 
+OUTPUT_DIR_FLAGS = (("--save", "checkpoint", "save"), ("--tensorboard-dir", "logging",
+                    "tensorboard_dir"), ("--wandb-save-dir", "logging", "wandb_save_dir"))
+"""(flag, config section, field) of the directories a run writes into."""
+
+
+def _unwritable(flag: str, path: Path, what: str) -> str | None:
+    """Why a run could not create or write `path` (a directory), or None: the path, or the
+    nearest of its parents that exists, must be a directory this user can write."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{flag} {what}: {path} exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else (
+            f"{flag} {what}: {path} is not writable by this user")
+    parent = next(p for p in path.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return (f"{flag} {what}: cannot create {path}: {parent} is not a writable directory; "
+                "point the flag (or RUN_DIR / CKPT_DIR of the launch script) elsewhere")
+    return None
+
+
+def output_problems(cfg: Config) -> list[str]:
+    """What a real run would fail to write, found without writing: the --save directory, the
+    --log-jsonl file's directory, the TensorBoard and wandb directories must exist as writable
+    directories or be creatable (the dry run saves into a scratch directory and writes its own
+    records to --log-jsonl, so these are the run's paths, checked)."""
+    problems = []
+    for flag, section, name in OUTPUT_DIR_FLAGS:
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            problems.append(_unwritable(flag, Path(value), "directory"))
+    if cfg.logging.log_jsonl:
+        jsonl = Path(cfg.logging.log_jsonl)
+        if jsonl.is_dir():
+            problems.append(f"--log-jsonl {jsonl}: is a directory; give a file path")
+        else:
+            problems.append(_unwritable("--log-jsonl", jsonl.parent, f"{jsonl.name}'s directory"))
+    return [p for p in problems if p]
+
+
 def _write_jsonl(cfg: Config, records: list[dict]) -> None:
     if cfg.logging.log_jsonl:
+        Path(cfg.logging.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.logging.log_jsonl, "w") as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")
@@ -651,8 +696,9 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print(teacher_note, flush=True)
     if summary.data_errors:
         _write_jsonl(cfg, [summary.record()])
-        raise ConfigError("the data flags would stop the run (checked without reading a "
-                          "shard):\n  " + "\n  ".join(summary.data_errors))
+        raise ConfigError("the data, checkpoint or logging flags would stop the run "
+                          "(checked without reading a shard or writing a file):\n  "
+                          + "\n  ".join(summary.data_errors))
     ranks = dry_run_rank_list(cfg, world_size)
     if not ranks:
         _write_jsonl(cfg, [summary.record()])

@@ -28,8 +28,16 @@ from contextlib import contextmanager
 DEBUG_ENV = "MEGATRON_LITE_DEBUG"
 
 
+USER_ERROR_EXIT_CODE = 2
+"""Exit status of a user mistake (argparse's too); kept for those alone."""
+
+
 class UserError(Exception):
     """Something the user gave cannot work; the message names it and the fix."""
+
+    exit_code = USER_ERROR_EXIT_CODE
+    """What `run_cli` exits with; a subclass that is no mistake of the user's (a lost peer)
+    keeps the one-line report and sets its own, so a launcher can tell them apart."""
 
     same_on_every_rank = False
     """Every rank raises it together, after agreeing (e.g. the skip-limit stop): rank 0 alone
@@ -81,7 +89,7 @@ def report(err: BaseException) -> None:
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
     """`main(argv)` (argv: the command line after the program name, default sys.argv[1:]),
-    with a user mistake reported by `report` and exit status 2 instead of a traceback."""
+    with a user mistake reported by `report` and its `exit_code` (2) instead of a traceback."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         return main(argv)
@@ -89,4 +97,4 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
         if not is_user_error(err) or "--debug" in argv or os.environ.get(DEBUG_ENV) == "1":
             raise
         report(err)
-        return 2
+        return getattr(err, "exit_code", USER_ERROR_EXIT_CODE)

@@ -146,7 +146,8 @@ class RunOptions:
     Megatron-LM ran GPT in 2021)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element in the DP reduction (2: --grad-reduce-in-bf16, and
-    Megatron-LM 2021's fp16 default)."""
+    Megatron-LM 2021's fp16 default). 2 also stores the gradients in 16 bits, as
+    `estimate_memory` counts --grad-reduce-in-bf16 (`grad_state_bytes`)."""
     p2p_scatter_gather: bool = False
     """Megatron-LM's scatter-gather across stages (its 2021 default, not ours): without SP a
     stage sends 1/t of each activation and the next all-gathers it over TP."""
@@ -1297,7 +1298,8 @@ def evaluate(model: ModelConfig, lay: Layout, c: Cluster, global_batch: int,
     moe_params, moe_saved = _moe_stages(model, moe, act, lay.ep, [per_stage] * lay.pp,
                                         lay.chunks)
     spec = StageSpec(lay.tp, lay.pp, lay.dp, lay.chunks, mbs, lay.sharding, lay.recompute, act,
-                     lay.schedule, moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved,
+                     lay.schedule, grad_bf16=opts.grad_reduce_bytes == 2,
+                     moe_params=moe_params, ep=lay.ep, moe_saved=moe_saved,
                      fp8_copies=_fp8_copies(model, moe, lay.tp, [per_stage] * lay.pp,
                                             lay.chunks, fp8) if fp8 is not None else (),
                      moe=moe)

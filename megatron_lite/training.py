@@ -179,7 +179,7 @@ def train(cfg: Config, pstate: ParallelState, launch_source: str = "test",
         checkpointer.on_save = logger.log_checkpoint
         guard.on_event = logger.log_event
         guard.attach(optimizer, checkpointer, train_loader)
-        guard.start()
+        guard.start(hosts=logger.hosts)
         cleanup.callback(guard.close)
         runner = StepRunner(cfg, pstate, chunks, on_grads_ready=optimizer.start_grad_sync,
                             distiller=build_distiller(cfg, pstate, chunks), moe=moe,

@@ -10,14 +10,15 @@ record carries its `job`). Two sides read and write that JSONL:
   of `train`, under the launch scripts (MEGATRON_LITE_JOURNAL=1), one `train_end` record
   (done, or interrupted by a signal / time limit).
 - the launch script, after each launch (`python -m megatron_lite.unattended after-launch`,
-  no torch import): a `failure` record when the launch failed, the hosts its log names
-  (hang watchdog, NaN/Inf, straggler, preflight) appended to `<run>/exclude_hosts`, and one
-  decision printed on stdout: `restart` (in place, a bounded number of times), `resubmit
-  HOSTS` (sbatch --dependency=afterany:<job> --exclude=HOSTS, bounded by MAX_RESUBMITS) or
-  `stop` (done, repeated failure at one iteration, or out of resubmissions). When the job
-  ends, a `job_end` record and the `goodput:` line: productive training time (the step times
-  of iterations that were kept: not redone after a resume or rollback) over the allocated time
-  of all jobs so far. scripts/plot_run.py prints the same number.
+  no torch import): a `failure` record when the launch failed, the hosts its log blames
+  (`hosts_named`: hang watchdog, lost peer, NaN/Inf, persistent straggler, preflight)
+  appended to `<run>/exclude_hosts`, and one decision printed on stdout: `restart` (in
+  place, a bounded number of times), `resubmit HOSTS` (sbatch --dependency=afterany:<job>
+  --exclude=HOSTS, bounded by MAX_RESUBMITS) or `stop` (done, repeated failure at one
+  iteration, or out of resubmissions). When the job ends, a `job_end` record and the
+  `goodput:` line: productive training time (the step times of iterations that were kept:
+  not redone after a resume or rollback) over the allocated time of all jobs so far.
+  scripts/plot_run.py prints the same number.
 
 Stdlib only: the launch script calls it between launches, where importing torch would cost
 seconds per call.
@@ -43,10 +44,27 @@ JSONL_NAME = "metrics.jsonl"
 LOG_NAME = "train.log"
 
 HOST_PATTERNS = (
-    re.compile(r"hang watchdog: rank \d+ on host ([^\s,]+)"),
-    re.compile(r"straggler: rank \d+ on host (\S+) has been"),
     re.compile(r"preflight: FAILED on host ([^\s:]+)"),
 )
+HANG_LINE = re.compile(r"hang watchdog: rank \d+ on host ([^\s,]+)(.*)")
+"""The watchdog's line: the reporting rank's host, then (with heartbeats) the peers it names."""
+STALE_HOST = re.compile(r"rank \d+ \(host ([^,)]+)(?:, pid \d+)?\) "
+                        r"(?:stopped answering|has exited|never sent a heartbeat)")
+"""A stale rank in a heartbeat verdict (`Verdict.describe`): its host is the one to blame."""
+NO_BEAT = re.compile(r"rank \d+ (?:\([^)]*\) )?(?:stopped answering|has exited|never sent)")
+"""Any stale rank, host known or not: then the rank reporting the hang is not blamed."""
+PEER_LOST_LINE = re.compile(r"a collective failed because (.*)")
+"""`heartbeat.lost_peer`'s message: the dead or stale ranks it names carry their hosts."""
+STRAGGLER_LINE = re.compile(r"straggler: rank \d+ on host (\S+) has been (\d+)% slower than "
+                            r"the median rank for (\d+) log intervals")
+STRAGGLER_EXCLUDE_FRACTION = 0.25
+"""A straggler's host is excluded from the next submission when it is at least this much slower
+than the median rank (a warning starts at --straggler-threshold, 10% by default: noise on a
+shared fabric; 25% is a quarter of every step lost by all ranks waiting for one)."""
+STRAGGLER_EXCLUDE_INTERVALS = 6
+"""... for at least this many log intervals in a row (twice the default
+--straggler-intervals, so a slowdown that one warning reports and then clears stays a
+warning)."""
 NAN_LINE = re.compile(r"NaN/Inf at iteration \d+, found before any reduction in (.*)")
 NAN_HOST = re.compile(r"\(host ([^)]+)\)")
 
@@ -160,10 +178,23 @@ def goodput_line(records: list[dict]) -> str:
 
 
 def hosts_named(log_text: str) -> list[str]:
-    """Hosts that hang, straggler, NaN/Inf and preflight messages name, in order, once."""
+    """Hosts to blame that hang, lost-peer, straggler, NaN/Inf and preflight messages name, in
+    order, once. A hang is blamed on the stale ranks' hosts the reporting rank names (their
+    process stopped; the reporter only waited for them), on the reporter's own host when it
+    names none; a straggler only past STRAGGLER_EXCLUDE_FRACTION for
+    STRAGGLER_EXCLUDE_INTERVALS."""
     found: list[str] = []
     for line in log_text.splitlines():
         names = [m.group(1) for p in HOST_PATTERNS if (m := p.search(line))]
+        if (m := HANG_LINE.search(line)) is not None:
+            stale = NO_BEAT.search(m.group(2)) is not None
+            names += STALE_HOST.findall(m.group(2)) if stale else [m.group(1)]
+        elif (m := PEER_LOST_LINE.search(line)) is not None:
+            names += STALE_HOST.findall(m.group(1))
+        if (m := STRAGGLER_LINE.search(line)) is not None and \
+                int(m.group(2)) >= 100 * STRAGGLER_EXCLUDE_FRACTION and \
+                int(m.group(3)) >= STRAGGLER_EXCLUDE_INTERVALS:
+            names.append(m.group(1))
         if (m := NAN_LINE.search(line)) is not None:
             names += NAN_HOST.findall(m.group(1))
         found += [n for n in names if n not in found]
@@ -191,7 +222,7 @@ def decide(run_dir: Path, *, rc: int, from_line: int, log_offset: int, restarts:
     named = hosts_named(_log_since(run_dir / LOG_NAME, log_offset))
     excluded = add_excluded(run_dir, named)
     if named:
-        say(f"unattended: hosts named by hang/NaN/straggler/preflight messages: "
+        say(f"unattended: hosts named by hang/lost-peer/NaN/straggler/preflight messages: "
             f"{', '.join(named)} (now in {run_dir / EXCLUDE_FILE})")
     job = job_id()
     stamp = {"job": job} if job else {}

@@ -29,11 +29,14 @@
 #   EXTRA_ARGS        appended to the pretrain.py command line, word-split
 #   MEGATRON_LITE_TINY=1  replace the model/batch/data arrays with a tiny CPU configuration
 #                     (mock data, gloo, 2 iterations) so tests can run any script on localhost
-#   DRY_RUN="R ..."   no Slurm, no data, no GPU: run ranks R (or `all`) of this script's full
-#                     layout on the meta device (pretrain.py --dry-run), e.g.
+#   DRY_RUN="R ..."   no Slurm, no shard read, no GPU: run ranks R (or `all`) of this script's
+#                     full layout on the meta device (pretrain.py --dry-run) with its data,
+#                     checkpoint and logging flags (paths checked: DATA_MANIFEST or DATA_PATH,
+#                     TOKENIZER_MODEL, the save and log directories), e.g.
 #                     DRY_RUN="0 7 1023" bash scripts/pretrain_llama_70b.sh
 #   WORLD_SIZE        with DRY_RUN: ranks of the job (default: #SBATCH --nodes x GPUS_PER_NODE)
-#   VOCAB_SIZE        with DRY_RUN and no TOKENIZER_MODEL file: the vocabulary (default 128256)
+#   VOCAB_SIZE        with DRY_RUN and no TOKENIZER_MODEL: the vocabulary (default 128256)
+#   DRY_RUN_JSONL     with DRY_RUN: its per-rank records (default RUN_DIR/dry_run.jsonl)
 
 set -euo pipefail
 
@@ -178,13 +181,48 @@ ml_master_env() {
     export MASTER_ADDR MASTER_PORT
 }
 
-# The script's layout, checked rank by rank on the meta device instead of launched.
+# The data flags as a dry run checks them (existence only, no shard read; an array in
+# DRY_DATA_ARGS): the staged node-local --data-path becomes the shared DATA_MANIFEST it is
+# staged from (a node-local run reads that manifest, its shards are on the nodes' disks), a
+# DATA_PATH stays as given, and with neither the dry run reads mock batches and says so. The
+# tokenizer flag stays (and is checked) when TOKENIZER_MODEL is set, else --vocab-size VOCAB_SIZE.
+ml_dry_run_data() {
+    local i=0 pair
+    DRY_DATA_ARGS=()
+    while (( i < ${#DATA_ARGS[@]} )); do
+        pair=("${DATA_ARGS[@]:i:2}")
+        case "${pair[0]}" in
+            --data-path)
+                if [[ -n "${DATA_PATH:-}" ]]; then DRY_DATA_ARGS+=("${pair[@]}")
+                elif [[ -n "${DATA_MANIFEST:-}" ]]; then
+                    DRY_DATA_ARGS+=(--data-path "$DATA_MANIFEST")
+                else
+                    echo "DRY_RUN: no DATA_MANIFEST or DATA_PATH: mock batches, no data path" \
+                         "checked"
+                    DRY_DATA_ARGS+=(--mock-data)
+                fi
+                i=$((i + 2)) ;;
+            --tokenizer-model)
+                if [[ -n "${TOKENIZER_MODEL:-}" ]]; then DRY_DATA_ARGS+=("${pair[@]}")
+                else DRY_DATA_ARGS+=(--vocab-size "${VOCAB_SIZE:-128256}"); fi
+                i=$((i + 2)) ;;
+            *) DRY_DATA_ARGS+=("${pair[0]}"); i=$((i + 1)) ;;
+        esac
+    done
+}
+
+# The script's layout, checked rank by rank on the meta device instead of launched, with its
+# data, checkpoint and logging flags: the paths are checked, the save (--async-save included)
+# is assembled on meta into a scratch directory, and the dry run's records go to
+# DRY_RUN_JSONL (default RUN_DIR/dry_run.jsonl), never over the run's metrics.jsonl.
 ml_dry_run() {
-    local nodes world vocab=(--vocab-size "${VOCAB_SIZE:-128256}")
+    local nodes world
     nodes=$(sed -n 's/^#SBATCH --nodes=\([0-9]*\).*/\1/p' "$0")
     world=${WORLD_SIZE:-$(( ${nodes:-1} * GPUS_PER_NODE ))}
-    [[ -f "${TOKENIZER_MODEL:-}" ]] && vocab=(--tokenizer-model "$TOKENIZER_MODEL")
-    local args=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${vocab[@]}")
+    ml_dry_run_data
+    local args=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DRY_DATA_ARGS[@]}"
+                "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}"
+                --log-jsonl "${DRY_RUN_JSONL:-$RUN_DIR/dry_run.jsonl}")
     # shellcheck disable=SC2206  # DRY_RUN and EXTRA_ARGS are meant to be word-split
     args+=(--dry-run --world-size "$world" --dry-run-ranks ${DRY_RUN} ${EXTRA_ARGS:-})
     cd "$REPO_DIR"

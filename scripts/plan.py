@@ -78,7 +78,8 @@ def _add_run_and_search_flags(ap: argparse.ArgumentParser) -> None:
     run.add_argument("--attention", choices=["flash", "unfused"], default="flash",
                      help="unfused: materialised softmax + dropout (GPT as run in 2021)")
     run.add_argument("--grad-reduce-in-bf16", action="store_true",
-                     help="reduce gradients over DP in 16 bits (time only)")
+                     help="store and reduce gradients over DP in 16 bits (memory and time, "
+                          "as pretrain.py's flag)")
     run.add_argument("--fp32", action="store_true",
                      help="time fp32 activations (the CPU runs); memory stays bf16")
     fp8 = ap.add_argument_group("FP8 (pretrain.py's flags): memory only, the step time keeps "
@@ -312,7 +313,8 @@ def row(i: int, plan: Plan, gpus: int) -> str:
 
 
 def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans: list[Plan],
-           top: int, moe: MoEConfig | None = None, fp8: TrainConfig | None = None) -> str:
+           top: int, moe: MoEConfig | None = None, fp8: TrainConfig | None = None,
+           grad_bf16: bool = False) -> str:
     n, active = moe_total_params(model, moe) if moe else (total_params(model), 0)
     experts = (f" ({active / 1e9:.2f}B active: {moe.num_experts} experts, top-"
                f"{moe.moe_router_topk}, {moe.moe_token_dispatcher_type} dispatch)" if moe else "")
@@ -367,7 +369,7 @@ def report(model: ModelConfig, cluster: Cluster, gbs: int, tokens: float, plans:
     if fitting:
         lines += ["", "pretrain.py flags for #1:", " ".join(
             pretrain_flags(model, fitting[0], gbs) + moe_flags(moe, fitting[0])
-            + fp8_flags(fp8))]
+            + fp8_flags(fp8) + (["--grad-reduce-in-bf16"] if grad_bf16 else []))]
     return "\n".join(lines)
 
 
@@ -531,7 +533,8 @@ def _main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([plan_record(p, cluster.gpus) for p in plans[:args.top]], indent=1))
         return 0
-    print(report(model, cluster, gbs, tokens, plans, args.top, opts.moe, opts.fp8))
+    print(report(model, cluster, gbs, tokens, plans, args.top, opts.moe, opts.fp8,
+                 args.grad_reduce_in_bf16))
     fitting = [p for p in plans if p.fits]
     if args.save_seconds and args.mtbf_hours and fitting:
         best = young_daly_interval_s(args.save_seconds, 3600 * args.mtbf_hours)

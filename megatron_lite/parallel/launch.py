@@ -313,6 +313,22 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     )
 
 
+def launch_identity(environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """(rank, which launch) a process's environment says it is, read in `detect_launch_env`'s
+    order without resolving anything: torchrun's RANK with its MASTER_ADDR:MASTER_PORT, else
+    srun's SLURM_PROCID with its job and step id; None for neither. Two processes of one job
+    step share the second part, so a pid can be matched to a rank of this job (the watchdog
+    kills a frozen peer only then) whichever launcher started them."""
+    if environ.get("RANK", "").isdigit() and "WORLD_SIZE" in environ:
+        where = f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', DEFAULT_PORT)}"
+        return int(environ["RANK"]), "torchrun " + where
+    if environ.get("SLURM_PROCID", "").isdigit() and "SLURM_NTASKS" in environ:
+        job = environ.get("SLURM_JOB_ID", environ.get("SLURM_JOBID", ""))
+        step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
+        return int(environ["SLURM_PROCID"]), f"slurm {job}.{step}"
+    return None
+
+
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Resolve the launch layout: torchrun variables, then Slurm, then a single process."""
     environ = os.environ if environ is None else environ

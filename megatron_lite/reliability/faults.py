@@ -6,6 +6,7 @@ Megatron's --error-injection-rate drill (NaN losses at random steps, in a real r
     MEGATRON_LITE_FAULT=rank1:iter13:kill:attempt0,rank0:iter4:nan_grad   # several, comma-separated
 
 Kinds: `exit` (os._exit(1)), `kill` (SIGKILL to itself), `hang` (sleeps forever in the loop),
+`stop` (SIGSTOP to itself: a frozen rank that stops beating and ignores SIGTERM),
 `nan_loss` / `nan_grad` (this rank's local loss / one local gradient element becomes NaN),
 `spike` (this rank's local loss x SPIKE_FACTOR), `nan_update` (this rank's LR is NaN for the
 step, so its proposed optimizer update is not finite), `slow_data` (this rank's loader takes
@@ -35,7 +36,7 @@ from torch import Tensor
 
 FAULT_ENV = "MEGATRON_LITE_FAULT"
 KINDS = ("exit", "kill", "hang", "nan_loss", "nan_grad", "spike", "sigterm", "sigterm_in_save",
-         "kill_in_save", "slow_data", "sigterm_launcher", "nan_update")
+         "kill_in_save", "slow_data", "sigterm_launcher", "nan_update", "stop")
 SPIKE_FACTOR = 20.0
 SLOW_DATA_S = 0.2
 _SPEC = re.compile(r"rank(\d+):iter(\d+)(?:-(\d+))?:([a-z_]+)(?::attempt(\d+))?")
@@ -118,6 +119,8 @@ class FaultInjector:
         if self.take(iteration, "hang"):
             while True:  # a stuck rank: only the watchdog or a collective timeout ends this
                 time.sleep(3600)
+        if self.take(iteration, "stop"):  # a frozen rank (wedged node): only SIGKILL ends it
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def corrupt_loss(self, iteration: int, local: Tensor) -> Tensor:
         if self.drill(iteration) or self.take(iteration, "nan_loss"):

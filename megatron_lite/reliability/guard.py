@@ -43,7 +43,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,13 +168,17 @@ class Guard:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> Guard:
+    def start(self, hosts: Sequence[str] = ()) -> Guard:
+        """Signals, heartbeats and the watchdog; `hosts`: every rank's host by rank (gathered
+        at start-up), so that a peer lost before its first heartbeat is named with its host."""
         self.exits.install()
         store = (default_store() if self.pstate.world_size > 1
                  and self.pstate.device.type != "meta" else None)  # not in a dry run
         if store is not None:
             self.heartbeat = Heartbeat(store, self.pstate.rank, self.pstate.world_size,
-                                       interval_for(self.rel.hang_timeout_seconds)).start()
+                                       interval_for(self.rel.hang_timeout_seconds))
+            self.heartbeat.hosts = tuple(hosts)
+            self.heartbeat.start()
         if self.watchdog is not None:
             self.watchdog.heartbeat = self.heartbeat
             self.watchdog.start()

@@ -42,9 +42,18 @@ MAX_NAMED = 8
 """Ranks named in full in one message; the rest are counted."""
 
 
+PEER_LOST_EXIT_CODE = 5
+"""Exit status after a peer rank was lost (a dead node or process): not 2, a user mistake,
+nor 3, this rank's own hang (watchdog), nor 4, a failed preflight; the launch scripts restart
+or resubmit on it, where a 2 would only repeat."""
+
+
 class PeerLostError(UserError):
     """A collective failed because a peer rank stopped answering. Not the user's mistake, but
-    like one it is reported as one `error:` line: the traceback would only show gloo's C++."""
+    like one it is reported as one `error:` line: the traceback would only show gloo's C++.
+    It exits with PEER_LOST_EXIT_CODE."""
+
+    exit_code = PEER_LOST_EXIT_CODE
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class Verdict:
     """Why the store could not be read (then nothing is known)."""
     gone: frozenset[int] = frozenset()
     """Stale ranks on this host whose process has exited (seen at once, no wait)."""
+    hosts: tuple[str, ...] = ()
+    """Every rank's host by rank, when known (`Heartbeat.hosts`): names the host of a rank
+    that never sent a heartbeat, so the launch script can exclude it."""
 
     def describe(self) -> str:
         """One sentence naming the stale ranks first, then the stuck ones."""
@@ -84,7 +96,8 @@ class Verdict:
         parts = []
         for rank, beat, age in self.stale[:MAX_NAMED]:
             if beat is None:
-                parts.append(f"rank {rank} never sent a heartbeat")
+                host = f" (host {self.hosts[rank]})" if rank < len(self.hosts) else ""
+                parts.append(f"rank {rank}{host} never sent a heartbeat")
             elif rank in self.gone:
                 parts.append(f"rank {rank} (host {beat.host}, pid {beat.pid}) has exited, "
                              f"{beat.where()}")
@@ -123,6 +136,8 @@ class Heartbeat:
         self._where = (0, "start-up", time.monotonic())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.hosts: tuple[str, ...] = ()
+        """Every rank's host by rank (set by `Guard.start`; empty: unknown)."""
 
     def start(self) -> Heartbeat:
         self.beat()
@@ -189,7 +204,7 @@ class Heartbeat:
                 stale.append((rank, beat, now - beat.time if beat else 0.0))
             elif stuck_after_s is not None and beat.phase_s > stuck_after_s:
                 stuck.append(beat)
-        return Verdict(stale, stuck)
+        return Verdict(stale, stuck, hosts=self.hosts)
 
 
 def _exited(pid: int) -> bool:

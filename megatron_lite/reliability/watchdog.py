@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_lite.parallel.launch import launch_identity
 from megatron_lite.reliability.heartbeat import Heartbeat, Verdict
 
 HANG_EXIT_CODE = 3
@@ -117,26 +118,34 @@ class Watchdog:
 def _kill_local_stale(verdict: Verdict) -> str:
     """SIGKILL the stale ranks running on this host; returns a line per rank killed.
 
-    A pid is trusted only if that process was launched as that rank of this job (its RANK
-    and MASTER_PORT match), so a reused pid or a host name shared by two machines kills
-    nothing."""
-    host, port = socket.gethostname(), os.environ.get("MASTER_PORT")
+    A pid is trusted only if that process was launched as that rank of this job: its
+    environment gives the same `launch.launch_identity` as this process's with the stale
+    rank's number (torchrun's RANK and rendezvous, or srun's SLURM_PROCID and job step), so a
+    reused pid or a host name shared by two machines kills nothing."""
+    host, own = socket.gethostname(), launch_identity(os.environ)
     lines = []
     for rank, beat, _ in verdict.stale:
-        if beat is None or beat.host != host or port is None:
+        if beat is None or beat.host != host or own is None:
+            continue
+        if _process_identity(beat.pid) != (rank, own[1]):
             continue
         try:
-            env = Path(f"/proc/{beat.pid}/environ").read_bytes().split(b"\0")
+            os.kill(beat.pid, signal.SIGKILL)
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and f"MASTER_PORT={port}".encode() in env:
-            try:
-                os.kill(beat.pid, signal.SIGKILL)
-            except OSError:
-                continue
-            lines.append(f"hang watchdog: killed stale rank {rank} (pid {beat.pid}) on this host "
-                         "so that the launcher ends the job now\n")
+        lines.append(f"hang watchdog: killed stale rank {rank} (pid {beat.pid}) on this host "
+                     "so that the launcher ends the job now\n")
     return "".join(lines)
+
+
+def _process_identity(pid: int) -> tuple[int, str] | None:
+    """`launch_identity` of process `pid` of this host, from /proc (None if unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw if b"=" in item)
+    return launch_identity({key: value for key, _, value in pairs})
 
 
 def _write_fd(fd: int, text: str) -> None:

@@ -3,7 +3,8 @@ an sbatch that records its arguments), one CPU process per job, the 8B script in
 
 Job 1001 stops at iteration 10 (SIGTERM, as at the time limit) and resubmits itself once; job
 1002 of the same script resumes at 11, and its losses equal an uninterrupted run's. A hang that
-names the host resubmits with --exclude of it; a failure repeated at one iteration stops."""
+names the host resubmits with --exclude of it; a failure repeated at one iteration stops; a
+rank frozen under srun is killed by its peer's watchdog and its host excluded."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lite.arguments import parse_with_notes
+from megatron_lite.reliability.heartbeat import PEER_LOST_EXIT_CODE
 from megatron_lite.training import run
 from megatron_lite.unattended import goodput, read_records
 from tests.numerics import EXACT
@@ -119,3 +121,37 @@ def test_failure_repeated_at_one_iteration_stops(tmp_path):
     assert [r["iteration"] for r in records if r.get("event") == "failure"] == [2, 2]
     assert [r["iteration"] for r in records if "loss" in r] == [1, 2]  # the restart resumed at 3
     assert goodput(records)[1] > 0
+
+
+def test_frozen_rank_under_srun_is_killed_and_its_host_excluded(tmp_path):
+    """Two ranks under LAUNCHER=srun (only SLURM_PROCID set, no RANK/MASTER_PORT); rank 1
+    freezes (SIGSTOP) at iteration 3. Rank 0's watchdog names it stale and SIGKILLs it, so the
+    step ends at once (a stopped task ignores srun's SIGTERM: without the kill the step would
+    wait for it forever, here the 120 s timeout), and the frozen rank's host is excluded."""
+    out = _job(tmp_path, "1001", MEGATRON_LITE_FAULT="rank1:iter3:stop", TINY_ITERS="6",
+               SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+               EXTRA_ARGS="--fp64 --eval-iters 0 --hang-timeout-seconds 2")
+    host = socket.gethostname()
+    assert f"rank 1 (host {host}, pid" in out and "stopped answering" in out, out[-3000:]
+    assert "hang watchdog: killed stale rank 1" in out, out[-3000:]
+    assert (tmp_path / "run" / "exclude_hosts").read_text().split() == [host]
+    assert _sbatch_calls(tmp_path) == [["--dependency=afterany:1001", f"--exclude={host}",
+                                        str(SCRIPT)]], out[-3000:]
+
+
+def test_dead_rank_under_srun_is_named_by_host_exits_5_and_is_excluded(tmp_path):
+    """Two ranks under srun; rank 1 is SIGKILLed at iteration 3. The survivor's one error line
+    names rank 1's host (from its heartbeat), the step exits PEER_LOST_EXIT_CODE (not 2, a
+    user mistake) and the launch resubmits without that host instead of restarting in place."""
+    out = _job(tmp_path, "1001", MEGATRON_LITE_FAULT="rank1:iter3:kill", TINY_ITERS="6",
+               SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", MAX_RESTARTS="1",
+               EXTRA_ARGS="--fp64 --eval-iters 0 --hang-timeout-seconds 5")
+    host = socket.gethostname()
+    assert f"a collective failed because rank 1 (host {host}, pid" in out, out[-3000:]
+    assert f"failed (exit status {PEER_LOST_EXIT_CODE}) on a named host" in out, out[-3000:]
+    assert (tmp_path / "run" / "exclude_hosts").read_text().split() == [host]
+    assert _sbatch_calls(tmp_path) == [["--dependency=afterany:1001", f"--exclude={host}",
+                                        str(SCRIPT)]], out[-3000:]
+    failure = [r for r in read_records(tmp_path / "run" / "metrics.jsonl")
+               if r.get("event") == "failure"]
+    assert [(f["rc"], f["hosts"]) for f in failure] == [(PEER_LOST_EXIT_CODE, [host])]

@@ -8,9 +8,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,10 +23,26 @@ from megatron_lite import unattended
 from megatron_lite.arguments import build_parser, parse_with_notes
 from megatron_lite.checkpoint import checkpointer
 from megatron_lite.checkpoint.files import CheckpointError
+from megatron_lite.config import ConfigError
+from megatron_lite.errors import run_cli
 from megatron_lite.parallel.state import single_process_state
-from megatron_lite.reliability import preflight
+from megatron_lite.planner import estimate_memory
+from megatron_lite.reliability import preflight, watchdog
+from megatron_lite.reliability.heartbeat import (
+    PEER_LOST_EXIT_CODE,
+    Beat,
+    PeerLostError,
+    Verdict,
+    lost_peer,
+)
 from megatron_lite.training import evaluate, run
-from megatron_lite.unattended import decide, goodput, hosts_named
+from megatron_lite.unattended import (
+    STRAGGLER_EXCLUDE_FRACTION,
+    STRAGGLER_EXCLUDE_INTERVALS,
+    decide,
+    goodput,
+    hosts_named,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "slurm_stubs"
@@ -54,12 +72,86 @@ def test_hosts_named_by_hang_nan_straggler_and_preflight():
         "hang watchdog: rank 3 on host gpu-07, iteration 12: phase 'x' has run for 9 s",
         "NaN/Inf at iteration 5, found before any reduction in rank 1 (host gpu-02): the loss; "
         "rank 6 (host gpu-09): a gradient; step skipped on every rank",
-        "warning: straggler: rank 4 on host gpu-05 has been 40% slower than the median",
+        "warning: straggler: rank 4 on host gpu-05 has been 40% slower than the median rank "
+        "for 6 log intervals (forward-backward 1.4 ms vs 1.0 ms; threshold 10%)",
         "preflight: FAILED on host gpu-11: local rank 0, cuda:0: GEMM on cuda:0 is wrong",
         "hang watchdog: rank 2 on host gpu-07, iteration 12: again",
         "iter 12 | loss 3.0 | on host gpu-99 (not a health message)",
     ])
     assert hosts_named(log) == ["gpu-07", "gpu-02", "gpu-09", "gpu-05", "gpu-11"]
+
+
+def test_a_hang_is_blamed_on_the_stale_rank_not_the_rank_reporting_it():
+    """nodeA's watchdog fires because rank 1 on nodeB stopped: nodeB is excluded, not nodeA
+    (a live rank stuck in a phase is not blamed); with no stale rank named, the reporter is."""
+    line = ("hang watchdog: rank 0 on host nodeA, iteration 3: phase 'forward-backward' has run "
+            "for 31.0 s, more than --hang-timeout-seconds 30. Heartbeats: rank 1 (host nodeB, "
+            "pid 4242) stopped answering 29.5 s ago, last heard from in phase 'forward-backward' "
+            "of iteration 3; rank 2 (host nodeC, pid 77) is alive but has been in phase "
+            "'forward-backward' of iteration 3 for 31.0 s. Stacks of every thread follow.")
+    assert hosts_named(line) == ["nodeB"]
+    alone = ("hang watchdog: rank 0 on host nodeA, iteration 3: phase 'checkpoint save' has run "
+             "for 31.0 s. Heartbeats: every other rank's heartbeat is current.")
+    assert hosts_named(alone) == ["nodeA"]
+    unknown = ("hang watchdog: rank 0 on host nodeA, iteration 0: phase 'start-up' has run for "
+               "31.0 s. Heartbeats: rank 1 never sent a heartbeat. Stacks follow.")
+    assert hosts_named(unknown) == []  # the stale rank's host is unknown: nodeA is not it
+
+
+def test_a_dead_peer_is_named_with_its_host_and_excluded(tmp_path):
+    """The lost-peer error (`heartbeat.lost_peer`) names the dead rank's host from its last
+    heartbeat; the launch then resubmits without that host instead of restarting in place."""
+    beat = Beat(rank=1, seq=9, iteration=3, phase="forward-backward", phase_s=0.2,
+                time=0.0, host="nodeB", pid=4242)
+    verdict = Verdict(stale=[(1, beat, 12.0)], stuck=[])
+
+    class _Beats:
+        def verdict(self):
+            return verdict
+
+    err = lost_peer(_Beats(), RuntimeError("[pair.cc:537] Connection reset by peer. more"), 3,
+                    "forward-backward")
+    assert isinstance(err, PeerLostError)
+    assert hosts_named(f"error: rank 0: {err}") == ["nodeB"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text(f"error: rank 0: {err}\n")
+    decision, _ = _decide(run_dir, rc=PEER_LOST_EXIT_CODE, restarts=0, max_restarts=1)
+    assert decision == "resubmit nodeB"
+    # lost before its first heartbeat: the host comes from the ranks' start-up gather
+    never = Verdict(stale=[(1, None, 0.0)], stuck=[], hosts=("nodeA", "nodeB"))
+    assert "rank 1 (host nodeB) never sent a heartbeat" in never.describe()
+    assert hosts_named(f"error: rank 0: a collective failed because {never.describe()}") \
+        == ["nodeB"]
+
+
+def test_a_lost_peer_exits_with_its_own_code_not_a_user_mistakes(capsys):
+    """2 stays for user mistakes; a lost peer keeps its one-line report but exits
+    PEER_LOST_EXIT_CODE."""
+    def lose(_: list[str]) -> int:
+        raise PeerLostError("a collective failed because rank 1 never sent a heartbeat")
+
+    def mistake(_: list[str]) -> int:
+        raise ConfigError("--bad: not a flag")
+
+    assert PEER_LOST_EXIT_CODE not in (0, 1, 2, 3, 4)
+    assert run_cli(lose, []) == PEER_LOST_EXIT_CODE
+    assert run_cli(mistake, []) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
+
+
+def test_only_a_persistent_straggler_is_excluded():
+    """A warning (10% for 3 intervals) is noise; STRAGGLER_EXCLUDE_FRACTION for
+    STRAGGLER_EXCLUDE_INTERVALS excludes the host."""
+    def line(pct: int, intervals: int) -> str:
+        return (f"warning: straggler: rank 3 on host gpu-04 has been {pct}% slower than the "
+                f"median rank for {intervals} log intervals (forward-backward 1 ms vs 1 ms)")
+    pct = round(100 * STRAGGLER_EXCLUDE_FRACTION)
+    assert hosts_named(line(12, 3)) == []
+    assert hosts_named(line(52, STRAGGLER_EXCLUDE_INTERVALS - 1)) == []
+    assert hosts_named(line(pct - 1, 30)) == []
+    assert hosts_named(line(pct, STRAGGLER_EXCLUDE_INTERVALS)) == ["gpu-04"]
+    assert hosts_named(line(52, 12)) == ["gpu-04"]
 
 
 def _decide(run_dir: Path, **kw):
@@ -110,6 +202,31 @@ def test_plan_tp_wider_than_a_node_and_young_daly_interval(tmp_path, capsys):
                         "--save-seconds", str(jsonl), "--mtbf-hours", "168")
     # Daly for C = 40 s (the median save), M = 7 days: 1.92 h (RELIABILITY.md 1.6)
     assert "every 115.5 min = --save-interval" in out, out[-2000:] + err
+
+
+def test_plan_grad_reduce_in_bf16_counts_16_bit_gradients_as_the_dry_run(capsys):
+    """scripts/plan.py --grad-reduce-in-bf16 stores the gradients in 2 bytes, as
+    `estimate_memory` (the dry run's planner figure) does for the flags it prints: Llama-7B
+    ZeRO-1 on 8 GPUs holds 2 + 2 + 12/8 bytes per parameter (33.8 GiB), not 2 + 4 + 12/8
+    (46.2 GiB: the gradients' bytes went only into the DP time before)."""
+    shape = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+             "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "32000",
+             "--global-batch-size", "64", "--gpus", "8", "--tp", "1", "--pp", "1",
+             "--sharding", "optim", "--top", "1"]
+    states = {}
+    for extra in ([], ["--grad-reduce-in-bf16"]):
+        code, out, err = _plan(capsys, *shape, *extra)
+        assert code == 0, err
+        lines = out.splitlines()
+        row = lines[lines.index("fitting layouts, fastest first:") + 2].split()
+        flags = lines[lines.index("pretrain.py flags for #1:") + 1].split()
+        assert ("--grad-reduce-in-bf16" in flags) == bool(extra)
+        est = estimate_memory(parse_with_notes(flags)[0], 8)
+        states[bool(extra)] = float(row[12])
+        assert states[bool(extra)] == round(est.state_bytes / 2**30, 1), (row, est)
+    params = 6_607_343_616
+    assert states[False] == round(params * (2 + 4 + 12 / 8) / 2**30, 1) == 46.2
+    assert states[True] == round(params * (2 + 2 + 12 / 8) / 2**30, 1) == 33.8
 
 
 def test_torchrun_launcher_command(tmp_path):
@@ -237,3 +354,42 @@ def test_preflight_failure_names_the_host_that_gets_excluded(capsys):
     err = capsys.readouterr().err
     assert "bfloat16 GEMM on cpu ran at" in err and "under 25% of the expected 1e+09" in err
     assert hosts_named(err) == [socket.gethostname()]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_watchdog_kills_a_frozen_rank_under_srun_and_torchrun(launcher, monkeypatch):
+    """The stale rank's process on this host is SIGKILLed when its environment says it is that
+    rank of this launch: srun sets only SLURM_PROCID (no RANK/MASTER_PORT), torchrun RANK. A
+    process of another job step with the same rank number is left alone."""
+    if launcher == "srun":
+        ours = {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
+        rank_var, other = "SLURM_PROCID", {**ours, "SLURM_STEP_ID": "1"}
+    else:
+        ours = {"WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+        rank_var, other = "RANK", {**ours, "MASTER_PORT": "29512"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "SLURM_PROCID",
+                 "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**ours, rank_var: "0"}.items():
+        monkeypatch.setenv(name, value)
+    clean = {k: v for k, v in os.environ.items() if k not in ours and k != rank_var}
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    frozen = subprocess.Popen(sleep, env={**clean, **ours, rank_var: "1"})
+    stranger = subprocess.Popen(sleep, env={**clean, **other, rank_var: "1"})
+    try:
+        time.sleep(0.5)  # the children's /proc environ is readable once they exec
+
+        def stale(pid: int) -> Verdict:
+            beat = Beat(rank=1, seq=3, iteration=2, phase="forward-backward", phase_s=9.0,
+                        time=0.0, host=socket.gethostname(), pid=pid)
+            return Verdict(stale=[(1, beat, 9.0)], stuck=[])
+
+        assert watchdog._kill_local_stale(stale(stranger.pid)) == ""
+        said = watchdog._kill_local_stale(stale(frozen.pid))
+        assert f"killed stale rank 1 (pid {frozen.pid})" in said
+        assert frozen.wait(timeout=10) == -signal.SIGKILL
+        assert stranger.poll() is None
+    finally:
+        for proc in (frozen, stranger):
+            proc.kill()
+            proc.wait()
