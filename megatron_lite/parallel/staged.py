@@ -72,6 +72,12 @@ class StagedGloo(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
 
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group (read back when one group is destroyed); torch
+        sets it only on its own groups, so ours keeps it here."""
+        return self.name_
+
     def _host(self, tensors: Sequence[Tensor], fill: bool = True) -> list[Tensor]:
         """Host copies (or empty host buffers) of `tensors`, after checking their device."""
         for t in tensors:
@@ -145,9 +151,11 @@ def register(device_type: str) -> None:
     if NAME in dist.Backend.backend_list:
         return
 
-    def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> StagedGloo:
-        group = StagedGloo(rank, size)
-        group.bind(store, rank, size, timeout, device_type)
+    def create(opts: object, _backend_options: object) -> StagedGloo:
+        """torch's extended creator: the one that passes the group's name."""
+        group = StagedGloo(opts.group_rank, opts.group_size)
+        group.name_ = opts.group_id
+        group.bind(opts.store, opts.group_rank, opts.group_size, opts.timeout, device_type)
         return group
 
-    dist.Backend.register_backend(NAME, create, devices=[device_type])
+    dist.Backend.register_backend(NAME, create, extended_api=True, devices=[device_type])
