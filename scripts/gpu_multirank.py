@@ -264,6 +264,9 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--backend", choices=(staged.NAME, "nccl", "gloo"), default=staged.NAME,
+                        help="staged-gloo: two ranks share one GPU (the default); nccl: one "
+                        "GPU each (2+ GPUs); gloo: plain, on the CPU")
     parser.add_argument("--iters", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--layouts", help="comma-separated, of " + ", ".join(LAYOUTS) +
@@ -337,7 +340,7 @@ def judge(name: str, job: Job, rc: int, single_rc: int, single_losses: list[floa
 
 def _main(argv: list[str]) -> int:
     args, layouts = _parse_args(argv)
-    backend = staged.NAME
+    backend = args.backend
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
         return run_probe(args.out, backend)
@@ -346,7 +349,8 @@ def _main(argv: list[str]) -> int:
     launch = Launcher(args, backend)
     # The one-process reference runs while the probe decides what the layouts can run.
     probe = Job("probe", [*launch.torchrun, str(Path(__file__).resolve()), "--probe", "--out",
-                          str(args.out), "--device", args.device], args.out, launch.env)
+                          str(args.out), "--device", args.device, "--backend", backend],
+                args.out, launch.env)
     # One reference per dtype the requested layouts use ("single" is fp32, as before).
     refs = {d: ("single" if d == "fp32" else f"single_{d}")
             for d in dict.fromkeys(dtype_of(n) for n in layouts)}
@@ -388,9 +392,10 @@ def report_lines(result: dict) -> list[str]:
     """The summary lines (also written to OUT/multirank.txt)."""
     dtype = "float64" if "--fp64" in result["flags"] else "fp32"
     ops, lines = result["probe"], [
-        f"multirank ({result['backend']}, 2 ranks on one {result['device']} device, {dtype}, "
+        f"multirank ({result['backend']}, 2 ranks on {result['device']}, {dtype}, "
         f"{result['iters']} iterations, {' '.join(result['flags'][:10])}):",
-        "  " + STAGING.format(device=result["device"])]
+        "  " + (STAGING.format(device=result["device"]) if result["backend"] == staged.NAME
+                else f"collectives and send/recv over {result['backend']} itself")]
     lines.append("  probe: " + (", ".join(
         f"{op} {info['status']}" + (f" ({info['detail']})" if info["detail"] else "")
         for op, info in ops.items() if op != "host_tensor") or "no result"))
