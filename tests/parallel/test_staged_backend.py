@@ -18,6 +18,12 @@ def _every_op(pstate: ParallelState) -> dict[str, bool]:
     group = dist.new_group([0, 1], backend=staged.NAME)
     rank, peer = pstate.rank, 1 - pstate.rank
     checks = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.int64):  # the bf16 layouts' activations
+        y = torch.full((3,), rank + 1, dtype=dtype)
+        dist.all_reduce(y, group=group)
+        out = torch.empty(6, dtype=dtype)
+        dist.all_gather_single(out, y, group=group)
+        checks[f"{dtype} all_reduce, all_gather"] = bool((out == 3).all())
     x = torch.full((4,), float(rank + 1))
     dist.all_reduce(x, group=group)
     checks["all_reduce"] = bool((x == 3).all())
