@@ -103,8 +103,14 @@ part() {  # part NAME COMMAND...: runs it within its timeout, logs to $OUT/NAME.
     return 1
 }
 
+if [[ $MODE == gpu ]] && ! nvidia-smi -L > /dev/null 2>&1; then
+    echo "no CUDA device visible (nvidia-smi finds none); on a CPU use --smoke"; exit 1
+fi
+# First, so that a fresh machine has torch and triton for everything after it.
+[[ $MODE == smoke ]] && export CUDA_VISIBLE_DEVICES="" PIP_NO_INDEX=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1  # nothing to fetch: the smoke's venv has it all
+part install "$PYTHON" -m pip install -q -r requirements.txt
 if [[ $MODE == smoke ]]; then
-    export CUDA_VISIBLE_DEVICES="" PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
     GPUS=2  # the multi-GPU parts' code path too, over gloo on the CPU
     "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cpu smoke')" | tee "$OUT/device.log"
 else
@@ -137,7 +143,6 @@ if [[ $MODE == smoke ]]; then
     FP8=(--model tiny --device cpu --steps 3 --warmup 1 --gemm-reps 2)
 fi
 
-part install "$PYTHON" -m pip install -q -r requirements.txt
 part kernel_tests "${PYTEST[@]}" "${KTESTS[@]}"
 part kernel_bench "${KBENCH[@]}" && [[ $MODE == gpu ]] && cp bench/results/kernels.json "$OUT/"
 part calibrate "$PYTHON" bench/gpu_calibrate.py --out "$OUT" "${CALIB[@]}"

@@ -87,7 +87,7 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
          "--iters", "5"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "multirank.json").read_text())
-    # Plain gloo takes host tensors; every other op the layouts need must work here.
+    # On the CPU host tensors are the run's own; every other op the layouts need must work.
     assert {op: i["status"] for op, i in result["probe"].items() if op != "host_tensor"} == \
         dict.fromkeys(["all_reduce", "all_reduce_max", "all_gather", "all_gather_async",
                        "reduce_scatter", "reduce_scatter_async", "all_gather_objects",
