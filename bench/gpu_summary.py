@@ -71,8 +71,9 @@ def number_lines(out: Path) -> list[str]:
                  else "calibration: NOT written (calibrate failed)")
     for name in ("multirank", "multirank_nccl/multirank"):
         path = out / f"{name}.txt"
-        if path.exists():
-            lines.append(f"{name.split('/')[0]}: " + path.read_text().splitlines()[-1].strip())
+        if path.exists():  # its verdict, and how its ranks talked (staged or direct)
+            report = [line.strip() for line in path.read_text().splitlines()]
+            lines.append(f"{name.split('/')[0]}: {report[-1]}; {report[1]}")
     return lines
 
 

@@ -253,3 +253,15 @@ def test_smoke_runs_every_part_and_fails_a_planted_skip(tmp_path) -> None:
     assert "multirank: " in summary and "all ran and agreed" in summary
     proc, parts = _smoke(tmp_path / "fp8", only="fp8_1b", plant="bench/gpu_fp8.py")
     assert proc.returncode == 1 and parts["fp8_1b"].startswith("FAILED: skipped inside")
+
+
+@pytest.mark.quick
+def test_summary_shows_where_a_failed_parts_numbers_would_be(tmp_path) -> None:
+    summary = _load("bench/gpu_summary.py")
+    (tmp_path / "parts.tsv").write_text("calibrate\tok\t30\t30\n"
+                                        "fp8_1b\tTIMED OUT after 155 s (planned ~90 s)\t155\t90\n")
+    (tmp_path / "calibration.json").write_text("{}")
+    text = "\n".join([*summary.parts_lines(tmp_path), *summary.number_lines(tmp_path)])
+    assert "1/2 parts ok; NOT OK: fp8_1b" in text
+    assert "GEMM TFLOP/s: n/a (fp8_1b wrote no gpu_fp8_*.json)" in text
+    assert "training MFU: n/a" in text and f"calibration: {tmp_path}/calibration.json" in text
