@@ -130,7 +130,8 @@ TRAIN=(--mock-data --vocab-size 32000 --num-layers 8 --hidden-size 2048 --num-at
        --micro-batch-size 4 --global-batch-size 8 --bf16)
 KTESTS=(tests/kernels --deselect "$BENCH_SMOKE")  # the bench's CPU (interpreter) test
 KBENCH=("$PYTHON" bench/kernels.py --dtype bf16 --tokens 8192)
-CALIB=() MULTI=(--iters 10) TRAIN1B=(--model 1b --steps 10 --warmup 4)
+CALIB=() TRAIN1B=(--model 1b --steps 10 --warmup 4)
+MULTI=(--iters 10 --timeout 60)  # a hung layout is named before the part's own timeout
 FP8=(--model 1b --steps 40 --warmup 10)
 if [[ $MODE == smoke ]]; then
     TRAIN=(--mock-data --vocab-size 97 --make-vocab-size-divisible-by 8 --num-layers 2
