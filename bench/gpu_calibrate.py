@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--device", choices=["cuda", "cpu"],
                     default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--ranks", type=int, help="collective ranks (default: the GPUs here; 1 "
-                                              "skips them)")
+    ap.add_argument("--ranks", type=int, help="collective ranks (default: the GPUs here; "
+                                              "they are timed with 2+)")
     ap.add_argument("--copy-mib", type=int, default=1024)
     ap.add_argument("--collective-mib", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--seconds", type=float, default=0.2, help="per timing")
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"  gemm {g['m']} x {g['n']} x {g['k']}: {g['tflops']:.4g} TFLOP/s "
               f"({g['tflops'] / peak:.0%})" for g in gemms]
     lines += [f"  {c['op']} x{c['ranks']} {c['bytes'] / 2**20:g} MiB: bus {c['busbw_gbps']:.3g} "
-              "GB/s" for c in collectives] or ["  collectives: skipped (one rank)"]
+              "GB/s" for c in collectives] or [
+                  "  collectives: one GPU here (bus bandwidth is timed with 2+)"]
     (args.out / "calibration.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -36,7 +36,7 @@ from megatron_lite.arguments import parse_config  # noqa: E402
 from megatron_lite.layers.fp8 import FWD_DTYPE, fp8_matmul, quantize  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from gpu_train import MODELS, runnable  # noqa: E402
+from gpu_train import EXIT_SKIPPED, MODELS, runnable  # noqa: E402
 
 
 def layer_gemms(flags: list[str]) -> list[tuple[str, int, int, int]]:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     if not runnable(parser, args, "bench/gpu_fp8.py"):
-        return 0
+        return EXIT_SKIPPED
     args.out.mkdir(parents=True, exist_ok=True)
     flags = train_flags(args)
     stem = args.out / f"gpu_fp8_{args.model}"

@@ -420,11 +420,16 @@ def report_lines(row: dict) -> list[str]:
     return lines
 
 
+EXIT_SKIPPED = 3
+"""Exit status of a benchmark that measured nothing (scripts/gpu_check.sh fails the part)."""
+
+
 def runnable(parser: argparse.ArgumentParser, args: argparse.Namespace, script: str) -> bool:
-    """False, saying so, on a CUDA run without a GPU; a --warmup not below --steps is a usage
+    """False, saying so on a `SKIPPED:` line, on a CUDA run without a GPU (the caller exits
+    EXIT_SKIPPED: nothing measured is never a pass); a --warmup not below --steps is a usage
     error (bench/gpu_fp8.py shares this)."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"{script} needs a CUDA GPU (or --device cpu --model tiny); nothing run")
+        print(f"SKIPPED: {script} needs a CUDA GPU (or --device cpu --model tiny); nothing run")
         return False
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and below --steps")
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "plain":
         return child_plain(flags, args.result, args.compile_backend, args.peak_tflops)
     if not runnable(parser, args, "bench/gpu_train.py"):
-        return 0
+        return EXIT_SKIPPED
     args.out.mkdir(parents=True, exist_ok=True)
     flags = run_flags(args)
     stem = args.out / f"gpu_train_{args.model}"

@@ -213,9 +213,12 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = False
     """Reduce gradients in bf16 instead of fp32 (halves DP traffic, loses precision)."""
     distributed_backend: str = field(
-        default="auto", metadata={"choices": ["auto", "nccl", "gloo", "cuda:gloo"]})
+        default="auto", metadata={"choices": ["auto", "nccl", "gloo", "cuda:gloo",
+                                              "staged-gloo"]})
     """Collective backend; auto = nccl with CUDA, gloo on CPU; cuda:gloo = gloo over CUDA
-    tensors only (refuses host tensors like NCCL; lets several ranks share one GPU)."""
+    tensors only (refuses host tensors like NCCL; lets several ranks share one GPU);
+    staged-gloo = every op, send/recv included, on host copies over gloo (several ranks on
+    one GPU for the layouts cuda:gloo cannot run: PP, CP's ring, reduce-scatter)."""
     distributed_timeout_minutes: float = 10.0
     """Timeout for every collective before the job fails instead of hanging."""
     world_size: int | None = None

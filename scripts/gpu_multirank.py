@@ -1,28 +1,29 @@
 """Two ranks on one GPU: TP=2 with sequence parallelism, PP=2, CP=2 (ring attention) and ZeRO-3
 (--data-parallel-sharding-strategy optim_grads_params) in fp32, and TP=2 + SP and CP=2 in bf16
 (on CUDA the ring runs the memory-efficient attention kernels, whose bf16 path nothing else
-exercises), trained through torchrun with `--distributed-backend cuda:gloo`, each compared loss
-for loss with one process of the same run and dtype.
+exercises), trained through torchrun with `--distributed-backend staged-gloo`, each compared
+loss for loss with one process of the same run and dtype.
 
     python scripts/gpu_multirank.py --out DIR --layouts cp2_bf16,pp2   # only those
 
     python scripts/gpu_multirank.py --out DIR              # on a GPU (scripts/gpu_check.sh)
-    python scripts/gpu_multirank.py --out DIR --device cpu # the same flow over plain gloo
+    python scripts/gpu_multirank.py --out DIR --device cpu # the same flow, the same backend
 
-cuda:gloo registers gloo for CUDA tensors only, so a host tensor reaching any collective fails
-the run as it would on NCCL, while both ranks share the one GPU (NCCL refuses that). gloo's CUDA
-support is partial, so a probe first runs, on two ranks, every collective these runs make, the
-way they make it (through megatron_lite.parallel.comms where it has a helper) and checks the
-values; a layout that needs an op the probe saw fail is reported "skipped: <op>: <reason>"
-instead of failed. The probe also checks that a host tensor is refused, and tries the barrier
-that checkpoint saves use. fp32 losses must agree to 1e-5 relative on CUDA; on the CPU those
-layouts run float64 (--fp64, as the CPU equivalence tests run) and must agree to 1e-10;
-bf16 ones to 2e-2 (bf16 rounding of differently ordered sums; the same bound gpu_check.sh holds
-its bf16 kernel comparison to). On the CPU the default is the fp32 layouts (a bf16 attention
-core runs in fp32 there, so bf16 would prove nothing new). Writes DIR/multirank.json and
-DIR/multirank.txt: one table of every requested layout, ran / failed / skipped with the reason.
-A check that proves nothing must not pass: the exit status is 1 if a layout failed (or, on CUDA,
-a host tensor was not refused), 3 if none failed but a requested layout was skipped, else 0.
+Why staged-gloo (megatron_lite/parallel/staged.py): NCCL refuses two ranks on one GPU, and
+gloo on CUDA tensors has no send/recv (so no PP, no CP ring) and no reduce-scatter. staged-gloo
+computes on the GPU and runs every collective and send/recv over gloo on host copies, and it
+refuses a host tensor on a CUDA run as NCCL would. On the CPU it is the same code, staging
+through fresh host buffers. A probe first runs, on two ranks, every collective these runs make,
+the way they make it (through megatron_lite.parallel.comms where it has a helper) and checks
+the values, so a broken op is named before the training runs fail on it; it also checks that
+a host tensor is refused and tries the barrier that checkpoint saves use. fp32 losses must
+agree to 1e-5 relative on CUDA; on the CPU those layouts run float64 (--fp64, as the CPU
+equivalence tests run) and must agree to 1e-10; bf16 ones to 2e-2 (bf16 rounding of differently
+ordered sums; the same bound gpu_check.sh holds its bf16 kernel comparison to). On the CPU the
+default is the fp32 layouts (a bf16 attention core runs in fp32 there, so bf16 would prove
+nothing new). Writes DIR/multirank.json and DIR/multirank.txt: one table of every requested
+layout, ok or failed with the reason. Nothing is skipped: the exit status is 1 if a layout
+failed, a probed op failed, or (on CUDA) a host tensor was not refused, else 0.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_lite.config import Config, ParallelConfig  # noqa: E402
 from megatron_lite.errors import add_debug_flag, run_cli  # noqa: E402
-from megatron_lite.parallel import comms  # noqa: E402
+from megatron_lite.parallel import comms, staged  # noqa: E402
 from megatron_lite.parallel import state as parallel_state  # noqa: E402
 
 TOLERANCE = {"cuda": 1e-5, "cpu": 1e-10}
 """Worst relative loss difference a non-bf16 layout may have from one process: fp32 on CUDA,
 float64 (summation order alone, ~1e-16 per operation) on the CPU."""
 BF16_TOLERANCE = 2e-2
-EXIT_FAILED, EXIT_SKIPPED = 1, 3
+EXIT_FAILED = 1
+STAGING = ("collectives and send/recv staged through host memory over gloo, compute on the "
+           "{device}")
+"""What the runs' backend does, as the report prints it."""
 # Odd vocabulary (padded at both TP sizes), GQA, 4 layers so PP=2 splits them evenly.
 FLAGS = {
     "cuda": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -73,37 +77,20 @@ LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"
            "cp2_bf16": ["--context-parallel-size", "2", "--bf16"]}
 DEFAULT_LAYOUTS = {"cuda": tuple(LAYOUTS),
                    "cpu": tuple(n for n in LAYOUTS if not n.endswith("_bf16"))}
-# What each layout's training step, logging and start-up call (besides what both call).
-COMMON_OPS = ("all_reduce", "all_gather_objects", "all_gather_list")
-NEEDS = {"tp2_sp": (*COMMON_OPS, "all_reduce_max", "all_gather", "all_gather_async",
-                    "reduce_scatter", "reduce_scatter_async"),
-         "pp2": (*COMMON_OPS, "send_recv"),
-         "cp2": (*COMMON_OPS, "send_recv"),  # the ring attention's K/V and dK/dV
-         "zero3": (*COMMON_OPS, "all_gather", "all_gather_async", "reduce_scatter",
-                   "reduce_scatter_async")}
-NEEDS.update(tp2_sp_bf16=NEEDS["tp2_sp"], cp2_bf16=NEEDS["cp2"])
 
 
 def dtype_of(layout: str) -> str:
     return "bf16" if "--bf16" in LAYOUTS[layout] else "fp32"
 
 
-def skip_reason(layout: str, ops: dict[str, dict], device: str) -> str | None:
-    """Why `layout` cannot run here (the first op it needs that the probe saw fail), or None."""
-    broken = [op for op in NEEDS[layout] if ops.get(op, {}).get("status", "ok") != "ok"]
-    if not broken:
-        return None
-    op = broken[0]
-    return (f"gloo cannot run {op} on {device} tensors here: {ops[op]['status']} "
-            f"({ops[op]['detail']})")
-
-
-def exit_code(runs: dict[str, dict], device: str, host_refused: bool) -> int:
-    """1 when a layout failed or CUDA took a host tensor, 3 when one was skipped, else 0."""
-    statuses = {r["status"] for r in runs.values()}
-    if "failed" in statuses or (device == "cuda" and not host_refused):
+def exit_code(runs: dict[str, dict], ops: dict[str, dict], device: str,
+              host_refused: bool) -> int:
+    """1 when a layout or a probed op failed, nothing ran, or CUDA took a host tensor; else 0."""
+    broken = [op for op, info in ops.items() if op != "host_tensor" and info["status"] != "ok"]
+    if (not runs or broken or any(r["status"] != "ok" for r in runs.values())
+            or (device == "cuda" and not host_refused)):
         return EXIT_FAILED
-    return EXIT_SKIPPED if "skipped" in statuses or not runs else 0
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +128,8 @@ def probe_ops(pstate: parallel_state.ParallelState) -> list[tuple[str, Callable[
         return all(bool((t == r).all()) for r, t in enumerate(out))
 
     def host_tensor() -> bool:
-        """Goes through only where the backend takes host tensors (plain gloo); under
-        cuda:gloo it must raise, as NCCL would, and the error is the refusal."""
+        """Goes through only on a CPU run; on a CUDA one staged-gloo must raise, as NCCL
+        would, and the error is the refusal."""
         dist.all_reduce(torch.ones(1), group=group)
         return True
 
@@ -277,6 +264,9 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--backend", choices=(staged.NAME, "nccl", "gloo"), default=staged.NAME,
+                        help="staged-gloo: two ranks share one GPU (the default); nccl: one "
+                        "GPU each (2+ GPUs); gloo: plain, on the CPU")
     parser.add_argument("--iters", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--layouts", help="comma-separated, of " + ", ".join(LAYOUTS) +
@@ -319,11 +309,16 @@ class Launcher:
                           *(["--bf16"] if dtype == "bf16" else []), "--log-jsonl",
                           str(self.jsonl(name))], self.out, self.env)
 
+    def command(self, name: str) -> list[str]:
+        """Layout `name`'s torchrun command line: two ranks over the invocation's backend."""
+        return [*self.torchrun, "pretrain.py", *self.flags_for(dtype_of(name)), *LAYOUTS[name],
+                "--distributed-backend", self.backend, "--log-jsonl",
+                str(self.out / f"multirank_{name}.jsonl")]
+
     def layout(self, name: str) -> Job:
-        """Layout `name` on two ranks over the invocation's backend."""
-        return Job(name, [*self.torchrun, "pretrain.py", *self.flags_for(dtype_of(name)),
-                          *LAYOUTS[name], "--distributed-backend", self.backend,
-                          "--log-jsonl", str(self.jsonl(name))], self.out, self.env)
+        """Layout `name` started, with a fresh loss file."""
+        self.jsonl(name)
+        return Job(name, self.command(name), self.out, self.env)
 
 
 def judge(name: str, job: Job, rc: int, single_rc: int, single_losses: list[float],
@@ -345,7 +340,7 @@ def judge(name: str, job: Job, rc: int, single_rc: int, single_losses: list[floa
 
 def _main(argv: list[str]) -> int:
     args, layouts = _parse_args(argv)
-    backend = "cuda:gloo" if args.device == "cuda" else "gloo"
+    backend = args.backend
     args.out.mkdir(parents=True, exist_ok=True)
     if args.probe:
         return run_probe(args.out, backend)
@@ -354,15 +349,15 @@ def _main(argv: list[str]) -> int:
     launch = Launcher(args, backend)
     # The one-process reference runs while the probe decides what the layouts can run.
     probe = Job("probe", [*launch.torchrun, str(Path(__file__).resolve()), "--probe", "--out",
-                          str(args.out), "--device", args.device], args.out, launch.env)
+                          str(args.out), "--device", args.device, "--backend", backend],
+                args.out, launch.env)
     # One reference per dtype the requested layouts use ("single" is fp32, as before).
     refs = {d: ("single" if d == "fp32" else f"single_{d}")
             for d in dict.fromkeys(dtype_of(n) for n in layouts)}
     singles = {d: launch.single(ref, d) for d, ref in refs.items()}
     ops = read_probe(args.out, probe.wait(120))
-    skipped = {n: skip_reason(n, ops, args.device) for n in layouts}
-    runs = {n: {"status": "skipped", "reason": why} for n, why in skipped.items() if why}
-    jobs = {n: launch.layout(n) for n in layouts if n not in runs}
+    runs: dict[str, dict] = {}
+    jobs = {n: launch.layout(n) for n in layouts}
     single_rcs = {d: job.wait(args.timeout) for d, job in singles.items()}
     single_losses = {d: read_losses(args.out / f"multirank_{ref}.jsonl")
                      for d, ref in refs.items()}
@@ -379,8 +374,8 @@ def _main(argv: list[str]) -> int:
               "single_exit": single_rcs.get("fp32"), "single_bf16_losses":
               single_losses.get("bf16", []), "single_bf16_exit": single_rcs.get("bf16"),
               "runs": {name: runs[name] for name in layouts}}  # the requested order
-    # On CUDA the point is that a host tensor fails the run: if cuda:gloo took one, say so.
-    result["exit"] = exit_code(result["runs"], args.device, refused)
+    # On CUDA the point is that a host tensor fails the run: if staged-gloo took one, say so.
+    result["exit"] = exit_code(result["runs"], ops, args.device, refused)
     lines = report_lines(result)
     (args.out / "multirank.json").write_text(json.dumps(result, indent=1))
     (args.out / "multirank.txt").write_text("\n".join(lines) + "\n")
@@ -397,8 +392,10 @@ def report_lines(result: dict) -> list[str]:
     """The summary lines (also written to OUT/multirank.txt)."""
     dtype = "float64" if "--fp64" in result["flags"] else "fp32"
     ops, lines = result["probe"], [
-        f"multirank ({result['backend']}, 2 ranks on one {result['device']} device, {dtype}, "
-        f"{result['iters']} iterations, {' '.join(result['flags'][:10])}):"]
+        f"multirank ({result['backend']}, 2 ranks on {result['device']}, {dtype}, "
+        f"{result['iters']} iterations, {' '.join(result['flags'][:10])}):",
+        "  " + (STAGING.format(device=result["device"]) if result["backend"] == staged.NAME
+                else f"collectives and send/recv over {result['backend']} itself")]
     lines.append("  probe: " + (", ".join(
         f"{op} {info['status']}" + (f" ({info['detail']})" if info["detail"] else "")
         for op, info in ops.items() if op != "host_tensor") or "no result"))
@@ -412,15 +409,12 @@ def report_lines(result: dict) -> list[str]:
 
 def table_lines(runs: dict[str, dict]) -> list[str]:
     """One row per requested layout, `name: status: reason` (ok = ran and agreed with one
-    process; failed; skipped, with the op that made it impossible), then the counts."""
-    lines = ["  layouts (layout: ok | failed | skipped: what it showed or why not):"]
+    process, else failed with why), then the counts."""
+    lines = ["  layouts (layout: ok | failed: what it showed):"]
     lines += [f"  {name}: {run['status']}: {run['reason']}" for name, run in runs.items()]
-    counts = {s: sum(r["status"] == s for r in runs.values()) for s in ("ok", "failed",
-                                                                         "skipped")}
-    verdict = ("FAILED" if counts["failed"] else "INCOMPLETE: a skipped layout proves nothing"
-               if counts["skipped"] or not runs else "all ran and agreed")
-    lines.append(f"  {len(runs)} layouts: {counts['ok']} ran ok, {counts['failed']} failed, "
-                 f"{counts['skipped']} skipped: {verdict}")
+    ok = sum(r["status"] == "ok" for r in runs.values())
+    verdict = "all ran and agreed" if runs and ok == len(runs) else "FAILED"
+    lines.append(f"  {len(runs)} layouts: {ok} ran ok, {len(runs) - ok} failed: {verdict}")
     return lines
 
 

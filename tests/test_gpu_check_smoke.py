@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh runs only when a GPU is lent (rarely, with minutes to spare), so every
-piece of it that can run on a CPU runs here: bench/gpu_train.py's two sides and report at a tiny
-size, scripts/gpu_multirank.py's whole flow over plain gloo, and the shell script's syntax and
-its no-GPU exit."""
+piece of it that can run on a CPU runs here: its --smoke mode (every part's code path at tiny
+sizes, failing any part that is skipped), its --plan (the sum fits the loan's 480 s),
+bench/gpu_train.py's two sides and report at a tiny size, scripts/gpu_multirank.py's whole flow
+over staged-gloo, and the shell script's syntax and its no-GPU exit."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
          "--iters", "5"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "multirank.json").read_text())
-    # Plain gloo takes host tensors; every other op the layouts need must work here.
+    # On the CPU host tensors are the run's own; every other op the layouts need must work.
     assert {op: i["status"] for op, i in result["probe"].items() if op != "host_tensor"} == \
         dict.fromkeys(["all_reduce", "all_reduce_max", "all_gather", "all_gather_async",
                        "reduce_scatter", "reduce_scatter_async", "all_gather_objects",
@@ -97,7 +98,7 @@ def test_multirank_flow_on_cpu(tmp_path) -> None:
     # float64 on the CPU: every layout's five losses equal one process's to EXACT (1e-10)
     assert "--fp64" in result["flags"]
     text = (tmp_path / "multirank.txt").read_text()
-    assert "cpu device, float64," in text.splitlines()[0]
+    assert "2 ranks on cpu, float64," in text.splitlines()[0]
     for name in ("tp2_sp", "pp2", "cp2", "zero3"):
         assert f"{name}: ok: 5/5 losses" in text
         assert f"(tolerance {EXACT:g})" in result["runs"][name]["reason"]
@@ -176,3 +177,91 @@ def test_gpu_fp8_tiny_on_cpu_compares_gemms_and_training(tmp_path) -> None:
     assert len(bf16) == len(fp8) == 3 and math.isclose(bf16[0], fp8[0], rel_tol=1e-2)
     assert bf16 != fp8 and row["compare"]["ok"]
     assert "fp8" in (tmp_path / "gpu_fp8_tiny.txt").read_text()
+
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _plan(script: Path = SCRIPT, gpus: int = 1) -> tuple[int, dict[str, int], str]:
+    proc = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True,
+                          env={**CPU_ENV, "GPU_CHECK_GPUS": str(gpus)}, timeout=30)
+    parts = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()
+             if line.startswith("  ") and "2+ GPUs only" not in line}
+    return proc.returncode, parts, proc.stdout
+
+
+@pytest.mark.quick
+def test_plan_fits_the_one_gpu_loan(tmp_path) -> None:
+    """Each part's estimate is printed and their sum, which fits the 480 s loan; the
+    multi-GPU part is listed but counted only with 2+ GPUs. A plan that grows past 480 s
+    exits 1 (planted: train_1b's estimate raised by 60 s)."""
+    rc, parts, text = _plan()
+    assert rc == 0, text
+    assert f"total for 1 GPU(s): {sum(parts.values())} s" in text
+    assert sum(parts.values()) <= 480 and {"multirank", "train_1b", "fp8_1b"} <= set(parts)
+    assert "multirank_nccl" in text and "multirank_nccl" not in parts
+    assert "multirank_nccl" in _plan(gpus=2)[1]
+    planted = tmp_path / "gpu_check.sh"
+    planted.write_text(SCRIPT.read_text().replace(
+        f"train_1b {parts['train_1b']}\n", f"train_1b {parts['train_1b'] + 60}\n"))
+    rc, _, text = _plan(planted)
+    assert rc == 1 and f"{sum(parts.values()) + 60} s" in text
+
+
+def _smoke(out: Path, only: str | None = None, plant: str | None = None,
+           timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """gpu_check.sh --smoke into `out`, with PYTHON a wrapper that, for a command line
+    containing `plant`, prints a `SKIPPED:` line and exits 0 (a part that skips its check)."""
+    wrapper = out.parent / "python"
+    wrapper.write_text(f"""#!/bin/bash
+if [[ -n "${{PLANT:-}}" && " $* " == *"$PLANT"* ]]; then echo "SKIPPED: planted"; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    env = {**CPU_ENV, "PYTHON": str(wrapper), "PLANT": plant or ""}
+    if only:
+        env["GPU_CHECK_ONLY"] = only
+    proc = subprocess.run(["bash", str(SCRIPT), "--smoke", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    rows = [line.split("\t") for line in (out / "parts.tsv").read_text().splitlines()]
+    return proc, {row[0]: row[1] for row in rows}
+
+
+def test_smoke_fails_a_part_that_skips_inside_and_names_the_parts_not_run(tmp_path) -> None:
+    proc, parts = _smoke(tmp_path / "plain", only="install")
+    assert proc.returncode == 1 and parts["install"] == "ok", proc.stdout[-2000:]
+    assert parts["multirank"] == parts["fp8_1b"] == "NOT RUN (GPU_CHECK_ONLY)"
+    summary = (tmp_path / "plain" / "summary.txt").read_text()
+    assert "NOT OK: kernel_tests, kernel_bench" in summary
+    proc, parts = _smoke(tmp_path / "planted", only="install", plant="-m pip install")
+    assert proc.returncode == 1 and parts["install"].startswith(
+        "FAILED: skipped inside (SKIPPED: planted)"), parts
+    assert "NOT OK: install, kernel_tests" in (tmp_path / "planted" / "summary.txt").read_text()
+
+
+@pytest.mark.slow  # every part at tiny sizes: a few minutes on 2 cores
+def test_smoke_runs_every_part_and_fails_a_planted_skip(tmp_path) -> None:
+    """The whole --smoke run: every planned part (the multi-GPU one over gloo) ran ok, the
+    summary names the results directory; then the same run with the FP8 benchmark planted to
+    skip fails, naming fp8_1b."""
+    _, planned, _ = _plan(gpus=2)
+    proc, parts = _smoke(tmp_path / "all")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert parts == dict.fromkeys(planned, "ok")
+    summary = (tmp_path / "all" / "summary.txt").read_text()
+    assert f"all results: {tmp_path / 'all'}" in summary and "calibration: " in summary
+    assert "multirank: " in summary and "all ran and agreed" in summary
+    proc, parts = _smoke(tmp_path / "fp8", only="fp8_1b", plant="bench/gpu_fp8.py")
+    assert proc.returncode == 1 and parts["fp8_1b"].startswith("FAILED: skipped inside")
+
+
+@pytest.mark.quick
+def test_summary_shows_where_a_failed_parts_numbers_would_be(tmp_path) -> None:
+    summary = _load("bench/gpu_summary.py")
+    (tmp_path / "parts.tsv").write_text("calibrate\tok\t30\t30\n"
+                                        "fp8_1b\tTIMED OUT after 155 s (planned ~90 s)\t155\t90\n")
+    (tmp_path / "calibration.json").write_text("{}")
+    text = "\n".join([*summary.parts_lines(tmp_path), *summary.number_lines(tmp_path)])
+    assert "1/2 parts ok; NOT OK: fp8_1b" in text
+    assert "GEMM TFLOP/s: n/a (fp8_1b wrote no gpu_fp8_*.json)" in text
+    assert "training MFU: n/a" in text and f"calibration: {tmp_path}/calibration.json" in text

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.errors import found_on_rank
+from megatron_lite.parallel import staged
 from megatron_lite.parallel.launch import (
     LaunchEnv,
     check_devices_per_node,
@@ -258,12 +259,15 @@ def _pick_backend(requested: str) -> tuple[str, bool]:
     backend = requested if requested != "auto" else ("nccl" if use_cuda else "gloo")
     if backend == "cuda:gloo" and not use_cuda:
         raise ConfigError("--distributed-backend cuda:gloo needs a CUDA device; use gloo on CPU")
-    return backend, use_cuda and backend in ("nccl", "cuda:gloo")
+    if backend == staged.NAME:  # GPU-sharing like cuda:gloo, every op through host memory
+        staged.register("cuda" if use_cuda else "cpu")
+    return backend, use_cuda and backend in ("nccl", "cuda:gloo", staged.NAME)
 
 
 def _device_index(backend: str, local_rank: int) -> int:
-    """CUDA device of a rank: its local rank, or shared round-robin under cuda:gloo."""
-    if backend == "cuda:gloo":
+    """CUDA device of a rank: its local rank, or shared round-robin under cuda:gloo and
+    staged-gloo."""
+    if backend in ("cuda:gloo", staged.NAME):
         return local_rank % torch.cuda.device_count()
     return local_rank
 

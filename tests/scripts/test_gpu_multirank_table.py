@@ -1,8 +1,9 @@
-"""scripts/gpu_multirank.py proves something or fails: a skipped layout makes the exit status
-non-zero, and the table names every requested layout with its status and reason."""
+"""scripts/gpu_multirank.py proves something or fails: nothing is skipped, a failed layout or
+probed op makes the exit status non-zero, and the table names every requested layout."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -25,42 +26,44 @@ def test_bf16_layouts_include_the_ring_and_run_by_default_on_cuda_only() -> None
     assert not any(n.endswith("_bf16") for n in multirank.DEFAULT_LAYOUTS["cpu"])
 
 
-def test_a_probe_failure_skips_the_layouts_that_need_the_op() -> None:
-    ops = {"send_recv": {"status": "error", "detail": "rank 1: RuntimeError: no p2p"}}
-    reason = multirank.skip_reason("cp2_bf16", ops, "cuda")
-    assert reason == ("gloo cannot run send_recv on cuda tensors here: error "
-                      "(rank 1: RuntimeError: no p2p)")
-    assert multirank.skip_reason("tp2_sp", ops, "cuda") is None
+def test_every_layout_runs_over_the_host_staged_backend() -> None:
+    """No layout depends on what gloo can do with CUDA tensors: all of them, PP and the CP
+    ring's send/recv included, go through staged-gloo on both devices."""
+    launch = multirank.Launcher(argparse.Namespace(out=Path("."), device="cuda", iters=2),
+                                multirank.staged.NAME)
+    for name in multirank.LAYOUTS:
+        cmd = launch.command(name)
+        assert cmd[cmd.index("--distributed-backend") + 1] == "staged-gloo"
 
 
-@pytest.mark.parametrize("runs,refused,device,code", [
-    ({"pp2": OK, "cp2": OK}, True, "cuda", 0),
-    ({"pp2": OK, "cp2": {"status": "skipped", "reason": "x"}}, True, "cuda", 3),
-    ({"pp2": {"status": "failed", "reason": "x"}, "cp2": {"status": "skipped", "reason": "x"}},
-     True, "cuda", 1),
-    ({"pp2": OK}, False, "cuda", 1),  # cuda:gloo took a host tensor: it would not catch one
-    ({"pp2": OK}, False, "cpu", 0),  # plain gloo takes host tensors by design
-    ({}, True, "cuda", 3),  # nothing ran: nothing proven
+BROKEN = {"send_recv": {"status": "error", "detail": "rank 1: RuntimeError: no p2p"}}
+
+
+@pytest.mark.parametrize("runs,ops,refused,device,code", [
+    ({"pp2": OK, "cp2": OK}, {}, True, "cuda", 0),
+    ({"pp2": OK, "cp2": {"status": "failed", "reason": "x"}}, {}, True, "cuda", 1),
+    ({"pp2": OK}, BROKEN, True, "cuda", 1),  # a probed op failed: named, never skipped
+    ({"pp2": OK}, {}, False, "cuda", 1),  # a CUDA run took a host tensor: it would not catch one
+    ({"pp2": OK}, {}, False, "cpu", 0),  # on the CPU host tensors are the device's
+    ({}, {}, True, "cuda", 1),  # nothing ran: nothing proven
 ])
-def test_exit_code(runs: dict, refused: bool, device: str, code: int) -> None:
-    assert multirank.exit_code(runs, device, refused) == code
+def test_exit_code(runs: dict, ops: dict, refused: bool, device: str, code: int) -> None:
+    assert multirank.exit_code(runs, ops, device, refused) == code
 
 
-def test_one_table_of_ran_failed_and_skipped_layouts() -> None:
+def test_one_table_of_ran_and_failed_layouts() -> None:
     runs = {"tp2_sp": OK,
-            "zero3": {"status": "failed", "reason": "exit 1 (see multirank_zero3.log)"},
-            "cp2_bf16": {"status": "skipped", "reason": "gloo cannot run send_recv"}}
-    result = {"backend": "cuda:gloo", "device": "cuda", "iters": 5, "flags": ["--x"],
+            "zero3": {"status": "failed", "reason": "exit 1 (see multirank_zero3.log)"}}
+    result = {"backend": "staged-gloo", "device": "cuda", "iters": 5, "flags": ["--x"],
               "probe": {"all_reduce": {"status": "ok", "detail": ""}},
               "host_tensor_refused": True, "runs": runs}
     text = "\n".join(multirank.report_lines(result))
     print(text)
+    assert "staged through host memory over gloo, compute on the cuda" in text
     assert "  tp2_sp: ok: 5/5 losses vs one process" in text
     assert "  zero3: failed: exit 1 (see multirank_zero3.log)" in text
-    assert "  cp2_bf16: skipped: gloo cannot run send_recv" in text
-    assert text.endswith("3 layouts: 1 ran ok, 1 failed, 1 skipped: FAILED")
-    skipped_only = multirank.table_lines({"tp2_sp": OK, "cp2_bf16": runs["cp2_bf16"]})
-    assert skipped_only[-1].endswith("INCOMPLETE: a skipped layout proves nothing")
+    assert text.endswith("2 layouts: 1 ran ok, 1 failed: FAILED")
+    assert multirank.table_lines({})[-1].endswith("FAILED")
 
 
 def test_bf16_tolerance_is_wider_than_fp32() -> None:
