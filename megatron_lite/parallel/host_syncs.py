@@ -51,6 +51,9 @@ def _kind(func: Any, args: tuple, kwargs: dict) -> str | None:
         return "equal"
     if func in _SIZE_FROM_VALUES and _on_device(args[0]):
         return func.__name__.split(".")[0]
+    if (func is aten.repeat_interleave.Tensor and _on_device(args[0])
+            and kwargs.get("output_size") is None):  # its size is the repeats' sum
+        return "repeat_interleave"
     return None
 
 
@@ -86,6 +89,8 @@ def _stand_in(func: Any, args: tuple, kwargs: dict) -> Any:
         return True
     if func is aten.nonzero.default:
         return torch.empty((0, x.dim()), dtype=torch.int64, device=x.device)
+    if func is aten.repeat_interleave.Tensor:
+        return torch.empty(0, dtype=x.dtype, device=x.device)
     return func(*args, **kwargs)
 
 

@@ -177,7 +177,8 @@ def test_a_planted_tolist_in_moe_dispatch_is_counted_or_refused(
 
 
 def test_host_value_is_counted_and_host_tensors_take_no_meta_values() -> None:
-    """comms.host_value's skipped read counts as one sync; `cpu_tensor += meta_tensor`, which
+    """comms.host_value's skipped read counts as one sync, as does a `repeat_interleave` not
+    told its size; `cpu_tensor += meta_tensor`, which
     torch's meta device lets through, fails as it would on a GPU (a device mismatch)."""
     x, host = torch.zeros(3, device="meta"), torch.zeros(3)
     with HostSyncCounter() as syncs:
@@ -185,7 +186,11 @@ def test_host_value_is_counted_and_host_tensors_take_no_meta_values() -> None:
         with pytest.raises(RuntimeError, match="same device"):
             host += x
         host.copy_(x)  # a read-back: counted, not refused
-    assert syncs.by_kind == {"host_value": 1, "copy_to_cpu": 1}, syncs.by_kind
+        repeats = torch.ones(3, dtype=torch.int64, device="meta")
+        torch.repeat_interleave(repeats, output_size=3)  # sized on the host: no sync
+        torch.repeat_interleave(repeats)  # sized from device values: a sync
+    assert syncs.by_kind == {"host_value": 1, "copy_to_cpu": 1, "repeat_interleave": 1}, \
+        syncs.by_kind
     host += x  # outside a counter torch allows it: the plant the counter catches
 
 
