@@ -62,7 +62,7 @@ def _cases(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
 
     with torch.no_grad():
         probs, routing_map = layer.router(x.detach().reshape(n, h), n)
-    expert_ids, token_ids = routed_pairs(routing_map, k)
+    expert_ids, token_ids = routed_pairs(routing_map)
     counts = routing_map.sum(0)
     weights = probs[token_ids, expert_ids].unsqueeze(-1)
     tokens = x.detach().reshape(n, h).requires_grad_()

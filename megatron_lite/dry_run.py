@@ -73,7 +73,7 @@ from megatron_lite.metrics import MetricsLogger
 from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
-from megatron_lite.parallel.host_syncs import HostSyncCounter
+from megatron_lite.parallel.host_syncs import MOE_SYNC_KIND, HostSyncCounter
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
     DEFAULT_DEVICE,
@@ -108,7 +108,7 @@ RANK_KEYS = ("rank", "pp_rank", "tp_rank", "dp_rank", "params_bytes", "grads_byt
              "optimizer_bytes", "activation_bytes", "planner_params_bytes",
              "planner_grads_bytes", "planner_optimizer_bytes", "planner_activation_bytes",
              "collectives", "p2p_ops", "comm_bytes", "group_creations", "phases",
-             "host_syncs_per_step", "host_step_s")
+             "host_syncs_per_step", "moe_syncs_per_layer", "host_step_s")
 """A dry-run rank's own fields of its `--log-jsonl` record, in order."""
 
 JSONL_KEYS = RANK_KEYS + SUMMARY_KEYS
@@ -353,6 +353,9 @@ class RankResult:
     host_syncs_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     phase_ops: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     """Phase -> the (first, end) slice of `ops` it issued."""
+    moe_syncs_per_layer: float = 0.0
+    """MoE dispatch syncs of the step per MoE layer of this rank per micro-batch (moe.py:
+    one read of the counts; recomputed forwards read again)."""
 
     def record(self) -> dict:
         return {k: getattr(self, k) for k in RANK_KEYS}
@@ -573,7 +576,19 @@ def _rank_result(cfg: Config, world_size: int, pstate: ParallelState, it: _Itera
         time.perf_counter() - start, audit.ops, pstate.group_creations,
         parallel_state.planned_creations(_group_lists(cfg, world_size), pstate.rank,
                                          world_size, split=True), phases.ran,
-        phases.step_syncs.total(), host_step_s, dict(phases.step_syncs), phases.ops)
+        phases.step_syncs.total(), host_step_s, dict(phases.step_syncs), phases.ops,
+        _moe_syncs_per_layer(cfg, world_size, it.runner, phases.step_syncs))
+
+
+def _moe_syncs_per_layer(cfg: Config, world_size: int, runner: StepRunner,
+                         step_syncs: Counter[str]) -> float:
+    """The step's MoE dispatch reads over (this rank's MoE layers x micro-batches); a MoE
+    layer is a module with a router (`mlp.router`)."""
+    layers = sum(name.endswith("mlp.router") for chunk in runner.chunks
+                 for name, _ in chunk.named_modules())
+    if not layers:
+        return 0.0
+    return step_syncs[MOE_SYNC_KIND] / (layers * num_microbatches(cfg, world_size))
 
 
 def _host_step_seconds(runner: StepRunner, optimizer: Optimizer, loader, pstate,
@@ -611,7 +626,10 @@ def host_syncs_line(r: RankResult, planner_s: float | None) -> str:
     """Syncs per step (by kind) and the host's floor beside the planner's step time."""
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(r.host_syncs_by_kind.items())) or "none"
     planned = f"{planner_s:.3g} s" if planner_s is not None else "-"
-    return (f"dry run: rank {r.rank} step: {r.host_syncs_per_step} device->host syncs ({kinds}); "
+    moe = f", {r.moe_syncs_per_layer:.3g} per MoE layer per micro-batch" \
+        if r.moe_syncs_per_layer else ""
+    return (f"dry run: rank {r.rank} step: {r.host_syncs_per_step} device->host syncs "
+            f"({kinds}){moe}; "
             f"host {r.host_step_s:.3g} s per step with recording off, planner step {planned}")
 
 

@@ -314,7 +314,9 @@ def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: i
     norm's output in any case; the shared expert's FP8 linears add theirs; the routed
     experts (layers/fp8.py Fp8GroupedLinear) keep their rows entering each grouped GEMM in
     e4m3 instead of e bytes and no weight copy, plus per GEMM an fp32 scale per local expert
-    and input column and the int32 group ends."""
+    and input column and the int32 group ends; the weight gradient's copy is padded to
+    ceil16(rows + 15 x local experts) rows (fp8.pad_groups: CUDA's 16-byte alignment, a
+    bound fixed without reading the counts), with its int64 padded counts."""
     s, b, e, t = local_seq(model, a), a.micro_batch, 2 if a.bf16 else 4, a.tp
     tokens, h = s * b, model.hidden_size
     shard = t if (a.sequence_parallel and t > 1) else 1
@@ -326,8 +328,11 @@ def _moe_fp8_delta(model: ModelConfig, moe: MoEConfig, a: ActivationSetup, ep: i
     etp = expert_tp(moe, t)
     routed_f = (moe.moe_ffn_hidden_size or model.ffn_hidden_size) / etp
     routed = (1 - e) * tokens * etp / t * moe.moe_router_topk * (h + routed_f)
-    scales = 4 * moe.num_experts // ep * (h + routed_f + 2)
-    return shared + routed + scales - dense
+    local = moe.num_experts // ep
+    scales = 4 * local * (h + routed_f + 2)
+    rows = math.ceil(tokens * etp / t * moe.moe_router_topk)
+    pad = (-(-(rows + 15 * local) // 16) * 16 - rows) * (h + routed_f) + 2 * 8 * local
+    return shared + routed + scales + pad - dense
 
 
 def moe_total_params(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:

@@ -114,12 +114,13 @@ def test_a_host_tensor_in_the_guards_all_reduce_fails_the_dry_run(tmp_path, monk
 
 def test_a_host_tensor_in_the_zero_gradient_count_fails_the_dry_run(tmp_path, monkeypatch
                                                                      ) -> None:
-    """--log-num-zeros-in-grad counting into a host scalar: its all-reduce is refused."""
+    """--log-num-zeros-in-grad counting into a host scalar: its first in-place add of a
+    device count is refused (on a GPU a device mismatch), before its all-reduce would be."""
     _on_host_in(monkeypatch, Optimizer, "num_zeros_in_grad")
     with pytest.raises(DeviceDisciplineError) as err:
         run_rank(_cfg(tmp_path), WORLD, 5)
     text = str(err.value)
-    assert text.startswith("all_reduce") and "is on cpu" in text
+    assert text.startswith("aten.add_") and "a host tensor meets this run's meta" in text
     assert "optim/optimizer.py" in text and "(num_zeros_in_grad)" in text
 
 

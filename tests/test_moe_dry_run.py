@@ -20,7 +20,7 @@ from megatron_lite.config import ModelConfig, MoEConfig
 from megatron_lite.dry_run import run_rank
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.model.llama import LlamaChunk
-from megatron_lite.parallel.audit import match
+from megatron_lite.parallel.audit import CommOp, match
 from megatron_lite.parallel.state import single_process_state
 from megatron_lite.planner import (
     Cluster,
@@ -204,3 +204,16 @@ def test_expert_tp1_folds_ep_over_the_tp_ranks_in_the_dry_run(ep: int) -> None:
     groups = {op.group for op in results[0].ops if op.op == "all_to_all"}
     assert groups == ({(0, 1)} if ep == 2 else {(0, 1, 2, 3)})
     _states_are_the_planners(results.values(), 0.15)
+
+
+@pytest.mark.quick
+def test_uneven_all_to_alls_match_pairwise_by_their_splits() -> None:
+    """Under real routing each rank exchanges different row counts: the audit matches rank
+    i's rows sent to j with j's rows received from i, and names a pair that disagrees."""
+    def op(recv: tuple[int, int], send: tuple[int, int]) -> CommOp:
+        return CommOp("all_to_all", (0, 1), "bfloat16", ((sum(recv), 4), (sum(send), 4)), 0,
+                      site="moe.py:1 (_all_to_all)", splits=(recv, send))
+
+    assert match({0: [op((3, 2), (3, 4))], 1: [op((4, 6), (2, 6))]}) is None
+    problem = match({0: [op((3, 2), (3, 4))], 1: [op((3, 6), (2, 6))]})
+    assert "rank 0 sends 4 rows to rank 1, which receives 3" in problem

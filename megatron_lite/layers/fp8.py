@@ -96,16 +96,38 @@ def scaled_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
     CUDA call: its meta kernel checks the layouts CUDA wants, and the emulation's fp32
     copies, which a GPU never makes, stay out of the measured peak."""
     if a8.is_cuda or a8.is_meta:
-        # _scaled_mm wants `a` row-major and `b` column-major. Rowwise scales with an fp32
-        # output take cuBLAS on Hopper; from Blackwell on only the bf16-writing kernel.
+        # _scaled_mm wants `a` row-major and `b` column-major.
         write = out_dtype
-        if (a_inv.dim() and a8.is_cuda and out_dtype == torch.float32
-                and torch.cuda.get_device_capability(a8.device)[0] >= 10):
-            write = torch.bfloat16
+        if a_inv.dim() and a8.is_cuda:
+            write = rowwise_write_dtype(out_dtype, torch.cuda.get_device_capability(a8.device),
+                                        torch.version.cuda)
         return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(),
                                 scale_a=a_inv.contiguous(), scale_b=b_inv.contiguous(),
                                 out_dtype=write).to(out_dtype)
     return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
+
+
+ROWWISE_FP32_OUT_SM = (9, 10)
+"""Compute capabilities [from, to) whose rowwise-scaled `_scaled_mm` writes fp32: cuBLAS's
+rowwise kernel (SM 9.x, Hopper; torch's Blas.cpp refuses it below SM 9.0). From SM 10.0
+(Blackwell) only the CUTLASS kernel that writes bf16 takes rowwise scales."""
+ROWWISE_FP32_OUT_CUBLAS = (12, 9)
+"""cuBLAS from which the rowwise fp32-output kernel exists (torch refuses it below 12.9)."""
+
+
+def rowwise_write_dtype(out_dtype: torch.dtype, capability: tuple[int, int],
+                        cuda_version: str | None) -> torch.dtype:
+    """The dtype a rowwise-scaled `_scaled_mm` writes for a wanted `out_dtype` on a device of
+    `capability` under CUDA `cuda_version` (torch.version.cuda: its cuBLAS is that release):
+    fp32 only where CUDA takes it, else bf16, which the caller widens (same bf16 rounding as a
+    bf16 model gets)."""
+    if out_dtype != torch.float32:
+        return out_dtype
+    major_minor = tuple(int(v) for v in (cuda_version or "0.0").split(".")[:2])
+    lo, hi = ROWWISE_FP32_OUT_SM
+    if lo <= capability[0] < hi and major_minor >= ROWWISE_FP32_OUT_CUBLAS:
+        return torch.float32
+    return torch.bfloat16
 
 
 def fp8_matmul(a: Tensor, b: Tensor, a_dtype: torch.dtype = FWD_DTYPE,
@@ -461,6 +483,51 @@ def cast_scaled(x: Tensor, scale: Tensor, dtype: torch.dtype = FWD_DTYPE) -> Ten
     return wide.mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
 
 
+GROUP_ALIGN_BYTES = 16
+"""CUDA's grouped GEMMs address each operand's rows through 16-byte aligned strides (TMA):
+torch's `_scaled_grouped_mm` refuses an operand whose leading stride is not a multiple of 16
+bytes ("Expected mat_a stride along 0 dim to be multiple of 16 bytes"), which for the weight
+gradient, groups along the contraction, is the row count in e4m3; each group's block starts
+at its offset, so the groups are kept at multiples of 16 rows too."""
+
+
+def pad_groups(x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] (rows sorted in groups of `counts`) with zero rows after each group so that
+    every group, and the whole, is a multiple of `GROUP_ALIGN_BYTES` rows (e4m3: 1 byte an
+    element); returns (padded x, padded counts). The padded size is a bound known without
+    reading the counts (M + 15 per group, rounded up; the last group takes the slack), so
+    no device value is read; zero rows add nothing to a contraction over rows nor to a
+    group's amax."""
+    align, groups, rows = GROUP_ALIGN_BYTES, counts.numel(), x.size(0)
+    size = -(-(rows + (align - 1) * groups) // align) * align
+    padded = (counts + align - 1) // align * align
+    padded = torch.cat([padded[:-1], (size - padded[:-1].sum()).view(1)])
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts,
+                                    output_size=rows)
+    shift = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)
+    dest = torch.arange(rows, device=x.device) + shift[group]
+    return x.new_zeros(size, x.size(1)).index_copy(0, dest, x), padded
+
+
+def check_grouped_layout(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor,
+                         offs: Tensor) -> None:
+    """Refuse on the CPU what CUDA's `_scaled_grouped_mm` refuses: its meta kernel run on
+    stand-ins laid out as the CUDA call lays them out, and, groups along the contraction,
+    each group's start a multiple of `GROUP_ALIGN_BYTES` rows."""
+    b_shape = (*b8.shape[:-2], b8.size(-1), b8.size(-2))
+    torch._scaled_grouped_mm(
+        torch.empty(a8.shape, dtype=a8.dtype, device="meta"),
+        torch.empty(b_shape, dtype=b8.dtype, device="meta").transpose(-1, -2),
+        torch.empty(a_inv.shape, device="meta"), torch.empty(b_inv.shape, device="meta"),
+        offs=torch.empty(offs.shape, dtype=offs.dtype, device="meta"),
+        out_dtype=torch.bfloat16)
+    ends = offs.tolist()
+    if b8.dim() == 2 and any(end % GROUP_ALIGN_BYTES for end in ends):
+        raise RuntimeError(f"_scaled_grouped_mm: group ends {ends} along the contraction are "
+                           f"not multiples of {GROUP_ALIGN_BYTES} rows (CUDA refuses them; "
+                           "fp8.pad_groups pads them)")
+
+
 def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs: Tensor,
                       out_dtype: torch.dtype) -> Tensor:
     """Per group g of rows (`offs`: cumulative ends, int32), the rowwise-scaled GEMM of its
@@ -470,12 +537,14 @@ def scaled_grouped_mm(a8: Tensor, b8: Tensor, a_inv: Tensor, b_inv: Tensor, offs
     `torch._scaled_grouped_mm` on CUDA and on the meta device (as `scaled_mm`); it writes
     bf16 only, so an fp32 model's result is the bf16 one widened there (the meta kernel refuses
     float32, which is how the dry run found it). On the CPU each group's block dequantized and
-    multiplied in fp32, which is `scaled_mm` (and `torch._scaled_mm`) per group, bit for bit."""
+    multiplied in fp32, which is `scaled_mm` (and `torch._scaled_mm`) per group, bit for bit,
+    after `check_grouped_layout` has refused what CUDA would."""
     if a8.is_cuda or a8.is_meta:
         return torch._scaled_grouped_mm(a8.contiguous(), b8.transpose(-1, -2).contiguous()
                                         .transpose(-1, -2), a_inv.contiguous(),
                                         b_inv.contiguous(), offs=offs,
                                         out_dtype=torch.bfloat16).to(out_dtype)
+    check_grouped_layout(a8, b8, a_inv, b_inv, offs)
     groups = offs.numel()
     if b8.dim() == 3:
         blocks = zip(a8.split(_sizes(offs)), a_inv.split(_sizes(offs)), b8, b_inv, strict=True)
@@ -502,7 +571,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
     a row or column that runs along a sharded dim is reduced over it, so the scales are the
     one-process ones. Backward quantizes the weight afresh along its other dim; the saved
     activation is x in e4m3 scaled per expert and column (1 byte per element), the operand
-    the weight gradient needs.
+    the weight gradient needs, its groups zero-padded to CUDA's 16-row alignment
+    (`pad_groups`: any routing's counts, empty experts included).
     """
 
     @staticmethod
@@ -511,20 +581,21 @@ class Fp8GroupedLinear(torch.autograd.Function):
         offs = counts.cumsum(0).to(torch.int32)
         x8, x_inv = quantize_rowwise(x, 1, margin, k_group, kind="etp")
         w8, w_inv = quantize_rowwise(w, 1, margin, k_group, kind="etp")
-        xg8, xg_inv = quantize_per_group(x, counts, margin)
-        ctx.save_for_backward(xg8, xg_inv, w, counts, offs)
+        x_pad, padded = pad_groups(x, counts)  # the weight gradient's rows, CUDA-aligned
+        xg8, xg_inv = quantize_per_group(x_pad, padded, margin)
+        ctx.save_for_backward(xg8, xg_inv, w, counts, offs, padded)
         ctx.margin, ctx.n_group, ctx.x_dtype = margin, n_group, x.dtype
         return scaled_grouped_mm(x8, w8, x_inv.view(-1), w_inv.squeeze(1), offs, x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        xg8, xg_inv, w, counts, offs = ctx.saved_tensors
+        xg8, xg_inv, w, counts, offs, padded = ctx.saved_tensors
         margin = ctx.margin
         g8, g_inv = quantize_rowwise(grad, 1, margin, ctx.n_group, kind="etp")
         wt8, wt_inv = quantize_rowwise(w.transpose(1, 2), 1, margin, ctx.n_group, kind="etp")
         grad_x = scaled_grouped_mm(g8, wt8, g_inv.view(-1), wt_inv.squeeze(1), offs,
                                    ctx.x_dtype)
-        gg8, gg_inv = quantize_per_group(grad, counts, margin)
-        grad_w = scaled_grouped_mm(xg8.t(), gg8, xg_inv.view(-1), gg_inv.view(-1), offs,
-                                   w.dtype)
+        gg8, gg_inv = quantize_per_group(pad_groups(grad, counts)[0], padded, margin)
+        grad_w = scaled_grouped_mm(xg8.t(), gg8, xg_inv.view(-1), gg_inv.view(-1),
+                                   padded.cumsum(0).to(torch.int32), w.dtype)
         return grad_x, grad_w, None, None, None, None

@@ -24,11 +24,17 @@ reduce-scattered back (Megatron's allgather dispatcher); without SP (e = t) ever
 all tokens and the output is all-reduced. At e = 1 nothing is gathered: each TP rank's own
 tokens reach whole experts, over EP when the EP group takes TP ranks (parallel folding).
 
-On the meta device (the rank dry run) no routing decision has a value, so which rows go where
-cannot be read: `routed_pairs` and the alltoall splits then take a stand-in, the dropless
-even split (N x top-k pairs, N x top-k / E rows per expert, the same number of rows to and
-from every EP rank), which gives every tensor, collective and allocation of the step its
-balanced-load shape.
+Every size a layer's dispatch needs comes from ONE device->host read per micro-batch
+(`host_counts`, counted as `MOE_SYNC_KIND`): the per-expert counts (under the alltoall
+dispatcher stacked with the counts received from the EP ranks, exchanged once); the number
+of pairs (`nonzero_static` of that size, no sync of its own), the all-to-all splits, the
+padded batch's width and every `repeat_interleave` size are derived from it on the host.
+
+On the meta device (the rank dry run) no routing decision has a value, so that one read
+takes a stand-in: `router.stand_in_counts`, a seeded skewed draw per (layer, source EP rank)
+with an empty expert and counts that are not multiples of 16, the same on every rank, so the
+grouped GEMMs' and `_scaled_grouped_mm`'s layout rules meet uneven loads and the ranks'
+exchanged sizes agree.
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.fp8 import Fp8GroupedLinear, Fp8Recipe
 from megatron_lite.layers.init import init_shard
 from megatron_lite.layers.mlp import SwiGLUMLP
-from megatron_lite.layers.router import Router
-from megatron_lite.parallel import comms
+from megatron_lite.layers.router import Router, stand_in_counts
+from megatron_lite.parallel import comms, host_syncs
+from megatron_lite.parallel.host_syncs import MOE_SYNC_KIND
 from megatron_lite.parallel.state import ParallelState
 
 
@@ -73,71 +80,91 @@ def grouped_mm_fits(x: Tensor, w: Tensor) -> bool:
     return ok_dtype and x.size(1) % align == 0 and w.size(2) % align == 0
 
 
-def padded_bmm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+STAND_IN_SEED = 1_000_003
+"""The meta stand-in's draw for (layer, source EP rank) is seeded layer x this + source."""
+
+
+def host_counts(counts: Tensor, stand_in: Callable[[], Sequence]) -> list:
+    """`counts` on the host: the MoE layer's one device->host sync per micro-batch. On meta
+    (no values) the `stand_in` draw, the read still counted as what a GPU pays."""
+    if counts.is_meta:
+        host_syncs.note_meta_syncs(counts.device, 1, MOE_SYNC_KIND)
+        return list(stand_in())
+    return counts.tolist()
+
+
+def padded_bmm(x: Tensor, w: Tensor, counts: Tensor, sizes: Sequence[int] | None = None
+               ) -> Tensor:
     """Rows of `x` [N, k] sorted by group, group g's `counts[g]` rows times w[g] [k, n], as one
-    zero-padded batched matmul (each output row depends only on its own input row)."""
+    zero-padded batched matmul (each output row depends only on its own input row).
+    `sizes`: the counts on the host (`host_counts`); without them the width is read (a sync)."""
     groups = w.size(0)
-    if x.is_meta:  # no counts to read: the even split of the rows (see the module docstring)
-        width = -(-x.size(0) // groups)
-        row = torch.arange(x.size(0), device=x.device)
-        group, slot = row // max(width, 1), row % max(width, 1)
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts,
+                                    output_size=x.size(0))
+    slot = torch.arange(x.size(0), device=x.device) - (counts.cumsum(0) - counts)[group]
+    if sizes is not None:
+        width = max(sizes, default=0)
     else:
-        group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
-        slot = torch.arange(x.size(0), device=x.device) - (counts.cumsum(0) - counts)[group]
         width = int(counts.max()) if x.size(0) else 0
     batch = x.new_zeros(groups, width, x.size(1)).index_put((group, slot), x)
     return torch.bmm(batch, w)[group, slot]
 
 
-def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x [N, k] (rows sorted by group) @ w [G, k, n] per group of `counts` rows -> [N, n]."""
+def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, sizes: Sequence[int] | None = None
+                   ) -> Tensor:
+    """x [N, k] (rows sorted by group) @ w [G, k, n] per group of `counts` rows -> [N, n]
+    (`sizes`: the counts on the host, for `padded_bmm`)."""
     if not grouped_mm_fits(x, w):
-        return padded_bmm(x, w, counts)
+        return padded_bmm(x, w, counts, sizes)
     offs = counts.cumsum(0).to(torch.int32)
     return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
 def expert_matmul(x: Tensor, w: Tensor, counts: Tensor, fp8: Fp8Recipe | None = None,
-                  k_group: comms.Group = None, n_group: comms.Group = None) -> Tensor:
+                  k_group: comms.Group = None, n_group: comms.Group = None,
+                  sizes: Sequence[int] | None = None) -> Tensor:
     """`grouped_matmul`, or under --fp8-format its e4m3 rowwise-scaled form (layers/fp8.py;
     `k_group` / `n_group`: the TP group the contraction / output dim is sharded over)."""
     if fp8 is None:
-        return grouped_matmul(x, w, counts)
+        return grouped_matmul(x, w, counts, sizes)
     return Fp8GroupedLinear.apply(x, w, counts, fp8.margin, k_group, n_group)
 
 
 def swiglu_experts(rows: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor,
                    use_triton: bool = False, fp8: Fp8Recipe | None = None,
-                   tp_group: comms.Group = None) -> Tensor:
-    """SwiGLU_e of each row (rows sorted by expert, `counts` per expert): gate/up's output
-    and down's input are the TP-sharded dims."""
-    hidden = expert_matmul(rows, gate_up, counts, fp8, n_group=tp_group)
+                   tp_group: comms.Group = None, sizes: Sequence[int] | None = None
+                   ) -> Tensor:
+    """SwiGLU_e of each row (rows sorted by expert, `counts` per expert, `sizes` the same on
+    the host): gate/up's output and down's input are the TP-sharded dims."""
+    hidden = expert_matmul(rows, gate_up, counts, fp8, n_group=tp_group, sizes=sizes)
     gate, up = hidden.chunk(2, dim=-1)
     return expert_matmul(swiglu(gate, up, use_triton=use_triton), down, counts, fp8,
-                         k_group=tp_group)
+                         k_group=tp_group, sizes=sizes)
 
 
-def routed_pairs(routing_map: Tensor, pairs_per_token: float) -> tuple[Tensor, Tensor]:
-    """(expert ids, token ids) of the map's (token, expert) pairs, sorted by expert. On meta:
-    the stand-in `pairs_per_token` x N pairs (top-k x the map's share of all experts)."""
-    if not routing_map.is_meta:
+def routed_pairs(routing_map: Tensor, pairs: int | None = None) -> tuple[Tensor, Tensor]:
+    """(expert ids, token ids) of the map's (token, expert) pairs, sorted by expert. With the
+    number of `pairs` known on the host, `nonzero_static` (no sync); without, `nonzero` (one)."""
+    if pairs is None:
         return routing_map.t().nonzero(as_tuple=True)
-    ids = torch.arange(round(routing_map.size(0) * pairs_per_token), device=routing_map.device)
-    return ids, ids
+    expert_ids, token_ids = torch.nonzero_static(routing_map.t(), size=pairs).unbind(1)
+    return expert_ids, token_ids
 
 
 def experts_forward(x: Tensor, probs: Tensor, routing_map: Tensor, gate_up: Tensor,
-                    down: Tensor, use_triton: bool = False, pairs_per_token: float = 0.0,
+                    down: Tensor, stand_in: Callable[[], Sequence[int]], use_triton: bool = False,
                     fp8: Fp8Recipe | None = None, tp_group: comms.Group = None) -> Tensor:
     """sum over each token's routed experts e of probs[t, e] x SwiGLU_e(x[t]).
 
     x [N, h]; probs, routing_map [N, E]; gate_up [E, h, 2f] (gate columns first), down
     [E, f, h]. Returns [N, h] (a partial sum over TP when the weights are TP shards).
-    `pairs_per_token`: the meta stand-in's pairs per token (`routed_pairs`); `fp8`: the
-    GEMMs in FP8, `tp_group` the group the weights are sharded over."""
-    expert_ids, token_ids = routed_pairs(routing_map, pairs_per_token)  # sorted by expert
+    `stand_in`: the map's per-expert counts on meta (`host_counts`); `fp8`: the GEMMs in FP8,
+    `tp_group` the group the weights are sharded over."""
     counts = routing_map.sum(0)
-    out = swiglu_experts(x[token_ids], gate_up, down, counts, use_triton, fp8, tp_group)
+    sizes = host_counts(counts, stand_in)  # the one host read
+    expert_ids, token_ids = routed_pairs(routing_map, sum(sizes))  # sorted by expert
+    out = swiglu_experts(x[token_ids], gate_up, down, counts, use_triton, fp8, tp_group,
+                         sizes)
     out = out * probs[token_ids, expert_ids].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, token_ids, out)
 
@@ -159,6 +186,7 @@ class MoE(nn.Module):
                              name=f"layers.{layer}.mlp.router")
         ep = ctx.ep_size
         self.local_experts, self.first_expert = experts // ep, ctx.ep_rank * (experts // ep)
+        self.ep_rank = ctx.ep_rank
         self.ep_group, self.dispatcher = ctx.ep_group, moe.moe_token_dispatcher_type
         self.gate_up, self.down = self._expert_weights(cfg, ffn, ctx)
         width = moe.moe_shared_expert_intermediate_size
@@ -247,9 +275,22 @@ class MoE(nn.Module):
         extra = during() if during is not None else None
         if comms.group_size(self.ep_group) == 1:
             return experts_forward(tokens, probs, routing_map, *self.expert_weights(),
-                                   use_triton=self.use_triton, pairs_per_token=self.topk,
-                                   fp8=self.fp8, tp_group=self.etp_group), extra
+                                   lambda: self._stand_in(tokens.size(0), 0),
+                                   use_triton=self.use_triton, fp8=self.fp8,
+                                   tp_group=self.etp_group), extra
         return self._all_gather(tokens, probs, routing_map), extra
+
+    def _stand_in(self, tokens: int, source: int) -> tuple[int, ...]:
+        """The meta stand-in's per-expert counts of `tokens` tokens of EP rank `source`."""
+        return stand_in_counts(tokens, self.router.moe, STAND_IN_SEED * self.layer + source)
+
+    def _exchange_stand_in(self, tokens: int) -> list[list[list[int]]]:
+        """On meta, what the alltoall dispatcher's one read returns: [this rank's counts per
+        (destination, local expert), the counts received per (source, local expert)]."""
+        ep, local, first = comms.group_size(self.ep_group), self.local_experts, self.first_expert
+        draws = [self._stand_in(tokens, source) for source in range(ep)]
+        sent = [list(draws[self.ep_rank][r * local:(r + 1) * local]) for r in range(ep)]
+        return [sent, [list(draw[first:first + local]) for draw in draws]]
 
     def _local(self, x: Tensor) -> Tensor:
         """The columns of this rank's experts in a [N, E] table."""
@@ -264,10 +305,12 @@ class MoE(nn.Module):
         probs = comms.gather_from_sequence_region(probs, group, kind="ep")
         routing_map = comms.all_gather_dim0(routing_map.to(torch.uint8).contiguous(),
                                             group, kind="ep")[0].bool()
+        first, local = self.first_expert, self.local_experts
         out = experts_forward(tokens, self._local(probs), self._local(routing_map),
-                              *self.expert_weights(), use_triton=self.use_triton,
-                              pairs_per_token=self.topk * self.local_experts / self.experts,
-                              fp8=self.fp8, tp_group=self.etp_group)
+                              *self.expert_weights(),
+                              lambda: self._stand_in(tokens.size(0), 0)[first:first + local],
+                              use_triton=self.use_triton, fp8=self.fp8,
+                              tp_group=self.etp_group)
         return comms.reduce_scatter_to_sequence_region(out, group, kind="ep")
 
     def _all_to_all(self, tokens: Tensor, probs: Tensor, routing_map: Tensor,
@@ -275,15 +318,18 @@ class MoE(nn.Module):
         """alltoall dispatcher: each (token, expert) pair goes only to its expert's EP rank.
 
         Pairs sorted by global expert are already grouped by destination rank; the per-expert
-        counts are exchanged first (a host sync: the splits are sizes), the rows arrive
-        grouped by source rank and are sorted by local expert for the grouped GEMM, and the
-        outputs go back the same way, weighted and summed into their tokens at home.
+        counts are exchanged first and read on the host with the counts received, in one
+        sync (the splits are sizes), the rows arrive grouped by source rank and are sorted by
+        local expert for the grouped GEMM, and the outputs go back the same way, weighted and
+        summed into their tokens at home.
         """
         group, ep, local = self.ep_group, comms.group_size(self.ep_group), self.local_experts
-        expert_ids, token_ids = routed_pairs(routing_map, self.topk)
         counts = routing_map.sum(0).view(ep, local)
-        received = comms.all_to_all_counts(counts, group, kind="ep")  # [source, local expert]
-        send, recv = self._splits(counts, received, token_ids.numel())
+        received = comms.all_to_all_counts(counts, group, kind="ep")  # [source rank, local expert]
+        sent_h, recv_h = host_counts(torch.stack([counts, received]),
+                                     lambda: self._exchange_stand_in(routing_map.size(0)))
+        send, recv = [sum(row) for row in sent_h], [sum(row) for row in recv_h]
+        expert_ids, token_ids = routed_pairs(routing_map, sum(send))
         extra = None
         if during is None:
             rows = comms.all_to_all_rows(tokens[token_ids], send, recv, group, kind="ep")
@@ -294,31 +340,19 @@ class MoE(nn.Module):
             rows = pending.wait(rows)
         order = self._by_local_expert(received, rows)
         gate_up, down = self.expert_weights()
-        per_expert = received.sum(0)
-        out = swiglu_experts(rows[order], gate_up, down, per_expert, self.use_triton,
-                             self.fp8, self.etp_group)
+        out = swiglu_experts(rows[order], gate_up, down, received.sum(0), self.use_triton,
+                             self.fp8, self.etp_group, [sum(c) for c in zip(*recv_h)])
         back = comms.all_to_all_rows(out[torch.argsort(order)], recv, send, group, kind="ep")
         back = back * probs[token_ids, expert_ids].unsqueeze(-1)
         return torch.zeros_like(tokens).index_add(0, token_ids, back), extra
 
 
-    def _splits(self, counts: Tensor, received: Tensor, pairs: int
-                ) -> tuple[list[int], list[int]]:
-        """Rows sent to and received from each EP rank (a host read); on meta, the even
-        split of this rank's `pairs`."""
-        if counts.is_meta:
-            ep = counts.size(0)
-            return [pairs // ep] * ep, [pairs // ep] * ep
-        return counts.sum(1).tolist(), received.sum(1).tolist()
-
     def _by_local_expert(self, received: Tensor, rows: Tensor) -> Tensor:
-        """The order that sorts the received rows (grouped by source rank) by local expert;
-        on meta, where the counts have no values, the identity."""
-        if rows.is_meta:
-            return torch.arange(rows.size(0), device=rows.device)
+        """The order that sorts the received rows (grouped by source rank) by local expert."""
         ep, local = received.shape
         expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=rows.device).repeat(ep), received.flatten())
+            torch.arange(local, device=rows.device).repeat(ep), received.flatten(),
+            output_size=rows.size(0))
         return torch.argsort(expert_of_row, stable=True)
 
 

@@ -27,6 +27,7 @@ through `attach_loss` (added in backward, scaled like the language-model loss).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,40 @@ def expert_capacity(tokens: int, experts: int, topk: int, factor: float) -> int:
     """Rows each expert computes at most: ceil(tokens x k / experts x factor)."""
     return math.ceil(tokens * topk / experts * factor)
 
+
+
+STAND_IN_SKEW = 1.0
+"""Log-normal sigma of the dry run's per-expert popularity: the busiest of 8 experts takes
+about 3x the mean share, as a young router's load does."""
+
+
+def stand_in_counts(tokens: int, moe: MoEConfig, seed: int) -> tuple[int, ...]:
+    """Per-expert routed-token counts the rank dry run uses where a meta routing map has no
+    values: `tokens` tokens each choosing top-k distinct experts from a seeded skewed
+    popularity with one expert never chosen (where E > k), so counts are uneven, rarely
+    multiples of 16, and one is 0, as real routing's are; capacity then caps (or, padded,
+    fills) each count as `apply_capacity` does. The same `seed` gives every rank the same
+    draw, so the ranks' exchanged sizes agree."""
+    capacity = None
+    if moe.moe_expert_capacity_factor is not None:
+        capacity = min(tokens, expert_capacity(tokens, moe.num_experts, moe.moe_router_topk,
+                                               moe.moe_expert_capacity_factor))
+    return _drawn_counts(tokens, moe.num_experts, moe.moe_router_topk, capacity,
+                         moe.moe_pad_expert_input_to_capacity, seed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _drawn_counts(tokens: int, experts: int, topk: int, capacity: int | None, pad: bool,
+                  seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(experts, generator=gen, dtype=torch.float64) * STAND_IN_SKEW).exp()
+    if experts > topk:
+        weights[seed % experts] = 0.0
+    picks = torch.multinomial(weights.expand(tokens, -1), topk, generator=gen)
+    counts = torch.bincount(picks.flatten(), minlength=experts)
+    if capacity is not None:
+        counts = torch.full_like(counts, capacity) if pad else counts.clamp(max=capacity)
+    return tuple(counts.tolist())
 
 def apply_capacity(probs: Tensor, routing_map: Tensor, moe: MoEConfig) -> tuple[Tensor, Tensor]:
     """Dense [T, E] weights and map with each expert's over-capacity tokens dropped (with

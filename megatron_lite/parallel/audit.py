@@ -179,6 +179,9 @@ class CommOp:
     """What the call site meant by it (`op_identity`); None where no call site said."""
     kind: str | None = None
     """The logical group its call site names (`group_kind`)."""
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """An all_to_all's (rows received from, rows sent to) each group member, in group order:
+    uneven under real routing, so its rows are matched pairwise, not by shape."""
 
     def describe(self) -> str:
         where = f" peer {self.peer}" if self.peer is not None else f" group {list(self.group)}"
@@ -273,10 +276,15 @@ class CommAudit(TorchDispatchMode):
             _check_group(self.groups, kind, name, group, peer, site)
         biggest = max(tensors, key=lambda t: t.numel(), default=None)
         labels = _current.get()
+        splits = None
+        if name == "all_to_all":  # an empty split list: equal parts
+            splits = tuple(tuple(a) or (len(t) // len(group),) * len(group) for a, t in
+                           zip((a for a in args if isinstance(a, list)), tensors, strict=False))
         return CommOp(name, group, str(tensors[0].dtype).removeprefix("torch.") if tensors
                       else "-", tuple(tuple(t.shape) for t in tensors),
                       biggest.numel() * biggest.element_size() if biggest is not None else 0,
-                      peer, site, labels.take(tensors) if labels is not None else None, kind)
+                      peer, site, labels.take(tensors) if labels is not None else None, kind,
+                      splits or None)
 
 
 def _check_group(groups: Mapping[str, tuple[int, ...]], kind: str | None, name: str,
@@ -356,6 +364,12 @@ def _match_collectives(records: dict[int, list[CommOp]]) -> list[tuple[int, str]
             for pos in range(max(len(mine), len(theirs))):
                 a = mine[pos] if pos < len(mine) else None
                 b = theirs[pos] if pos < len(theirs) else None
+                if a is not None and b is not None and rank == group[-1] and a.splits:
+                    ops = {r: by_rank[r][pos] for r in group if pos < len(by_rank.get(r, []))}
+                    why = _unmatched_splits(group, ops) if len(ops) == len(group) else None
+                    if why:
+                        problems.append((pos, f"group {list(group)}, all_to_all #{pos}: {why}"))
+                        break
                 if a is None or b is None or _key(a) != _key(b):
                     why = f" ({_differ(a, b)})" if a is not None and b is not None else ""
                     problems.append((pos, f"group {list(group)}, collective #{pos}: rank {lead} "
@@ -367,7 +381,23 @@ def _match_collectives(records: dict[int, list[CommOp]]) -> list[tuple[int, str]
 
 
 def _key(op: CommOp) -> tuple:
+    if op.splits:  # uneven all_to_all rows: widths here, rows by `_unmatched_splits`
+        return op.op, op.dtype, tuple(s[1:] for s in op.shapes), op.identity
     return op.op, op.dtype, op.shapes, op.identity
+
+
+def _unmatched_splits(group: tuple[int, ...], ops: dict[int, CommOp]) -> str | None:
+    """The first pair of members of one all_to_all whose rows disagree: member i's rows sent
+    to j must be j's rows received from i (uneven under real routing), else None."""
+    if any(not op.splits for op in ops.values()):
+        return None
+    for i, a in enumerate(group):
+        for j, b in enumerate(group):
+            sent, got = ops[a].splits[1][j], ops[b].splits[0][i]
+            if sent != got:
+                return (f"rank {a} sends {sent} rows to rank {b}, which receives {got} from it "
+                        f"({ops[a].site}; {ops[b].site})")
+    return None
 
 
 def _what(op: CommOp) -> str:

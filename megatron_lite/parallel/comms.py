@@ -329,8 +329,12 @@ def host_scalar(x: Tensor) -> float:
 def host_value(x: Tensor, dry_run: Any) -> Any:
     """`x` read on the host (`tolist()`: a number or nested lists; a device sync), or the
     caller's `dry_run` stand-in on the meta device, whose tensors have shapes but no values.
-    The one place a read-back tells a dry run apart (host_scalar also counts the read)."""
-    return dry_run if x.is_meta else x.tolist()
+    The one place a read-back tells a dry run apart; like host_scalar it counts the read a
+    GPU would pay."""
+    if x.is_meta:
+        host_syncs.note_meta_syncs(x.device, 1, "host_value")
+        return dry_run
+    return x.tolist()
 
 
 def barrier(group: Group, device: torch.device, *, kind: str, status: int = 0,

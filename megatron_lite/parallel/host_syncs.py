@@ -8,7 +8,8 @@ is a `TorchDispatchMode` that sees them as the aten ops they become
 them by kind. On the meta device (the dry run) there is nothing to copy back, so a counted op
 returns a stand-in (zeros, 0, False, an empty `nonzero`) and the step goes on; code that
 skips a read-back on meta (`comms.host_scalar`) reports it with `note_meta_syncs`, so the
-count is what a GPU would pay.
+count is what a GPU would pay. An in-place op into a host tensor from a meta one fails here
+as it would on a GPU (torch's meta device lets it through).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 _ACTIVE: list[HostSyncCounter] = []
+
+MOE_SYNC_KIND = "moe_counts"
+"""The kind of a MoE layer's one read of its routed counts per micro-batch (layers/moe.py),
+which the dry run reports per MoE layer and micro-batch."""
 
 _SIZE_FROM_VALUES = {aten.nonzero.default, aten.masked_select.default,
                      aten._unique2.default, aten.unique_consecutive.default,
@@ -46,7 +51,29 @@ def _kind(func: Any, args: tuple, kwargs: dict) -> str | None:
         return "equal"
     if func in _SIZE_FROM_VALUES and _on_device(args[0]):
         return func.__name__.split(".")[0]
+    if (func is aten.repeat_interleave.Tensor and _on_device(args[0])
+            and kwargs.get("output_size") is None):  # its size is the repeats' sum
+        return "repeat_interleave"
     return None
+
+
+def _refuse_meta_into_host(func: Any, args: tuple, kwargs: dict) -> None:
+    """Fail an op that writes into a host tensor from a meta one (`cpu_tensor += meta`): torch
+    lets meta through, but the same op fails on a GPU (or, with a 0-dim device operand, is a
+    hidden sync), so a dry run must fail it too, in the words of a device mismatch. A
+    `copy_` to the host is a read-back, counted as one."""
+    if func is aten.copy_.default:
+        return
+    written = [a for a, spec in zip(args, func._schema.arguments, strict=False)
+               if spec.alias_info is not None and spec.alias_info.is_write]
+    written += [v for k, v in kwargs.items() if k == "out"]
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in written):
+        return
+    operands = [*args, *kwargs.values()]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in operands):
+        raise RuntimeError(f"{func}: Expected all tensors to be on the same device: writes a "
+                           "host tensor from a meta tensor (on a GPU a device mismatch or a "
+                           "hidden sync)")
 
 
 def _stand_in(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -62,6 +89,8 @@ def _stand_in(func: Any, args: tuple, kwargs: dict) -> Any:
         return True
     if func is aten.nonzero.default:
         return torch.empty((0, x.dim()), dtype=torch.int64, device=x.device)
+    if func is aten.repeat_interleave.Tensor:
+        return torch.empty(0, dtype=x.dtype, device=x.device)
     return func(*args, **kwargs)
 
 
@@ -93,6 +122,7 @@ class HostSyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        _refuse_meta_into_host(func, args, kwargs)
         kind = _kind(func, args, kwargs)
         if kind is None:
             return func(*args, **kwargs)

@@ -9,6 +9,7 @@ import torch
 
 from megatron_lite.arguments import parse_config
 from megatron_lite.config import ConfigError, validate
+from megatron_lite.layers import fp8
 from megatron_lite.layers.fp8 import Fp8Groups, Fp8RowwiseLinear, fp8_matmul
 from megatron_lite.memory import measure_saved_bytes
 from megatron_lite.parallel.state import ParallelState, single_process_state
@@ -119,3 +120,18 @@ def test_rowwise_refuses_fp8_param_gather() -> None:
     cfg.parallel.data_parallel_sharding_strategy = "optim"
     with pytest.raises(ConfigError, match=r"--fp8-param-gather .* --fp8-recipe rowwise"):
         validate(cfg, 1)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("capability", "cuda", "want"), [
+    ((9, 0), "12.9", torch.float32), ((9, 0), "12.10", torch.float32),
+    ((9, 0), "12.8", torch.bfloat16), ((8, 9), "12.9", torch.bfloat16),
+    ((8, 0), "13.0", torch.bfloat16), ((10, 0), "12.9", torch.bfloat16),
+    ((9, 0), None, torch.bfloat16)])
+def test_rowwise_output_dtype_follows_device_and_cublas(capability: tuple[int, int],
+                                                        cuda: str | None,
+                                                        want: torch.dtype) -> None:
+    """fp32 out only on SM 9.x under cuBLAS >= 12.9 (L40S/A100-class parts, older CUDA and
+    Blackwell write bf16, widened by the caller); a bf16 model always writes bf16."""
+    assert fp8.rowwise_write_dtype(torch.float32, capability, cuda) == want
+    assert fp8.rowwise_write_dtype(torch.bfloat16, capability, cuda) == torch.bfloat16

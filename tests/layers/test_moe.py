@@ -9,6 +9,7 @@ the padded-bmm path in fp32 and bf16.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from megatron_lite.config import ModelConfig, MoEConfig
 from megatron_lite.layers.context import LayerContext
 from megatron_lite.layers.moe import MoE, grouped_matmul, grouped_mm_fits, padded_bmm
-from megatron_lite.layers.router import Router
+from megatron_lite.layers.router import Router, stand_in_counts
 from megatron_lite.parallel.state import single_process_state
 from tests.numerics import EXACT, assert_close
 
@@ -182,3 +183,20 @@ def test_router_losses_and_their_gradient_scale(kind: str) -> None:
     assert_close(router.stats.z_loss, z, EXACT, "z loss")
     (0.25 * (0.1 * aux + 0.01 * z)).backward()
     assert_close(router.weight.grad, w.grad, EXACT, "router gradient")
+
+
+@pytest.mark.quick
+def test_dry_run_stand_in_counts_are_skewed_seeded_and_capped() -> None:
+    """The meta stand-in's counts: top-k pairs per token over distinct experts, one expert
+    empty, counts not all multiples of 16 and far from even; the same per seed, another
+    seed another draw; capacity caps them (or, padded, fills every expert to it)."""
+    moe = MoEConfig(num_experts=8, moe_router_topk=2)
+    counts = stand_in_counts(4097, moe, 5)
+    assert sum(counts) == 4097 * 2 and max(counts) <= 4097 and 0 in counts
+    assert any(c % 16 for c in counts) and max(counts) > 1.5 * 4097 * 2 / 8
+    assert counts == stand_in_counts(4097, moe, 5) != stand_in_counts(4097, moe, 6)
+    capped = MoEConfig(num_experts=8, moe_router_topk=2, moe_expert_capacity_factor=1.0)
+    capacity = math.ceil(4097 * 2 / 8)
+    assert stand_in_counts(4097, capped, 5) == tuple(min(c, capacity) for c in counts)
+    padded = replace(capped, moe_pad_expert_input_to_capacity=True)
+    assert stand_in_counts(4097, padded, 5) == (capacity,) * 8
