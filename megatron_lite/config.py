@@ -1657,7 +1657,8 @@ def _rampup_errors(cfg: Config, dp: int) -> list[str]:
 
 
 def dry_run_rank_list(cfg: Config, world_size: int) -> list[int]:
-    """--dry-run-ranks as sorted global ranks (`all` = every rank)."""
+    """--dry-run-ranks as sorted global ranks (`all` = every rank; `classes` is resolved by
+    parallel/rank_classes.py)."""
     ranks = cfg.train.dry_run_ranks
     if ranks == ["all"]:
         return list(range(world_size))
@@ -1670,12 +1671,13 @@ def _dry_run_errors(cfg: Config, world_size: int) -> list[str]:
         return []
     if not cfg.train.dry_run:
         return ["--dry-run-ranks needs --dry-run (it never trains); add --dry-run"]
-    if ranks == ["all"]:
+    if ranks in (["all"], ["classes"]):
         return []
     bad = [r for r in ranks if not r.isdigit() or int(r) >= world_size]
     if bad:
         return [f"--dry-run-ranks {' '.join(bad)}: each must be a global rank in 0.."
-                f"{world_size - 1} (--world-size {world_size}), or the single word `all`"]
+                f"{world_size - 1} (--world-size {world_size}), or the single word `all` or "
+                "`classes`"]
     return []
 
 

@@ -74,6 +74,7 @@ from megatron_lite.optim.optimizer import Optimizer
 from megatron_lite.parallel import state as parallel_state
 from megatron_lite.parallel.audit import CommAudit, CommOp, match
 from megatron_lite.parallel.host_syncs import MOE_SYNC_KIND, HostSyncCounter
+from megatron_lite.parallel.rank_classes import full_world, representatives
 from megatron_lite.parallel.state import ParallelState
 from megatron_lite.planner import (
     DEFAULT_DEVICE,
@@ -717,7 +718,9 @@ def dry_run(cfg: Config, world_size: int) -> int:
         raise ConfigError("the data, checkpoint or logging flags would stop the run "
                           "(checked without reading a shard or writing a file):\n  "
                           + "\n  ".join(summary.data_errors))
-    ranks = dry_run_rank_list(cfg, world_size)
+    classes = cfg.train.dry_run_ranks == ["classes"]
+    ranks = (sorted(set(representatives(cfg, world_size).values())) if classes
+             else dry_run_rank_list(cfg, world_size))
     if not ranks:
         _write_jsonl(cfg, [summary.record()])
         print("(add --dry-run-ranks 0 ... or `all` to run those ranks' real training step on "
@@ -732,13 +735,24 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print(comm_line(results[-1]), flush=True)
     print(format_table(results))
     _write_jsonl(cfg, [{**r.record(), **summary.record()} for r in results])
-    if len(ranks) < world_size:
-        print(f"collectives not matched: {len(ranks)} of {world_size} ranks were dry-run "
-              "(--dry-run-ranks all matches them)")
+    return _match_line(cfg, world_size, {r.rank: r.ops for r in results}, classes)
+
+
+def _match_line(cfg: Config, world_size: int, records: dict[int, list[CommOp]],
+                classes: bool) -> int:
+    """Match the ranks' ops (widened from the class representatives with `classes`)."""
+    if classes:
+        print(f"dry run: {len(records)} ranks run, {world_size - len(records)} stood in by "
+              "the rank of their class (parallel/rank_classes.py)", flush=True)
+        records = full_world(cfg, world_size, records)
+    elif len(records) < world_size:
+        print(f"collectives not matched: {len(records)} of {world_size} ranks were dry-run "
+              "(--dry-run-ranks all or classes matches them)")
         return 0
-    problem = match({r.rank: r.ops for r in results})
+    problem = match(records)
     if problem:
         print(f"collectives DO NOT match: {problem}")
         return 1
-    print(f"collectives matched: {sum(len(r.ops) for r in results)} ops on {world_size} ranks")
+    print(f"collectives matched: {sum(len(ops) for ops in records.values())} ops on "
+          f"{world_size} ranks")
     return 0
