@@ -726,12 +726,12 @@ def dry_run(cfg: Config, world_size: int) -> int:
         print("(add --dry-run-ranks 0 ... or `all` to run those ranks' real training step on "
               "the meta device)")
         return 0
-    results = []
+    results, planned_s = [], planner_step_s(cfg, world_size)  # one layout: priced once
     for rank in ranks:
         results.append(run_rank(cfg, world_size, rank))
         print(f"dry run: rank {rank} done in {results[-1].seconds:.1f} s", flush=True)
         print(group_creations_line(results[-1]), flush=True)
-        print(host_syncs_line(results[-1], planner_step_s(cfg, world_size)), flush=True)
+        print(host_syncs_line(results[-1], planned_s), flush=True)
         print(comm_line(results[-1]), flush=True)
     print(format_table(results))
     _write_jsonl(cfg, [{**r.record(), **summary.record()} for r in results])
